@@ -1,0 +1,3 @@
+from shardctl.cli import main
+
+main()

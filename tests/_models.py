@@ -1,0 +1,113 @@
+"""Tiny real checkpoints, written by transformers' own ``save_pretrained`` (random weights).
+
+Every test that needs a checkpoint builds it from one of these configs; nothing is downloaded.
+``CONFIGS`` covers the traps of DESIGN.md: GQA and MHA, tied and untied, biases (qwen2), MoE
+(mixtral), fused parts (phi3), Conv1D ``[in, out]`` (gpt2), head_dim != hidden/heads (gemma).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+# Small enough to build in well under a second; odd enough to catch dim mix-ups
+# (hidden != intermediate != vocab, kv heads != heads).
+CONFIGS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "llama-tied-mha": dict(
+        model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=200,
+        tie_word_embeddings=True, max_position_embeddings=128,
+    ),
+    "llama-bias-headdim": dict(
+        model_type="llama", hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=128,
+        attention_bias=True, mlp_bias=True, tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
+    "mistral": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128, sliding_window=None,
+    ),
+    "qwen2": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "qwen2-tied": dict(
+        model_type="qwen2", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, vocab_size=192,
+        tie_word_embeddings=True, max_position_embeddings=128,
+    ),
+    "mixtral": dict(
+        model_type="mixtral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256, num_local_experts=4,
+        num_experts_per_tok=2, tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "gpt2": dict(
+        model_type="gpt2", n_embd=64, n_layer=2, n_head=4, vocab_size=250, n_positions=64,
+        bos_token_id=0, eos_token_id=0,
+    ),
+    "phi3": dict(
+        model_type="phi3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "phi3-mha": dict(
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=128,
+        tie_word_embeddings=False, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "gemma": dict(
+        model_type="gemma", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=256,
+        max_position_embeddings=128,
+    ),
+}
+
+
+def make_config(name: str, **overrides: Any) -> Any:
+    """A transformers ``PretrainedConfig`` for ``CONFIGS[name]`` (with overrides)."""
+    from transformers import AutoConfig
+
+    fields = dict(CONFIGS[name])
+    fields.update(overrides)
+    model_type = fields.pop("model_type")
+    return AutoConfig.for_model(model_type, **fields)
+
+
+def make_checkpoint(
+    name: str,
+    out: Path,
+    *,
+    dtype: str = "bfloat16",
+    seed: int = 0,
+    max_shard_size: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write a random-weight checkpoint of ``CONFIGS[name]`` to ``out`` with ``save_pretrained``.
+
+    ``max_shard_size`` (e.g. ``"20KB"``) makes transformers write several files and an index.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = make_config(name, **overrides)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    # Random non-trivial norms/biases too, so a swapped or dropped tensor cannot hide.
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+    kwargs: dict[str, Any] = {}
+    if max_shard_size is not None:
+        kwargs["max_shard_size"] = max_shard_size
+    model.save_pretrained(out, **kwargs)
+    return out
