@@ -1,0 +1,94 @@
+"""The one place that turns exceptions into one stderr line and an exit code.
+
+``run_cli(fn)`` is what the console script calls. Library code raises
+:class:`shardctl.errors.ShardctlError`; OS errors that escape the library are mapped by errno;
+anything else is a bug (exit 70). ``SHARDCTL_DEBUG=1`` adds the traceback.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import signal
+import sys
+import traceback
+from collections.abc import Callable
+from types import FrameType
+
+from shardctl.errors import (
+    EXIT_ENVIRONMENT,
+    EXIT_INTERNAL,
+    EXIT_INVALID_INPUT,
+    EXIT_SIGINT,
+    EXIT_SIGTERM,
+    Interrupted,
+    ShardctlError,
+)
+
+# errno -> what the user reads. Everything here is exit 5 (environment / I/O).
+_ERRNO_TEXT: dict[int, str] = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "I/O error",
+    errno.EFBIG: "file too large for this file system or the process's file-size limit",
+    errno.EMFILE: "too many open files",
+}
+
+
+def debug_enabled() -> bool:
+    return os.environ.get("SHARDCTL_DEBUG", "") not in ("", "0")
+
+
+def _say(line: str) -> None:
+    sys.stderr.write(f"shardctl: error: {line}\n")
+    sys.stderr.flush()
+
+
+def _raise_interrupted(signum: int, _frame: FrameType | None) -> None:
+    # Raised at the next bytecode boundary; `finally` blocks below (staging cleanup, lock
+    # release) run before the CLI maps it to 130/143.
+    raise Interrupted(signum)
+
+
+def exit_code_for(exc: BaseException) -> tuple[int, str]:
+    """Map an exception to (exit code, one-line message)."""
+    if isinstance(exc, ShardctlError):
+        return exc.exit_code, exc.render()
+    if isinstance(exc, KeyboardInterrupt):
+        return EXIT_SIGINT, "interrupted"
+    if isinstance(exc, OSError) and exc.errno in _ERRNO_TEXT:
+        where = f"{exc.filename}: " if exc.filename else ""
+        return EXIT_ENVIRONMENT, f"{where}{_ERRNO_TEXT[exc.errno]} ({exc.strerror})"
+    if isinstance(exc, OSError):
+        where = f"{exc.filename}: " if exc.filename else ""
+        return EXIT_ENVIRONMENT, f"{where}{exc.strerror or exc}"
+    if isinstance(exc, MemoryError):
+        return EXIT_INVALID_INPUT, "out of memory while reading the input; is it hostile or corrupt?"
+    return (
+        EXIT_INTERNAL,
+        f"internal error: {type(exc).__name__}: {exc}; this is a bug in shardctl — "
+        "rerun with SHARDCTL_DEBUG=1 for the traceback and report it",
+    )
+
+
+def run_cli(fn: Callable[[], object]) -> None:
+    """Run ``fn`` (the typer app) and exit with the documented code; never a bare traceback."""
+    signal.signal(signal.SIGINT, _raise_interrupted)
+    signal.signal(signal.SIGTERM, _raise_interrupted)
+    try:
+        fn()
+    except SystemExit:
+        raise
+    except BaseException as exc:
+        code, line = exit_code_for(exc)
+        if debug_enabled():
+            traceback.print_exc()
+        _say(line)
+        sys.exit(code)
+    sys.exit(0)
+
+
+__all__ = ["EXIT_SIGINT", "EXIT_SIGTERM", "exit_code_for", "run_cli"]
