@@ -1,0 +1,140 @@
+"""Rule matching: manifest rules first, then the architecture's preset; first match wins.
+
+A rule that sets ``tp`` decides the placement (with its ``parts``, ``heads`` and ``expert``,
+which only make sense together). ``stage`` comes from the first matching rule that sets one, so
+a manifest rule may re-place ``lm_head.weight`` without having to repeat that it lives on the
+last stage. A tensor no rule places is an error naming it and the closest pattern; so is a
+manifest rule that matches no tensor (a typo would otherwise silently do nothing).
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+from shardctl.errors import LayoutError
+from shardctl.layout.placement import PlacementSpec, parse_placement
+from shardctl.layout.types import RuleSpec
+
+STAGES: tuple[str, ...] = ("first", "last", "all", "embedding")
+HEADS: tuple[str, ...] = ("q", "kv")
+NAMED_PARTS: tuple[str, ...] = ("q", "kv", "intermediate", "hidden")
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+@dataclass(frozen=True)
+class CompiledRule:
+    rule: RuleSpec
+    label: str  # "rules[2]" (manifest) or "preset llama[5]", for messages
+    regex: re.Pattern[str]
+    placement: PlacementSpec | None
+    manifest: bool
+
+
+@dataclass(frozen=True)
+class Match:
+    """What the rules say about one tensor."""
+
+    rule: CompiledRule  # the rule that places it
+    stage: str | None  # from the first matching rule that sets a stage
+
+
+def compile_rules(
+    manifest_rules: Sequence[RuleSpec], preset_rules: Sequence[RuleSpec], architecture: str
+) -> tuple[CompiledRule, ...]:
+    """Validate every rule's values and compile its glob; manifest rules come first."""
+    out: list[CompiledRule] = []
+    for i, r in enumerate(manifest_rules):
+        out.append(_compile(r, f"rules[{i}]", manifest=True))
+    for i, r in enumerate(preset_rules):
+        out.append(_compile(r, f"preset {architecture}[{i}]", manifest=False))
+    return tuple(out)
+
+
+def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
+    if not rule.match:
+        raise LayoutError("empty match pattern", where=f"{label}.match", hint="give an fqn glob")
+    if rule.tp is None and rule.stage is None:
+        raise LayoutError(
+            f"rule for {rule.match!r} sets neither tp nor stage",
+            where=label,
+            hint="add tp: S(0)|S(1)|R|colwise|rowwise|vocab, or stage: first|last|all",
+        )
+    if rule.stage is not None and rule.stage not in STAGES:
+        raise LayoutError(
+            f"unknown stage {rule.stage!r}", where=f"{label}.stage", hint=f"use one of {STAGES}"
+        )
+    if rule.heads is not None and rule.heads not in HEADS:
+        raise LayoutError(
+            f"unknown heads {rule.heads!r}", where=f"{label}.heads", hint=f"use one of {HEADS}"
+        )
+    for p in rule.parts or ():
+        if isinstance(p, str) and p not in NAMED_PARTS:
+            raise LayoutError(
+                f"unknown part {p!r}",
+                where=f"{label}.parts",
+                hint=f"use sizes in elements or names {NAMED_PARTS}",
+            )
+        if isinstance(p, int) and p < 0:
+            raise LayoutError(f"part size {p} is negative", where=f"{label}.parts")
+    placement = None if rule.tp is None else parse_placement(rule.tp, where=f"{label}.tp")
+    regex = re.compile(fnmatch.translate(rule.match))
+    return CompiledRule(rule, label, regex, placement, manifest)
+
+
+class Matcher:
+    """Matches fqns against compiled rules; remembers which manifest rules ever matched."""
+
+    def __init__(self, rules: tuple[CompiledRule, ...]):
+        self.rules = rules
+        self._used: set[int] = set()
+
+    def match(self, fqn: str, *, need_stage: bool) -> Match:
+        placed: CompiledRule | None = None
+        stage: str | None = None
+        for i, cr in enumerate(self.rules):
+            if not cr.regex.match(fqn):
+                continue
+            if cr.manifest:
+                self._used.add(i)
+            if stage is None and cr.rule.stage is not None:
+                stage = cr.rule.stage
+            if placed is None and cr.placement is not None:
+                placed = cr
+            if placed is not None and (stage is not None or not need_stage):
+                break
+        if placed is None:
+            raise self._unmatched(fqn)
+        return Match(placed, stage)
+
+    def _unmatched(self, fqn: str) -> LayoutError:
+        patterns = [cr.rule.match for cr in self.rules if cr.placement is not None]
+        template = _LAYER_INDEX.sub(".*.", fqn)
+        close = difflib.get_close_matches(template, patterns, n=1, cutoff=0.0)
+        hint = f'closest pattern is "{close[0]}"; ' if close else ""
+        return LayoutError(
+            f"no rule places this tensor ({len(patterns)} rules with a placement)",
+            where=fqn,
+            hint=f'{hint}add a manifest rule, e.g. {{match: "{template}", tp: R}}',
+        )
+
+    def check_unused(self, fqns: Iterable[str]) -> None:
+        """Raise for the first manifest rule that matched no tensor at all."""
+        names: list[str] | None = None
+        for i, cr in enumerate(self.rules):
+            if not cr.manifest or i in self._used:
+                continue
+            names = names if names is not None else list(fqns)
+            if any(cr.regex.match(n) for n in names):
+                continue  # matches, but earlier rules always won: harmless
+            templates = sorted({_LAYER_INDEX.sub(".*.", n) for n in names})
+            close = difflib.get_close_matches(cr.rule.match, templates, n=1, cutoff=0.0)
+            raise LayoutError(
+                f'no tensor matches "{cr.rule.match}"',
+                where=f"{cr.label}.match",
+                hint=f'did you mean "{close[0]}"?' if close else "the model has no tensors",
+            )

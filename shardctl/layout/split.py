@@ -1,0 +1,173 @@
+"""Split one tensor over ``tp`` ranks: which pieces each rank holds, and its local shape.
+
+A tensor is cut along one dim, made of one or more *parts* (``[Q; K; V]``, ``[gate; up]``, or a
+single part). Each part is split on its own, then each rank's pieces are concatenated in part
+order — never a plain chunk of the fused dim (the trap of DESIGN.md). gpt-fast's ``shard_qkv``
+does the same on tensors; here it is done on index ranges only, so ``plan`` never needs torch.
+
+Per part, along the split dim (length ``L``), rank ``r`` of ``tp`` gets:
+
+- whole heads (``heads = n``, head size ``L / n``): ``n / tp`` heads each when ``tp <= n``;
+  when ``tp > n`` and the part may be replicated (K/V), head ``r // (tp / n)`` (vLLM's
+  ``num_kv_head_replicas``, TRT-LLM's ``dup_kv_weight``): neighbouring ranks share a head;
+- vocab padding (``padded = P``, a multiple of ``tp``): rows ``[r·P/tp, (r+1)·P/tp)``, of which
+  only those ``< L`` are real; the rank's local tensor still has ``P/tp`` rows (zeros below);
+- otherwise ``L / tp`` each, or with the ``chunk`` rule ``torch.chunk``'s: ceil-sized chunks,
+  the last smaller, trailing ranks possibly empty.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+from shardctl.layout.types import Piece
+
+
+class SplitError(Exception):
+    """A split that cannot be made; the engine adds the fqn and raises ``LayoutError``."""
+
+    def __init__(self, message: str, hint: str):
+        super().__init__(message)
+        self.message = message
+        self.hint = hint
+
+
+@dataclass(frozen=True)
+class Part:
+    """One section along the split dim. ``heads > 0``: made of that many whole heads."""
+
+    size: int
+    heads: int = 0
+    heads_name: str = ""  # "num_attention_heads" / "num_key_value_heads", for messages
+    replicable: bool = False  # K/V: tp > heads replicates heads instead of failing
+    q_heads: int = 0  # num_attention_heads, for the remedy of a K/V part
+
+
+@dataclass(frozen=True)
+class SplitSpec:
+    """How one tensor is split over tp. ``dim is None``: replicated on every tp rank."""
+
+    shape: tuple[int, ...]
+    dim: int | None
+    parts: tuple[Part, ...] = ()
+    padded: int | None = None  # vocab: the padded length of ``dim`` (single part)
+    chunk: bool = False  # allow torch.chunk's uneven rule
+
+
+# Per tp rank: its pieces (in local order) and its local shape.
+RankSplit = tuple[tuple[Piece, ...], tuple[int, ...]]
+
+
+@lru_cache(maxsize=4096)
+def split(spec: SplitSpec, tp: int) -> tuple[RankSplit, ...]:
+    """Every tp rank's pieces of a tensor; cached, since layers repeat the same shapes."""
+    shape = spec.shape
+    if spec.dim is None:
+        whole = ((Piece((0,) * len(shape), shape, (0,) * len(shape)),), shape)
+        return (whole,) * tp
+    d = spec.dim
+    parts = spec.parts or (Part(shape[d]),)
+    # ranges[j][r] = (start within part j, size, local size incl. padding)
+    ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
+    out: list[RankSplit] = []
+    for r in range(tp):
+        pieces: list[Piece] = []
+        part_offset = 0
+        local = 0
+        for p, rr in zip(parts, ranges, strict=True):
+            start, size, local_size = rr[r]
+            pieces.append(
+                Piece(
+                    offsets=_at(shape, d, part_offset + start, 0),
+                    sizes=_at(shape, d, size, None),
+                    local_offsets=_at(shape, d, local, 0),
+                )
+            )
+            part_offset += p.size
+            local += local_size
+        out.append((tuple(pieces), _at(shape, d, local, None)))
+    return tuple(out)
+
+
+def local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
+    """Elements of each tp rank's local tensor (padding included), without building pieces."""
+    return _local_numels(spec, tp)
+
+
+@lru_cache(maxsize=4096)
+def _local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
+    if spec.dim is None:
+        return (math.prod(spec.shape),) * tp
+    d = spec.dim
+    other = math.prod(_at(spec.shape, d, 1, None))  # elements per index along dim d
+    parts = spec.parts or (Part(spec.shape[d]),)
+    ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
+    return tuple(other * sum(rr[r][2] for rr in ranges) for r in range(tp))
+
+
+def _at(shape: tuple[int, ...], d: int, value: int, fill: int | None) -> tuple[int, ...]:
+    """``shape`` with dim ``d`` set to ``value`` and the others ``fill`` (or kept, if None)."""
+    return tuple(value if i == d else (s if fill is None else fill) for i, s in enumerate(shape))
+
+
+def _part_ranges(
+    part: Part, tp: int, padded: int | None, chunk: bool
+) -> list[tuple[int, int, int]]:
+    length = part.size
+    if part.heads:
+        return _head_ranges(part, tp)
+    if padded is not None:
+        per = padded // tp
+        return [(r * per, max(0, min(length, (r + 1) * per) - r * per), per) for r in range(tp)]
+    if length % tp == 0:
+        per = length // tp
+        return [(r * per, per, per) for r in range(tp)]
+    if chunk:
+        c = -(-length // tp)
+        out = []
+        for r in range(tp):
+            start = min(r * c, length)
+            size = max(0, min(c, length - r * c))
+            out.append((start, size, size))
+        return out
+    raise SplitError(
+        f"size {length} is not divisible by tp={tp}",
+        f"use tp in {_divisors(length)}, or layout.uneven: chunk (torch.chunk rule)",
+    )
+
+
+def _head_ranges(part: Part, tp: int) -> list[tuple[int, int, int]]:
+    n = part.heads
+    head = part.size // n
+    if tp <= n or not part.replicable:
+        if n % tp:
+            raise SplitError(
+                f"tp={tp} does not divide {part.heads_name}={n}",
+                f"use tp in {_valid_tp(part)}",
+            )
+        per = (n // tp) * head
+        return [(r * per, per, per) for r in range(tp)]
+    if tp % n:
+        raise SplitError(
+            f"tp={tp} is above {part.heads_name}={n} but not a multiple of it, so K/V heads "
+            f"cannot be replicated evenly (each head on tp/{n} ranks)",
+            f"use tp in {_valid_tp(part)}",
+        )
+    replicas = tp // n
+    return [((r // replicas) * head, head, head) for r in range(tp)]
+
+
+def _valid_tp(part: Part) -> str:
+    if part.replicable and part.q_heads:
+        # divisors of n_kv, and multiples of n_kv that still divide the query heads
+        n, q = part.heads, part.q_heads
+        ok = [t for t in range(1, q + 1) if q % t == 0 and (n % t == 0 or t % n == 0)]
+        return "{" + ", ".join(map(str, ok)) + "}"
+    return _divisors(part.heads)
+
+
+def _divisors(n: int, limit: int = 12) -> str:
+    ds = [d for d in range(1, min(n, 4096) + 1) if n % d == 0][:limit]
+    return "{" + ", ".join(map(str, ds)) + ("" if len(ds) < limit else ", …") + "}"
