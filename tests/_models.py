@@ -11,7 +11,8 @@ from pathlib import Path
 from typing import Any
 
 # Small enough to build in well under a second; odd enough to catch dim mix-ups
-# (hidden != intermediate != vocab, kv heads != heads).
+# (hidden != intermediate != vocab, kv heads != heads). Kept compact on purpose.
+# fmt: off
 CONFIGS: dict[str, dict[str, Any]] = {
     "llama": dict(
         model_type="llama", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
@@ -70,7 +71,44 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=1, head_dim=32, vocab_size=256,
         max_position_embeddings=128,
     ),
+    # Added with the inventory tests: more of the variants the inventory must get right.
+    "mistral-headdim": dict(
+        model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=24, vocab_size=160,
+        tie_word_embeddings=False, max_position_embeddings=128, sliding_window=None,
+    ),
+    "mixtral-mha-tied": dict(
+        model_type="mixtral", hidden_size=48, intermediate_size=80, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=144, num_local_experts=3,
+        num_experts_per_tok=1, tie_word_embeddings=True, max_position_embeddings=128,
+    ),
+    "gpt2-untied-inner": dict(
+        model_type="gpt2", n_embd=48, n_layer=3, n_head=4, n_inner=80, vocab_size=130,
+        n_positions=40, tie_word_embeddings=False, bos_token_id=0, eos_token_id=0,
+    ),
+    "phi3-tied": dict(
+        model_type="phi3", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, vocab_size=136,
+        tie_word_embeddings=True, max_position_embeddings=128, pad_token_id=0,
+        bos_token_id=1, eos_token_id=2,
+    ),
+    "gemma-untied-mha": dict(
+        model_type="gemma", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, head_dim=16, vocab_size=144,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "gemma2": dict(
+        model_type="gemma2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+        max_position_embeddings=128,
+    ),
+    "qwen3": dict(
+        model_type="qwen3", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
 }
+# fmt: on
 
 
 def make_config(name: str, **overrides: Any) -> Any:

@@ -1,0 +1,492 @@
+"""Open a checkpoint directory safely: which files hold which tensors, and what travels along.
+
+``open_checkpoint(root)`` reads only headers and the index, never tensor data, and refuses
+(:class:`~shardctl.errors.InvalidInputError`, exit 3) before opening anything outside ``root``:
+
+- an index (``model.safetensors.index.json``) above 10 MiB, not strict JSON (duplicate keys,
+  ``NaN``, ``1e400``), or whose ``weight_map`` is not a string → string map (RELIABILITY B5);
+- a ``weight_map`` path that is empty, absolute, has a drive (``C:x``), a backslash, a NUL, or a
+  ``.`` / ``..`` / empty component, or that resolves outside ``root`` (B1–B3); one that is not
+  ``*.safetensors`` (B4: ``index references non-safetensors file``);
+- a symlink (weight or carried file) whose target lies outside ``root`` (B6), unless
+  ``follow_external_symlinks``. Allowed without it: targets inside ``root``, and the Hugging
+  Face cache layout — ``root`` resolves to ``<repo>/snapshots/<rev>`` and the target is a file
+  directly in ``<repo>/blobs/``;
+- index and shards that disagree (A19): a tensor the index names but its shard lacks, a tensor
+  in a shard the index does not name, a tensor in two shards, a file of the index's
+  ``*-NNNNN-of-MMMMM.safetensors`` series that the index does not reference — all listed in one
+  error. A wrong ``metadata.total_size`` (or ``total_parameters``) is only a *warning*: loaders
+  ignore it, and its meaning drifted across transformers versions (4.x counted bool as 1/8 byte,
+  some tools write other sums); transformers 5.23 writes the exact sum of tensor bytes, and the
+  tensor-level checks above already catch every missing or extra byte;
+- pickle weights (``.bin``/``.pt``/``.pth``/``.ckpt``/``.pkl``) with no safetensors beside them:
+  :class:`PickleInputRefused` (``pickle input refused; pass --allow-pickle``), carrying the file
+  list for the loader that will handle ``--allow-pickle``.
+
+Without an index, ``model.safetensors`` is the checkpoint (or the only ``*.safetensors``).
+A shardctl sharded layout (``shardctl.layout.json`` at the root) is reported as
+``kind="shardctl"`` with its record path and no further checks: its reader validates it.
+
+Carried files (``extra_files``): every regular top-level file that is not weights or an index —
+config.json, generation_config.json, tokenizer files, chat templates, README, licence.
+Not carried (listed in ``ignored`` with the reason): subdirectories (e.g. Llama's ``original/``
+with Meta's consolidated ``.pth``), dotfiles (``.gitattributes``, ``.cache``), weights in other
+formats (pickle, ``.h5``, ``.msgpack``, ``.gguf``, ``.onnx``), safetensors files outside the
+index (e.g. Mistral's ``consolidated.safetensors``), and non-regular files (FIFO, device).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path, PureWindowsPath
+from typing import Any, NamedTuple
+
+from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.io.safetensors_header import (
+    DEFAULT_MAX_HEADER_BYTES,
+    HeaderEntry,
+    SafetensorsHeader,
+    read_header,
+)
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+LAYOUT_RECORD = "shardctl.layout.json"
+MAX_INDEX_BYTES = 10 * 2**20
+MAX_LISTED = 20  # discrepancies spelled out in one error line; all are on the exception
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
+OTHER_WEIGHT_SUFFIXES = (".h5", ".msgpack", ".gguf", ".onnx", ".npz")
+_SERIES = re.compile(r"^(?P<prefix>.+)-\d{5}-of-\d{5}\.safetensors$")
+
+
+class TensorLocation(NamedTuple):
+    """Where one tensor's bytes lie: ``file.data_offset + entry.begin`` onwards in ``file.path``."""
+
+    file: SafetensorsHeader
+    entry: HeaderEntry
+
+    @property
+    def path(self) -> Path:
+        return self.file.path
+
+    @property
+    def file_offset(self) -> int:
+        return self.file.data_offset + self.entry.begin
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """A checkpoint directory, validated. Paths in ``extra_files``/``ignored`` are relative."""
+
+    root: Path
+    kind: str  # "hf" | "shardctl"
+    files: tuple[SafetensorsHeader, ...]  # in index (file name) order
+    locations: Mapping[str, TensorLocation]  # fqn -> location, in file then offset order
+    index_path: Path | None = None
+    index_metadata: Mapping[str, Any] | None = None
+    extra_files: tuple[Path, ...] = ()
+    ignored: tuple[tuple[Path, str], ...] = ()  # (relative path, why it is not carried)
+    warnings: tuple[str, ...] = ()
+    layout_record: Path | None = None  # kind == "shardctl": the record its reader validates
+    pickle_files: tuple[Path, ...] = field(default=())
+
+    @property
+    def total_bytes(self) -> int:
+        return sum(loc.entry.nbytes for loc in self.locations.values())
+
+
+class PickleInputRefused(InvalidInputError):
+    """Only pickle weights were found; ``files`` are what an ``--allow-pickle`` loader reads."""
+
+    def __init__(self, root: Path, files: tuple[Path, ...]):
+        self.files = files
+        names = ", ".join(str(f) for f in files[:3]) + (" ..." if len(files) > 3 else "")
+        super().__init__(
+            f"pickle input refused ({names}); no safetensors files found",
+            where=str(root),
+            hint="pass --allow-pickle to load it with torch.load(weights_only=True)",
+        )
+
+
+class IndexMismatch(InvalidInputError):
+    """Index and shards disagree; ``discrepancies`` lists every one."""
+
+    def __init__(self, where: str, discrepancies: list[str]):
+        self.discrepancies = discrepancies
+        shown = "; ".join(discrepancies[:MAX_LISTED])
+        more = len(discrepancies) - MAX_LISTED
+        if more > 0:
+            shown += f"; and {more} more"
+        super().__init__(
+            f"index and shards disagree ({len(discrepancies)}): {shown}",
+            where=where,
+            hint="re-download the checkpoint or regenerate its index",
+        )
+
+
+def open_checkpoint(
+    root: Path,
+    *,
+    follow_external_symlinks: bool = False,
+    max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+) -> CheckpointFiles:
+    """Validate ``root`` (a directory, or one ``.safetensors`` file) and locate every tensor."""
+    root = Path(root)
+    if not root.exists():
+        raise InvalidInputError("checkpoint not found", where=str(root))
+    if root.is_file():
+        header = read_header(root, max_header_bytes=max_header_bytes)
+        return CheckpointFiles(root=root, kind="hf", files=(header,), locations=_locate([header]))
+    if not root.is_dir():
+        raise InvalidInputError("not a directory or a safetensors file", where=str(root))
+    if (root / LAYOUT_RECORD).exists():
+        return CheckpointFiles(
+            root=root, kind="shardctl", files=(), locations={}, layout_record=root / LAYOUT_RECORD
+        )
+    return _open_hf(root, follow_external_symlinks, max_header_bytes)
+
+
+def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles:
+    guard = _PathGuard(root, follow)
+    listing = _list_dir(root)
+    safetensors = sorted(n for n in listing.files if n.endswith(".safetensors"))
+    indexes = sorted(n for n in listing.files if n.endswith(".safetensors.index.json"))
+    pickles = tuple(Path(n) for n in sorted(listing.files) if n.endswith(PICKLE_SUFFIXES))
+
+    warnings: list[str] = []
+    index_path: Path | None = None
+    index_metadata: Mapping[str, Any] | None = None
+    weight_map: dict[str, str] | None = None
+    if indexes:
+        name = INDEX_NAME if INDEX_NAME in indexes else indexes[0]
+        if name != INDEX_NAME and len(indexes) > 1:
+            raise InvalidInputError(
+                f"several safetensors indexes ({', '.join(indexes)}) and no {INDEX_NAME}",
+                where=str(root),
+                hint="keep one index per checkpoint directory",
+            )
+        index_path = root / name
+        guard.check(name)
+        index_metadata, weight_map = _read_index(index_path)
+        weight_names = sorted(set(weight_map.values()))
+    elif safetensors:
+        if SINGLE_NAME in safetensors:
+            weight_names = [SINGLE_NAME]
+        elif len(safetensors) == 1:
+            weight_names = safetensors
+        else:
+            raise InvalidInputError(
+                f"{len(safetensors)} safetensors files and no {INDEX_NAME}",
+                where=str(root),
+                hint="add the index, or point at one .safetensors file",
+            )
+    elif pickles:
+        raise PickleInputRefused(root, pickles)
+    else:
+        raise InvalidInputError(
+            "no safetensors weights found (expected model.safetensors or "
+            f"{INDEX_NAME} with its shards)",
+            where=str(root),
+        )
+
+    # Every path is checked before any weight file is opened (B1–B3, B6).
+    for name in weight_names:
+        guard.check(name)
+    missing = [n for n in weight_names if not os.path.lexists(root / n)]
+    if missing:
+        raise IndexMismatch(
+            str(index_path or root),
+            [f"shard {n} is listed in the index but missing" for n in missing],
+        )
+    headers = [read_header(root / n, max_header_bytes=max_header_bytes) for n in weight_names]
+
+    problems: list[str] = []
+    if weight_map is not None:
+        assert index_path is not None and index_metadata is not None
+        problems, warnings = _compare_index(weight_map, headers, index_metadata, root)
+        problems += _unreferenced_series(weight_names, safetensors)
+    if problems:
+        raise IndexMismatch(str(index_path), problems)
+    locations = _locate(headers)  # weight_map is None: one file, nothing to disagree with
+
+    used = set(weight_names) | ({index_path.name} if index_path else set())
+    extras: list[Path] = []
+    ignored: list[tuple[Path, str]] = [(Path(n), why) for n, why in listing.ignored]
+    for name in sorted(listing.files):
+        if name in used:
+            continue
+        why = _not_carried_reason(name)
+        if why is not None:
+            ignored.append((Path(name), why))
+            continue
+        guard.check(name)
+        extras.append(Path(name))
+    return CheckpointFiles(
+        root=root,
+        kind="hf",
+        files=tuple(headers),
+        locations=locations,
+        index_path=index_path,
+        index_metadata=index_metadata,
+        extra_files=tuple(extras),
+        ignored=tuple(sorted(ignored)),
+        warnings=tuple(warnings),
+        pickle_files=pickles,
+    )
+
+
+# ---- directory listing -----------------------------------------------------------------
+
+
+@dataclass
+class _Listing:
+    files: list[str]  # regular files (or symlinks to them), top level, not dotfiles
+    ignored: list[tuple[str, str]]
+
+
+def _list_dir(root: Path) -> _Listing:
+    listing = _Listing([], [])
+    try:
+        entries = sorted(os.scandir(root), key=lambda e: e.name)
+    except PermissionError as exc:
+        raise EnvironmentFailure(f"cannot list: {exc.strerror}", where=str(root)) from None
+    for e in entries:
+        if e.name.startswith("."):
+            listing.ignored.append((e.name, "dotfile"))
+            continue
+        try:
+            st = os.stat(e.path)  # follows symlinks: what a reader would get
+        except OSError:
+            listing.ignored.append((e.name, "dangling symlink"))
+            continue
+        if stat.S_ISDIR(st.st_mode):
+            listing.ignored.append((e.name, "subdirectory"))
+        elif stat.S_ISREG(st.st_mode):
+            listing.files.append(e.name)
+        else:
+            # A weight file that is a FIFO or device still fails loudly in read_header.
+            if e.name.endswith(".safetensors"):
+                listing.files.append(e.name)
+            else:
+                listing.ignored.append((e.name, "not a regular file"))
+    return listing
+
+
+def _not_carried_reason(name: str) -> str | None:
+    if name.endswith((".safetensors", ".safetensors.index.json")):
+        return "safetensors file not referenced by the checkpoint's index"
+    if name.endswith(PICKLE_SUFFIXES) or name.endswith(
+        tuple(s + ".index.json" for s in PICKLE_SUFFIXES)
+    ):
+        return "pickle weights (the safetensors weights are used)"
+    if name.endswith(OTHER_WEIGHT_SUFFIXES):
+        return "weights in another format"
+    return None
+
+
+# ---- path safety -----------------------------------------------------------------------
+
+
+class _PathGuard:
+    """Index paths and symlinks must stay inside ``root`` (or the HF cache's ``blobs/``)."""
+
+    def __init__(self, root: Path, follow: bool):
+        self.root = root
+        self.real_root = os.path.realpath(root)
+        self.follow = follow
+        # HF cache: <repo>/snapshots/<rev>/<file> -> ../../blobs/<sha>
+        parent = os.path.dirname(self.real_root)
+        self.blobs = (
+            os.path.join(os.path.dirname(parent), "blobs")
+            if os.path.basename(parent) == "snapshots"
+            else None
+        )
+
+    def check_syntax(self, rel: str, where: str) -> None:
+        """The HF-hub rule: a plain relative POSIX path, no drive, no traversal."""
+        bad = None
+        if rel == "":
+            bad = "empty path"
+        elif "\x00" in rel:
+            bad = "NUL byte in path"
+        elif "\\" in rel:
+            bad = "backslash in path"
+        elif rel.startswith("/") or PureWindowsPath(rel).anchor:
+            bad = "absolute path or drive"
+        elif any(part in ("", ".", "..") for part in rel.split("/")):
+            bad = "'.', '..' or empty component"
+        if bad:
+            raise InvalidInputError(
+                f"unsafe path {rel!r} ({bad})",
+                where=where,
+                hint="weight_map values must be file names inside the checkpoint directory",
+            )
+
+    def check(self, rel: str) -> None:
+        """``root/rel`` must resolve inside ``root`` (or the HF blobs dir, or ``follow``)."""
+        real = os.path.realpath(os.path.join(self.root, rel))
+        if _inside(real, self.real_root) or self.follow:
+            return
+        if self.blobs is not None and os.path.dirname(real) == self.blobs:
+            return
+        raise InvalidInputError(
+            f"{rel!r} resolves to {real}, outside the checkpoint directory",
+            where=str(self.root),
+            hint="pass --follow-external-symlinks if you trust that target",
+        )
+
+
+def _inside(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
+
+
+# ---- the index -------------------------------------------------------------------------
+
+
+def read_json_strict(path: Path, *, max_bytes: int, what: str) -> Any:
+    """Strict JSON from a regular file of at most ``max_bytes``: no duplicate keys, NaN or inf."""
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidInputError(f"{what} not found", where=where) from None
+    except PermissionError as exc:
+        raise EnvironmentFailure(f"cannot open {what}: {exc.strerror}", where=where) from None
+    except OSError as exc:
+        raise InvalidInputError(f"cannot open {what}: {exc.strerror}", where=where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(f"{what} is not a regular file", where=where)
+        if st.st_size > max_bytes:
+            raise InvalidInputError(
+                f"{what} is {st.st_size} bytes, above the {max_bytes // 2**20} MiB limit",
+                where=where,
+            )
+        raw = os.pread(fd, max_bytes + 1, 0)
+    finally:
+        os.close(fd)
+    if len(raw) > max_bytes:
+        raise InvalidInputError(f"{what} grew past the {max_bytes} byte limit", where=where)
+    try:
+        return json.loads(
+            raw.decode("utf-8"),
+            object_pairs_hook=_no_duplicates,
+            parse_constant=_no_constant,
+            parse_float=_finite_float,
+        )
+    except RecursionError:
+        raise InvalidInputError(f"{what} nests too deeply", where=where) from None
+    except UnicodeDecodeError:
+        raise InvalidInputError(f"{what} is not valid UTF-8", where=where) from None
+    except ValueError as exc:
+        raise InvalidInputError(f"{what} is not strict JSON: {exc}", where=where) from None
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise ValueError(f"duplicate key {key!r}")
+        out[key] = value
+    return out
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
+
+
+def _finite_float(text: str) -> float:
+    value = float(text)
+    if not math.isfinite(value):
+        raise ValueError(f"number {text} overflows to infinity")
+    return value
+
+
+def _read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
+    """``(metadata, weight_map)`` of a strict, path-checked index."""
+    where = str(path)
+    data = read_json_strict(path, max_bytes=MAX_INDEX_BYTES, what="index")
+    if not isinstance(data, dict):
+        raise InvalidInputError("index is not a JSON object", where=where)
+    weight_map = data.get("weight_map")
+    if not isinstance(weight_map, dict):
+        raise InvalidInputError(
+            f"index has no 'weight_map' object (got {type(weight_map).__name__})", where=where
+        )
+    metadata = data.get("metadata") or {}
+    if not isinstance(metadata, dict):
+        raise InvalidInputError("index 'metadata' is not an object", where=where)
+    guard = _PathGuard(path.parent, follow=False)
+    for fqn, rel in weight_map.items():
+        if not isinstance(rel, str):
+            raise InvalidInputError(
+                f"weight_map[{fqn!r}]: expected a file name, got {type(rel).__name__}",
+                where=where,
+            )
+        guard.check_syntax(rel, f"{where}: weight_map[{fqn!r}]")
+        if not rel.endswith(".safetensors"):
+            raise InvalidInputError(
+                f"index references non-safetensors file {rel!r} (weight_map[{fqn!r}])",
+                where=where,
+                hint="shardctl reads pickle weights only with --allow-pickle, never via an index",
+            )
+    return metadata, weight_map
+
+
+def _compare_index(
+    weight_map: dict[str, str],
+    headers: list[SafetensorsHeader],
+    metadata: Mapping[str, Any],
+    root: Path,
+) -> tuple[list[str], list[str]]:
+    """Every discrepancy between the index and the shard headers; and warnings."""
+    problems: list[str] = []
+    seen: dict[str, str] = {}
+    for h in headers:
+        file = h.path.relative_to(root).as_posix()
+        for e in h.tensors:
+            if e.name in seen:
+                problems.append(f"{e.name!r} is in both {seen[e.name]} and {file}")
+                continue
+            seen[e.name] = file
+            if e.name not in weight_map:
+                problems.append(f"{e.name!r} is in {file} but not in the index")
+            elif weight_map[e.name] != file:
+                problems.append(f"{e.name!r} is in {file} but the index says {weight_map[e.name]}")
+    for fqn, file in weight_map.items():
+        if fqn not in seen:
+            problems.append(f"{fqn!r}: the index says {file}, which has no such tensor")
+
+    warnings: list[str] = []
+    actual_bytes = sum(e.nbytes for h in headers for e in h.tensors)
+    actual_params = sum(e.numel for h in headers for e in h.tensors)
+    for key, actual in (("total_size", actual_bytes), ("total_parameters", actual_params)):
+        claimed = metadata.get(key)
+        if claimed is not None and claimed != actual:
+            warnings.append(
+                f"index metadata.{key} is {claimed!r} but the shards hold {actual} "
+                f"({'bytes' if key == 'total_size' else 'parameters'}); ignored"
+            )
+    return problems, warnings
+
+
+def _unreferenced_series(referenced: list[str], present: list[str]) -> list[str]:
+    """Files like ``model-00003-of-00004.safetensors`` of the index's series, not in it."""
+    prefixes = {m["prefix"] for n in referenced if (m := _SERIES.match(n))}
+    return [
+        f"shard {n} is not referenced by the index"
+        for n in present
+        if n not in referenced and (m := _SERIES.match(n)) and m["prefix"] in prefixes
+    ]
+
+
+def _locate(headers: list[SafetensorsHeader]) -> dict[str, TensorLocation]:
+    return {e.name: TensorLocation(h, e) for h in headers for e in h.tensors}

@@ -1,0 +1,403 @@
+"""A hardened safetensors header reader (and a header builder for writers); never reads data.
+
+File layout::
+
+    [8 bytes: N, u64 little-endian][N bytes: JSON header][data region]
+
+    {"__metadata__": {"format": "pt"},
+     "w": {"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 12]}, ...}
+
+``data_offsets`` are relative to the data region, which starts at ``8 + N``.
+
+:func:`read_header` opens with ``os.open(O_RDONLY | O_NONBLOCK)`` and reads with ``os.pread``
+(never mmap, so a truncated file is an error, not SIGBUS), and refuses non-regular files (FIFO,
+directory, device) from ``fstat`` before reading a byte, so a FIFO cannot block. It refuses, with
+:class:`~shardctl.errors.InvalidInputError` (exit 3) naming the file (RELIABILITY.md A1–A12):
+
+- files under 8 bytes; a header length past the end of the file or above ``max_header_bytes``
+  (checked before any allocation);
+- headers that are not UTF-8, not JSON, not an object, hold NUL bytes (e.g. NUL padding),
+  nest too deep, or spell ``NaN`` / ``Infinity``; duplicate keys anywhere (duplicate tensor
+  names, duplicate ``__metadata__``, duplicate fields): JSON would silently keep the last;
+- ``__metadata__`` that is not a string → string map;
+- empty tensor names, and a tensor named ``__metadata__`` (reserved by the format);
+- unknown dtypes; shapes that are not lists of non-negative integers; ``data_offsets`` that are
+  not exactly two non-negative integers ``begin <= end`` (bools and floats refused);
+- dtype × shape ≠ ``end - begin`` bytes;
+- offsets that do not tile the data region exactly: overlaps, aliases (two tensors sharing
+  bytes), gaps, offsets past the end of the file (truncation) or bytes after the last tensor
+  (trailing garbage).
+
+Accepted, as the safetensors library accepts them: whitespace before ``{`` (and after ``}``),
+unknown fields in a tensor's info (ignored), and a header length that is not a multiple of 8.
+Tensor names are never used as paths.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardctl.dtypes import DTYPE_BITS
+from shardctl.errors import EnvironmentFailure, InvalidInputError
+
+DEFAULT_MAX_HEADER_BYTES = 16 * 2**20
+METADATA_KEY = "__metadata__"
+
+
+@dataclass(frozen=True)
+class HeaderEntry:
+    """One tensor's header record; ``begin``/``end`` are relative to the data region."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class SafetensorsHeader:
+    """A parsed header. ``tensors`` are in file order (by ``begin``, then ``end``)."""
+
+    path: Path
+    header_len: int
+    data_offset: int  # 8 + header_len: where the data region starts in the file
+    file_size: int
+    metadata: dict[str, str] | None
+    tensors: tuple[HeaderEntry, ...]
+
+    def entry(self, name: str) -> HeaderEntry:
+        for e in self.tensors:
+            if e.name == name:
+                return e
+        raise KeyError(name)
+
+
+class _Object(list[tuple[str, Any]]):
+    """A JSON object kept as its key/value pairs, so duplicates survive parsing."""
+
+
+class _Refused(ValueError):
+    pass
+
+
+def _refuse_constant(name: str) -> Any:
+    raise _Refused(f"non-finite number {name}")
+
+
+def read_header(
+    path: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
+) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at ``path``; reads no tensor data."""
+    path = Path(path)
+    where = str(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise InvalidInputError("file not found", where=where) from None
+    except PermissionError as exc:
+        raise EnvironmentFailure(f"cannot open: {exc.strerror}", where=where) from None
+    except OSError as exc:  # ENXIO (socket), ELOOP, ...
+        raise InvalidInputError(f"cannot open: {exc.strerror}", where=where) from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise InvalidInputError(
+                f"not a regular file ({_kind(st.st_mode)})",
+                where=where,
+                hint="pass a safetensors file, not a FIFO, directory or device",
+            )
+        file_size = st.st_size
+        if file_size < 8:
+            raise InvalidInputError(
+                f"not a safetensors file (too small: {file_size} bytes, need at least 8)",
+                where=where,
+            )
+        header_len = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
+        if header_len > max_header_bytes:
+            raise InvalidInputError(
+                f"header exceeds shardctl limit ({_mib(max_header_bytes)}): "
+                f"header length field says {header_len} bytes",
+                where=where,
+                hint="use --max-header-bytes if the file is trusted",
+            )
+        if 8 + header_len > file_size:
+            raise InvalidInputError(
+                f"header length {header_len} runs past the end of the file "
+                f"({file_size} bytes): truncated or not a safetensors file",
+                where=where,
+            )
+        raw = _pread_exact(fd, header_len, 8, where)
+    finally:
+        os.close(fd)
+    return parse_header(raw, path=path, file_size=file_size)
+
+
+def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader:
+    """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
+    where = str(path)
+    pairs = _decode(raw, where)
+    metadata: dict[str, str] | None = None
+    seen_metadata = False
+    names: set[str] = set()
+    entries: list[HeaderEntry] = []
+    for name, info in pairs:
+        if name == METADATA_KEY:
+            if seen_metadata:
+                raise InvalidInputError(f"duplicate {METADATA_KEY!r} key in header", where=where)
+            seen_metadata = True
+            metadata = _metadata(info, where)
+            continue
+        if name in names:
+            raise InvalidInputError(
+                f"duplicate tensor name {name!r} in header",
+                where=where,
+                hint="the file is corrupt or hand-made; JSON would silently keep the last",
+            )
+        names.add(name)
+        entries.append(_entry(name, info, where))
+    data_offset = 8 + len(raw)
+    entries.sort(key=lambda e: (e.begin, e.end))
+    _check_tiling(entries, data_offset, file_size, where)
+    return SafetensorsHeader(
+        path=path,
+        header_len=len(raw),
+        data_offset=data_offset,
+        file_size=file_size,
+        metadata=metadata,
+        tensors=tuple(entries),
+    )
+
+
+def _decode(raw: bytes, where: str) -> _Object:
+    """Strict UTF-8 JSON → the top-level object's pairs (nested objects are ``_Object`` too)."""
+    if b"\x00" in raw:
+        raise InvalidInputError("header holds NUL bytes (corrupt or NUL-padded)", where=where)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise InvalidInputError(
+            f"header is not valid UTF-8 (byte {exc.start} of the header)", where=where
+        ) from None
+    try:
+        value = json.loads(text, object_pairs_hook=_Object, parse_constant=_refuse_constant)
+    except RecursionError:
+        raise InvalidInputError("header JSON nests too deeply", where=where) from None
+    except _Refused as exc:
+        raise InvalidInputError(f"header is not strict JSON: {exc}", where=where) from None
+    except ValueError as exc:  # JSONDecodeError, or an integer literal too long to convert
+        raise InvalidInputError(f"header is not valid JSON: {exc}", where=where) from None
+    if not isinstance(value, _Object):
+        raise InvalidInputError(
+            f"header is not a JSON object (got {_json_type(value)})", where=where
+        )
+    return value
+
+
+def _metadata(info: Any, where: str) -> dict[str, str]:
+    if not isinstance(info, _Object):
+        raise InvalidInputError(
+            f"{METADATA_KEY!r} must be an object of strings, got {_json_type(info)}", where=where
+        )
+    keys = {k for k, _ in info}
+    if {"dtype", "shape", "data_offsets"} <= keys:
+        raise InvalidInputError(
+            f"a tensor is named {METADATA_KEY!r}, which the safetensors format reserves",
+            where=where,
+            hint="rename the tensor",
+        )
+    out: dict[str, str] = {}
+    for key, value in info:
+        if key in out:
+            raise InvalidInputError(f"duplicate key {key!r} in {METADATA_KEY!r}", where=where)
+        if not isinstance(value, str):
+            raise InvalidInputError(
+                f"{METADATA_KEY}[{key!r}]: expected a string, got {_json_type(value)}",
+                where=where,
+            )
+        out[key] = value
+    return out
+
+
+def _entry(name: str, info: Any, where: str) -> HeaderEntry:
+    if name == "":
+        raise InvalidInputError("empty tensor name in header", where=where)
+    at = f"tensor {name!r}"
+    if not isinstance(info, _Object):
+        raise InvalidInputError(f"{at}: expected an object, got {_json_type(info)}", where=where)
+    fields: dict[str, Any] = {}
+    for key, value in info:
+        if key in fields:
+            raise InvalidInputError(f"{at}: duplicate field {key!r}", where=where)
+        fields[key] = value  # unknown fields are accepted and ignored, as safetensors does
+    for key in ("dtype", "shape", "data_offsets"):
+        if key not in fields:
+            raise InvalidInputError(f"{at}: missing {key!r}", where=where)
+    dtype = fields["dtype"]
+    if not isinstance(dtype, str) or dtype not in DTYPE_BITS:
+        raise InvalidInputError(
+            f"{at}: unknown dtype {dtype!r}",
+            where=where,
+            hint=f"known: {', '.join(DTYPE_BITS)}",
+        )
+    shape = fields["shape"]
+    if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
+        raise InvalidInputError(
+            f"{at}: shape must be a list of non-negative integers, got {_short(shape)}",
+            where=where,
+        )
+    offsets = fields["data_offsets"]
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(_is_nonneg_int(o) for o in offsets)
+    ):
+        raise InvalidInputError(
+            f"{at}: data_offsets must be [begin, end], two non-negative integers, "
+            f"got {_short(offsets)}",
+            where=where,
+        )
+    begin, end = offsets
+    if begin > end:
+        raise InvalidInputError(
+            f"{at}: data_offsets [{begin}, {end}] end before they begin", where=where
+        )
+    bits = DTYPE_BITS[dtype] * math.prod(shape)
+    if bits != 8 * (end - begin):
+        need = f"{bits // 8}" if bits % 8 == 0 else f"{bits / 8}"
+        raise InvalidInputError(
+            f"{at}: {dtype} {list(shape)} needs {need} bytes, "
+            f"data_offsets [{begin}, {end}] span {end - begin}",
+            where=where,
+        )
+    return HeaderEntry(name, dtype, tuple(shape), begin, end)
+
+
+def _check_tiling(entries: list[HeaderEntry], data_offset: int, file_size: int, where: str) -> None:
+    """Sorted entries must cover ``[0, data size)`` exactly once: no overlap, gap or tail."""
+    expected = data_offset + max((e.end for e in entries), default=0)
+    if expected != file_size:
+        raise InvalidInputError(
+            f"truncated or trailing bytes (header expects {expected}, file has {file_size})",
+            where=where,
+            hint="re-download or re-copy the file",
+        )
+    cursor = 0
+    prev: HeaderEntry | None = None
+    for e in entries:
+        if e.begin < cursor:
+            assert prev is not None
+            raise InvalidInputError(
+                f"tensors {prev.name!r} [{prev.begin}, {prev.end}] and {e.name!r} "
+                f"[{e.begin}, {e.end}] overlap",
+                where=where,
+            )
+        if e.begin > cursor:
+            raise InvalidInputError(
+                f"gap in the data region: bytes [{cursor}, {e.begin}) belong to no tensor "
+                f"(next is {e.name!r})",
+                where=where,
+            )
+        cursor = e.end
+        prev = e
+
+
+def header_bytes(
+    entries: Iterable[HeaderEntry], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The first ``data_offset`` bytes of a safetensors file holding ``entries``, in that order.
+
+    As safetensors writes it: compact JSON, ``__metadata__`` first (keys sorted here, for
+    reproducible bytes; safetensors' own order is arbitrary), padded with spaces to a multiple
+    of 8, behind its u64 little-endian length. Entries must tile ``[0, total)`` in order::
+
+        >>> header_bytes([HeaderEntry("w", "F32", (2,), 0, 8)])[8:]
+        b'{"w":{"dtype":"F32","shape":[2],"data_offsets":[0,8]}}     '
+    """
+    obj: dict[str, Any] = {}
+    if metadata is not None:
+        obj[METADATA_KEY] = {k: metadata[k] for k in sorted(metadata)}
+    cursor = 0
+    for e in entries:
+        assert e.name and e.name != METADATA_KEY and e.name not in obj, e.name
+        assert e.begin == cursor and e.end >= e.begin, f"{e.name}: offsets do not tile"
+        assert DTYPE_BITS[e.dtype] * math.prod(e.shape) == 8 * e.nbytes, e.name
+        obj[e.name] = {"dtype": e.dtype, "shape": list(e.shape), "data_offsets": [e.begin, e.end]}
+        cursor = e.end
+    body = json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body += b" " * (-len(body) % 8)
+    return len(body).to_bytes(8, "little") + body
+
+
+# ---- small helpers ---------------------------------------------------------------------
+
+
+def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+    chunks: list[bytes] = []
+    got = 0
+    while got < n:
+        chunk = os.pread(fd, min(n - got, 1 << 20), offset + got)
+        if not chunk:
+            raise InvalidInputError(
+                f"file ended at byte {offset + got} while reading {n} bytes at {offset} "
+                "(changed while reading?)",
+                where=where,
+            )
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def _is_nonneg_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _json_type(v: Any) -> str:
+    if isinstance(v, _Object):
+        return "object"
+    if isinstance(v, list):
+        return "array"
+    if isinstance(v, bool):
+        return "boolean"
+    if v is None:
+        return "null"
+    if isinstance(v, (int, float)):
+        return "number"
+    return "string"
+
+
+def _short(v: Any) -> str:
+    text = repr(list(v) if isinstance(v, _Object) else v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _kind(mode: int) -> str:
+    for test, name in (
+        (stat.S_ISDIR, "directory"),
+        (stat.S_ISFIFO, "FIFO"),
+        (stat.S_ISCHR, "character device"),
+        (stat.S_ISBLK, "block device"),
+        (stat.S_ISSOCK, "socket"),
+    ):
+        if test(mode):
+            return name
+    return "special file"
+
+
+def _mib(n: int) -> str:
+    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n} bytes"

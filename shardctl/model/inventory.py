@@ -1,0 +1,148 @@
+"""Build a :class:`ModelInfo` from a config, a checkpoint directory, or a parameter count.
+
+No tensor data is read, and torch is never imported:
+
+- ``from_config`` / ``from_config_file``: closed-form shapes per architecture
+  (:mod:`shardctl.model.archs`);
+- ``from_checkpoint``: the safetensors headers (through
+  :func:`shardctl.io.checkpoint.open_checkpoint`, which validates the index and paths),
+  plus ``config.json`` for the architecture and dims;
+- ``from_parameters``: a bare count, for what-if planning (no per-tensor layout).
+
+dtype: an explicit ``dtype`` wins; otherwise the config's ``torch_dtype`` (transformers 4) or
+``dtype`` (transformers 5) field; otherwise BF16 (what nearly every current LLM ships in).
+For a checkpoint, each tensor keeps its on-disk dtype and ``ModelInfo.dtype`` is the dtype that
+holds the most bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from shardctl.dtypes import normalize_dtype
+from shardctl.errors import InvalidInputError
+from shardctl.io.checkpoint import open_checkpoint, read_json_strict
+from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
+from shardctl.model.types import ModelInfo, TensorInfo
+
+DEFAULT_DTYPE = "BF16"
+MAX_CONFIG_BYTES = 10 * 2**20
+
+
+def config_dtype(config: Mapping[str, Any], *, where: str = "config") -> str | None:
+    """The config's own dtype (``torch_dtype`` or ``dtype``), or None when absent or ``auto``."""
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if isinstance(value, str) and value != "auto":
+            return normalize_dtype(value, where=f"{where}: {key}")
+    return None
+
+
+def from_config(
+    config: Mapping[str, Any],
+    *,
+    dtype: str | None = None,
+    source: str = "config",
+    where: str | None = None,
+) -> ModelInfo:
+    """Inventory from HF config fields: a parsed ``config.json`` or a manifest's inline keys."""
+    where = where or source
+    if not isinstance(config, Mapping):
+        raise InvalidInputError(
+            f"config must be an object, got {type(config).__name__}", where=where
+        )
+    code = (
+        normalize_dtype(dtype, where=where)
+        if dtype is not None
+        else config_dtype(config, where=where) or DEFAULT_DTYPE
+    )
+    tensors = tensors_from_config(config, code, where=where)
+    return ModelInfo(
+        architecture=config["model_type"],
+        dims=dims_from_config(config, where=where),
+        tensors=tensors,
+        dtype=code,
+        source=source,
+        config=MappingProxyType(dict(config)),
+    )
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    """A ``config.json`` as a dict, read strictly (size cap, no duplicate keys, no NaN)."""
+    data = read_json_strict(Path(path), max_bytes=MAX_CONFIG_BYTES, what="config")
+    if not isinstance(data, dict):
+        raise InvalidInputError(
+            f"config is not a JSON object (got {type(data).__name__})", where=str(path)
+        )
+    return data
+
+
+def from_config_file(path: Path, *, dtype: str | None = None) -> ModelInfo:
+    """Inventory from a ``config.json`` file."""
+    return from_config(read_config(path), dtype=dtype, source="config", where=str(path))
+
+
+def from_checkpoint(root: Path, *, follow_external_symlinks: bool = False) -> ModelInfo:
+    """Inventory from a checkpoint's headers, in file order (index file order, then offset).
+
+    ``config.json`` (beside the weights) gives ``architecture`` (its ``model_type``) and ``dims``;
+    an architecture shardctl has no shapes for still inventories, with ``dims=None``; without a
+    config the architecture is ``"unknown"``.
+    """
+    root = Path(root)
+    ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
+    if ck.kind != "hf":
+        raise InvalidInputError(
+            f"is a shardctl {ck.kind} layout, not a Hugging Face checkpoint",
+            where=str(root),
+            hint="merge it back with shardctl reshard, or inspect its layout record",
+        )
+    tensors = tuple(
+        TensorInfo(fqn, loc.entry.shape, loc.entry.dtype) for fqn, loc in ck.locations.items()
+    )
+    config_path = (root if root.is_dir() else root.parent) / "config.json"
+    config: dict[str, Any] = read_config(config_path) if config_path.exists() else {}
+    model_type = config.get("model_type")
+    architecture = model_type if isinstance(model_type, str) and model_type else "unknown"
+    dims = dims_from_config(config, where=str(config_path)) if architecture in SUPPORTED else None
+    return ModelInfo(
+        architecture=architecture,
+        dims=dims,
+        tensors=tensors,
+        dtype=_dominant_dtype(tensors) or config_dtype(config) or DEFAULT_DTYPE,
+        source="checkpoint",
+        config=MappingProxyType(config),
+    )
+
+
+def from_parameters(n: int, dtype: str) -> ModelInfo:
+    """Model states only: ``n`` parameters of ``dtype``, no tensors, no dims."""
+    value: object = n  # a manifest may hand over 7.5e9 as a float
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(
+            f"model.parameters: expected a positive integer, got {n!r}", where="model"
+        )
+    return ModelInfo(
+        architecture="unknown",
+        dims=None,
+        tensors=(),
+        dtype=normalize_dtype(dtype, where="model.dtype"),
+        source="parameters",
+        parameter_count=value,
+    )
+
+
+def _dominant_dtype(tensors: tuple[TensorInfo, ...]) -> str | None:
+    by_bytes: Counter[str] = Counter()
+    for t in tensors:
+        by_bytes[t.dtype] += t.nbytes
+    if not by_bytes:
+        return None
+    return min(by_bytes, key=lambda d: (-by_bytes[d], d))
