@@ -11,33 +11,20 @@ contiguous: expert ``e`` on ep rank ``e // (E / ep)``; everything else replicate
 
 from __future__ import annotations
 
-import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
-from shardctl.layout.pipeline import assign_layers, layer_index, stage_of_layers
-from shardctl.layout.placement import resolve_placement
-from shardctl.layout.presets import CONV1D_ARCHS, preset
-from shardctl.layout.rules import Match, Matcher, compile_rules
-from shardctl.layout.split import Part, SplitError, SplitSpec, local_numels, split
-from shardctl.layout.types import (
-    Layout,
-    LayoutOptions,
-    Mesh,
-    RankLayout,
-    RuleSpec,
-    Shard,
-    Stage,
-)
-from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
+from shardctl.layout.pipeline import assign_layers, stage_of_layers
+from shardctl.layout.resolve import TensorRule, model_rules
+from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
+from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, RuleSpec, Shard, Stage
+from shardctl.model.types import ModelInfo, TensorInfo
 
 VOCAB_PADDING: tuple[str, ...] = ("none", "tp", "megatron")
 UNEVEN: tuple[str, ...] = ("error", "chunk")
 MEGATRON_VOCAB_MULTIPLE = 128  # Megatron's --make-vocab-size-divisible-by default
-
-_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -141,154 +128,75 @@ def resolve(
 ) -> Resolution:
     """Rules, stages and ep ranks for every tensor (the shared half of both entry points)."""
     _check_options(mesh, options)
-    if not model.tensors:
-        raise LayoutError(
-            "the model has no per-tensor inventory (a bare parameter count)",
-            where="model",
-            hint="give model.config or model.checkpoint for a per-rank layout",
-        )
-    dims = model.dims
-    num_layers = dims.num_layers if dims is not None else _count_layers(model.tensors)
-    stages = assign_layers(num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
-    layer_stage = stage_of_layers(stages, num_layers)
-    num_experts = dims.num_experts if dims is not None else 0
+    static = model_rules(model, rules)
+    stages = assign_layers(static.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
+    layer_stage = stage_of_layers(stages, static.num_layers)
     if mesh.ep > 1:
-        _check_ep(mesh.ep, num_experts)
-    names = {t.fqn for t in model.tensors}
-    tied = "lm_head.weight" not in names and (dims is None or dims.tie_word_embeddings)
-    conv1d = model.architecture in CONV1D_ARCHS
-    matcher = Matcher(compile_rules(tuple(rules), preset(model.architecture), model.architecture))
-
+        _check_ep(mesh.ep, static.num_experts)
+    experts_per_rank = static.num_experts // mesh.ep if static.num_experts else 1
+    # Layers repeat the same few shapes: resolve each (shape, dim, parts, vocab) once per mesh.
+    specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
     plans: list[TensorPlan] = []
     padded: dict[str, tuple[int, ...]] = {}
-    for info in model.tensors:
-        layer = layer_index(info.fqn)
-        match = matcher.match(info.fqn, need_stage=layer is None and mesh.pp > 1)
-        if layer is not None:
-            if layer >= num_layers:
-                raise LayoutError(
-                    f"layer {layer} is outside the model's num_layers={num_layers}",
-                    where=info.fqn,
-                    hint="check num_hidden_layers in the config against the checkpoint",
-                )
-            on: tuple[int, ...] = (layer_stage[layer],)
+    for t in static.tensors:
+        key = (t.info.shape, t.dim, t.parts, t.vocab)
+        hit = specs.get(key)
+        if hit is None:
+            hit = specs[key] = _split_spec(t, mesh.tp, options)
+        spec, placement = hit
+        if t.layer is not None:
+            on: tuple[int, ...] = (layer_stage[t.layer],)
         else:
-            on = _non_layer_stages(info.fqn, match.stage, mesh.pp, tied)
-        spec, placement = _split_spec(info, match, dims, mesh.tp, options, conv1d)
+            on = _non_layer_stages(t.info.fqn, t.stage, mesh.pp, static.tied)
         if spec.padded is not None and spec.dim is not None:
-            if spec.padded != info.shape[spec.dim]:
-                padded[info.fqn] = tuple(
-                    spec.padded if i == spec.dim else s for i, s in enumerate(info.shape)
+            if spec.padded != t.info.shape[spec.dim]:
+                padded[t.info.fqn] = tuple(
+                    spec.padded if i == spec.dim else s for i, s in enumerate(t.info.shape)
                 )
         ep_rank = None
-        if match.rule.rule.expert:
-            ep_rank = _ep_rank(info.fqn, num_experts, mesh.ep)
+        if t.expert is not None:
+            # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
+            ep_rank = t.expert // experts_per_rank if mesh.ep > 1 else 0
             placement = f"E{ep_rank}/{mesh.ep}·{placement}"
-        plans.append(TensorPlan(info, spec, placement, on, ep_rank))
-    matcher.check_unused(names)
+        plans.append(TensorPlan(t.info, spec, placement, on, ep_rank))
     return Resolution(stages, tuple(plans), padded)
 
 
-def _split_spec(
-    info: TensorInfo,
-    match: Match,
-    dims: ModelDims | None,
-    tp: int,
-    options: LayoutOptions,
-    conv1d: bool,
-) -> tuple[SplitSpec, str]:
-    cr = match.rule
-    assert cr.placement is not None
-    resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
-    dim = resolved.placement.dim
-    if dim is None:
-        return SplitSpec(info.shape, None), "R"
-    rule = cr.rule
-    length = info.shape[dim]
-    parts: tuple[Part, ...] = ()
-    if rule.parts:
-        parts = tuple(_part(p, dims, info.fqn, cr.label) for p in rule.parts)
-        if sum(p.size for p in parts) != length:
-            sizes = [p.size for p in parts]
-            raise LayoutError(
-                f"parts {list(rule.parts)} = {sizes} sum to {sum(sizes)}, but dim {dim} of "
-                f"{list(info.shape)} is {length}",
-                where=info.fqn,
-                hint=f"fix {cr.label}.parts to sum to {length}",
-            )
-    elif rule.heads:
-        whole = _part(rule.heads, dims, info.fqn, cr.label)
-        if length % whole.heads:
-            raise LayoutError(
-                f"dim {dim} of {list(info.shape)} ({length}) is not a whole number of "
-                f"{whole.heads_name}={whole.heads} heads",
-                where=info.fqn,
-                hint=f"check head_dim in the config, or drop heads from {cr.label}",
-            )
-        parts = (Part(length, whole.heads, whole.heads_name, whole.replicable, whole.q_heads),)
-    padded_len = None
-    if resolved.vocab and options.vocab_padding != "none":
-        if len(parts) > 1:
-            raise LayoutError(
-                "vocab placement cannot have fused parts", where=info.fqn, hint="use S(0)"
-            )
-        padded_len = _padded_vocab(length, tp, options.vocab_padding)
-        parts = ()
-    spec = SplitSpec(info.shape, dim, parts, padded_len, options.uneven == "chunk")
+def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSpec, str]:
+    shape = t.info.shape
+    if t.dim is None:
+        return SplitSpec(shape, None), "R"
+    chunk = options.uneven == "chunk"
+    if t.vocab and options.vocab_padding != "none":
+        padded_len = _padded_vocab(shape[t.dim], tp, options.vocab_padding)
+        spec = SplitSpec(shape, t.dim, (), padded_len, chunk)
+    else:
+        spec = SplitSpec(shape, t.dim, t.parts, None, chunk)
     try:
         split(spec, tp)
     except SplitError as err:
         raise LayoutError(
-            f"{err.message} (dim {dim} of {list(info.shape)}, placement from {cr.label})",
-            where=info.fqn,
+            f"{err.message} (dim {t.dim} of {list(shape)}, placement from {t.label})",
+            where=t.info.fqn,
             hint=err.hint,
         ) from None
     return spec, _describe(spec, tp)
 
 
 def _describe(spec: SplitSpec, tp: int) -> str:
+    """The printable resolved placement: ``S(0)``, ``S(0)·parts[…]·rep[2]``, ``S(0)·pad[P]``."""
+    assert spec.dim is not None
     text = f"S({spec.dim})"
     if len(spec.parts) > 1:
         text += "·parts[" + ",".join(str(p.size) for p in spec.parts) + "]"
     replicas = max((tp // p.heads for p in spec.parts if p.heads and tp > p.heads), default=0)
     if replicas:
         text += f"·rep[{replicas}]"
-    if spec.padded is not None and spec.dim is not None and spec.padded != spec.shape[spec.dim]:
+    if spec.padded is not None and spec.padded != spec.shape[spec.dim]:
         text += f"·pad[{spec.padded}]"
-    uneven = any(p.size % tp for p in spec.parts if not p.heads) or (
-        not spec.parts
-        and spec.dim is not None
-        and spec.padded is None
-        and spec.shape[spec.dim] % tp
-    )
-    if spec.chunk and uneven:
+    if spec.chunk and any(p.size % tp for p in spec.parts if not p.heads):
         text += "·chunk"
     return text
-
-
-def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part:
-    if isinstance(name, int):
-        return Part(name)
-    if dims is None:
-        raise LayoutError(
-            f"{label} names {name!r}, which needs the model's dims (no config for this model)",
-            where=fqn,
-            hint="give the parts as sizes in elements, or a model.config",
-        )
-    if name == "q":
-        return Part(dims.num_heads * dims.head_dim, dims.num_heads, "num_attention_heads")
-    if name == "kv":
-        return Part(
-            dims.num_kv_heads * dims.head_dim,
-            dims.num_kv_heads,
-            "num_key_value_heads",
-            replicable=True,
-            q_heads=dims.num_heads,
-        )
-    if name == "intermediate":
-        return Part(dims.intermediate_size)
-    assert name == "hidden", name
-    return Part(dims.hidden_size)
 
 
 def _padded_vocab(length: int, tp: int, policy: str) -> int:
@@ -331,31 +239,6 @@ def _check_ep(ep: int, num_experts: int) -> None:
             where="mesh.ep",
             hint="use ep in {" + ", ".join(map(str, ok)) + "}",
         )
-
-
-def _ep_rank(fqn: str, num_experts: int, ep: int) -> int:
-    m = _EXPERT.search(fqn)
-    if m is None:
-        raise LayoutError(
-            "an expert rule matched, but the name has no 'experts.<e>.' index",
-            where=fqn,
-            hint="drop expert: true from that rule, or match only per-expert tensors",
-        )
-    e = int(m.group(1))
-    if num_experts and e >= num_experts:
-        raise LayoutError(
-            f"expert {e} is outside num_experts={num_experts}",
-            where=fqn,
-            hint="check num_local_experts in the config against the checkpoint",
-        )
-    if ep == 1:
-        return 0
-    return e // (num_experts // ep)
-
-
-def _count_layers(tensors: Sequence[TensorInfo]) -> int:
-    indices = [i for i in (layer_index(t.fqn) for t in tensors) if i is not None]
-    return max(indices) + 1 if indices else 0
 
 
 def _check_options(mesh: Mesh, options: LayoutOptions) -> None:

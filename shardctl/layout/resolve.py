@@ -1,0 +1,180 @@
+"""The mesh-independent half of a layout: for every tensor, its rule, resolved placement dim,
+fused parts / heads, layer, stage hint and expert index.
+
+A layout search asks for hundreds of meshes of one model; this half depends only on the model
+and the rules, so it is computed once per ``(model, rules)`` and cached.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardctl.errors import LayoutError
+from shardctl.layout.pipeline import layer_index
+from shardctl.layout.placement import resolve_placement
+from shardctl.layout.presets import CONV1D_ARCHS, preset
+from shardctl.layout.rules import Matcher, compile_rules
+from shardctl.layout.split import Part
+from shardctl.layout.types import RuleSpec
+from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
+
+_EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+
+
+@dataclass(frozen=True)
+class TensorRule:
+    """One tensor as the rules place it, before any mesh is known."""
+
+    info: TensorInfo
+    layer: int | None  # decoder layer, or None (embeddings, final norm, head)
+    stage: str | None  # first | last | all | embedding, for non-layer tensors
+    dim: int | None  # the tp-sharded dim; None = replicated
+    parts: tuple[Part, ...]  # sections along ``dim`` (one whole part, or fused, or heads)
+    vocab: bool  # vocab-parallel: the padding policy applies
+    expert: int | None  # expert index e when placed by an expert rule
+    label: str  # the rule that placed it, for messages
+
+
+@dataclass(frozen=True)
+class ModelRules:
+    tensors: tuple[TensorRule, ...]
+    num_layers: int
+    num_experts: int
+    tied: bool  # no lm_head on disk: the embedding table is also the head
+
+
+_CACHE: dict[tuple[int, tuple[RuleSpec, ...]], tuple[weakref.ref[ModelInfo], ModelRules]] = {}
+_CACHE_SIZE = 16
+
+
+def model_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
+    """:func:`resolve_rules`, cached per ``(model object, rules)``."""
+    key = (id(model), tuple(rules))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    result = resolve_rules(model, key[1])
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.clear()
+    _CACHE[key] = (weakref.ref(model), result)
+    return result
+
+
+def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
+    if not model.tensors:
+        raise LayoutError(
+            "the model has no per-tensor inventory (a bare parameter count)",
+            where="model",
+            hint="give model.config or model.checkpoint for a per-rank layout",
+        )
+    dims = model.dims
+    conv1d = model.architecture in CONV1D_ARCHS
+    matcher = Matcher(compile_rules(tuple(rules), preset(model.architecture), model.architecture))
+    out: list[TensorRule] = []
+    for info in model.tensors:
+        layer = layer_index(info.fqn)
+        match = matcher.match(info.fqn, need_stage=layer is None)
+        cr = match.rule
+        assert cr.placement is not None
+        resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
+        dim = resolved.placement.dim
+        parts = () if dim is None else _parts(info, dim, cr.rule, dims, cr.label)
+        if resolved.vocab and len(parts) > 1:
+            raise LayoutError(
+                "a vocab placement cannot have fused parts",
+                where=info.fqn,
+                hint=f"drop parts from {cr.label}, or use S(0)",
+            )
+        expert = _expert_index(info.fqn) if cr.rule.expert else None
+        out.append(
+            TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
+        )
+    names = [t.fqn for t in model.tensors]
+    matcher.check_unused(names)
+    layers = [t.layer for t in out if t.layer is not None]
+    num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)
+    for t in out:
+        if t.layer is not None and t.layer >= num_layers:
+            raise LayoutError(
+                f"layer {t.layer} is outside the model's num_layers={num_layers}",
+                where=t.info.fqn,
+                hint="check num_hidden_layers in the config against the checkpoint",
+            )
+    num_experts = dims.num_experts if dims is not None else 0
+    for t in out:
+        if t.expert is not None and num_experts and t.expert >= num_experts:
+            raise LayoutError(
+                f"expert {t.expert} is outside num_experts={num_experts}",
+                where=t.info.fqn,
+                hint="check num_local_experts in the config against the checkpoint",
+            )
+    tied = "lm_head.weight" not in set(names) and (dims is None or dims.tie_word_embeddings)
+    return ModelRules(tuple(out), num_layers, num_experts, tied)
+
+
+def _parts(
+    info: TensorInfo, dim: int, rule: RuleSpec, dims: ModelDims | None, label: str
+) -> tuple[Part, ...]:
+    length = info.shape[dim]
+    if rule.parts:
+        parts = tuple(_part(p, dims, info.fqn, label) for p in rule.parts)
+        if sum(p.size for p in parts) != length:
+            sizes = [p.size for p in parts]
+            raise LayoutError(
+                f"parts {list(rule.parts)} = {sizes} sum to {sum(sizes)}, but dim {dim} of "
+                f"{list(info.shape)} is {length}",
+                where=info.fqn,
+                hint=f"fix {label}.parts to sum to {length}",
+            )
+        return parts
+    if rule.heads:
+        whole = _part(rule.heads, dims, info.fqn, label)
+        if whole.heads == 0 or length % whole.heads:
+            raise LayoutError(
+                f"dim {dim} of {list(info.shape)} ({length}) is not a whole number of "
+                f"{whole.heads_name}={whole.heads} heads",
+                where=info.fqn,
+                hint=f"check head_dim in the config, or drop heads from {label}",
+            )
+        return (Part(length, whole.heads, whole.heads_name, whole.replicable, whole.q_heads),)
+    return (Part(length),)
+
+
+def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part:
+    """A part named in a rule: a size, or ``q`` / ``kv`` (whole heads), ``intermediate``."""
+    if isinstance(name, int):
+        return Part(name)
+    if dims is None:
+        raise LayoutError(
+            f"{label} names {name!r}, which needs the model's dims (no config for this model)",
+            where=fqn,
+            hint="give the parts as sizes in elements, or a model.config",
+        )
+    if name == "q":
+        return Part(dims.num_heads * dims.head_dim, dims.num_heads, "num_attention_heads")
+    if name == "kv":
+        return Part(
+            dims.num_kv_heads * dims.head_dim,
+            dims.num_kv_heads,
+            "num_key_value_heads",
+            replicable=True,
+            q_heads=dims.num_heads,
+        )
+    if name == "intermediate":
+        return Part(dims.intermediate_size)
+    assert name == "hidden", name
+    return Part(dims.hidden_size)
+
+
+def _expert_index(fqn: str) -> int:
+    m = _EXPERT.search(fqn)
+    if m is None:
+        raise LayoutError(
+            "an expert rule matched, but the name has no 'experts.<e>.' index",
+            where=fqn,
+            hint="drop expert: true from that rule, or match only per-expert tensors",
+        )
+    return int(m.group(1))
