@@ -62,7 +62,7 @@ def assign_layers(
                 where="pipeline.convention",
                 hint=f"use one of {', '.join(CONVENTIONS)}",
             )
-        if pp > num_layers:
+        if pp > max(num_layers, 1):
             raise LayoutError(
                 f"pp={pp} is larger than num_layers={num_layers}: some stage would hold no layer",
                 where="mesh.pp",

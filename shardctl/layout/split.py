@@ -120,7 +120,12 @@ def _part_ranges(
         return _head_ranges(part, tp)
     if padded is not None:
         per = padded // tp
-        return [(r * per, max(0, min(length, (r + 1) * per) - r * per), per) for r in range(tp)]
+        out = []
+        for r in range(tp):
+            # a rank past the real rows holds only padding: an empty piece at the end
+            start = min(r * per, length)
+            out.append((start, min(length, (r + 1) * per) - start, per))
+        return out
     if length % tp == 0:
         per = length // tp
         return [(r * per, per, per) for r in range(tp)]
