@@ -399,3 +399,15 @@ def test_a19_truncated_shard(sharded: Path) -> None:
     shard = sharded / "model-00005-of-00020.safetensors"
     os.truncate(shard, shard.stat().st_size - 4)
     _refused(sharded, str(shard), "truncated or trailing bytes")
+
+
+def test_shardctl_hf_output_read_as_hf(single: Path) -> None:
+    from shardctl.model.inventory import from_checkpoint
+
+    (single / "shardctl.layout.json").write_text("{}")
+    assert open_checkpoint(single).kind == "shardctl"
+    ck = open_checkpoint(single, ignore_layout_record=True)
+    assert ck.kind == "hf" and ck.layout_record == single / "shardctl.layout.json"
+    assert Path("shardctl.layout.json") in dict(ck.ignored)
+    assert Path("shardctl.layout.json") not in ck.extra_files
+    assert from_checkpoint(single).tensors  # plan/inspect on an HF-format output

@@ -26,6 +26,9 @@
 Without an index, ``model.safetensors`` is the checkpoint (or the only ``*.safetensors``).
 A shardctl sharded layout (``shardctl.layout.json`` at the root) is reported as
 ``kind="shardctl"`` with its record path and no further checks: its reader validates it.
+``ignore_layout_record=True`` reads such a directory as a plain HF checkpoint instead (for
+shardctl's own HF-format outputs, which carry a record); the record is then listed in
+``ignored`` and ``layout_record`` still points at it.
 
 Carried files (``extra_files``): every regular top-level file that is not weights or an index —
 config.json, generation_config.json, tokenizer files, chat templates, README, licence.
@@ -136,6 +139,7 @@ def open_checkpoint(
     *,
     follow_external_symlinks: bool = False,
     max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES,
+    ignore_layout_record: bool = False,
 ) -> CheckpointFiles:
     """Validate ``root`` (a directory, or one ``.safetensors`` file) and locate every tensor."""
     root = Path(root)
@@ -146,7 +150,8 @@ def open_checkpoint(
         return CheckpointFiles(root=root, kind="hf", files=(header,), locations=_locate([header]))
     if not root.is_dir():
         raise InvalidInputError("not a directory or a safetensors file", where=str(root))
-    if (root / LAYOUT_RECORD).exists():
+    has_record = os.path.lexists(root / LAYOUT_RECORD)
+    if has_record and not ignore_layout_record:
         return CheckpointFiles(
             root=root, kind="shardctl", files=(), locations={}, layout_record=root / LAYOUT_RECORD
         )
@@ -238,6 +243,7 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
         extra_files=tuple(extras),
         ignored=tuple(sorted(ignored)),
         warnings=tuple(warnings),
+        layout_record=root / LAYOUT_RECORD if LAYOUT_RECORD in listing.files else None,
         pickle_files=pickles,
     )
 
@@ -280,6 +286,8 @@ def _list_dir(root: Path) -> _Listing:
 
 
 def _not_carried_reason(name: str) -> str | None:
+    if name == LAYOUT_RECORD:
+        return "shardctl layout record (describes this directory, not a copy of it)"
     if name.endswith((".safetensors", ".safetensors.index.json")):
         return "safetensors file not referenced by the checkpoint's index"
     if name.endswith(PICKLE_SUFFIXES) or name.endswith(

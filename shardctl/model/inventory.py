@@ -90,12 +90,22 @@ def from_config_file(path: Path, *, dtype: str | None = None) -> ModelInfo:
 def from_checkpoint(root: Path, *, follow_external_symlinks: bool = False) -> ModelInfo:
     """Inventory from a checkpoint's headers, in file order (index file order, then offset).
 
+    A shardctl per-rank layout is refused here (its record, read by shardctl.reshard, gives
+    the global tensors); shardctl's HF-format outputs (record + HF weights) are read as HF.
+
     ``config.json`` (beside the weights) gives ``architecture`` (its ``model_type``) and ``dims``;
     an architecture shardctl has no shapes for still inventories, with ``dims=None``; without a
     config the architecture is ``"unknown"``.
     """
     root = Path(root)
     ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
+    if ck.kind == "shardctl" and any(
+        (root / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")
+    ):
+        # shardctl's HF-format output: the record describes it, the weights are plain HF.
+        ck = open_checkpoint(
+            root, follow_external_symlinks=follow_external_symlinks, ignore_layout_record=True
+        )
     if ck.kind != "hf":
         raise InvalidInputError(
             f"is a shardctl {ck.kind} layout, not a Hugging Face checkpoint",
