@@ -1,0 +1,325 @@
+"""The manifest's JSON Schema (draft 2020-12), for editors and CI linters.
+
+Built from the validator's own key lists and choices (:data:`validate.SECTION_KEYS`,
+:mod:`shardctl.manifest.model`), so the two cannot drift; a test pins the committed copy in
+``shardctl/schema/manifest.schema.json``. The loader stays the authority: it also refuses what a
+schema cannot say (YAML 1.1 spellings, duplicate keys, anchors, cross-field rules).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardctl.manifest import model as m
+from shardctl.manifest.presets import gpu_names
+from shardctl.manifest.validate import INLINE_POSITIVE_INTS, MAX_AXIS, SECTION_KEYS
+
+SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
+_NUMBER = r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
+SIZE_PATTERN = rf"^\s*{_NUMBER}\s*(?:B|kB|KB|MB|GB|TB|PB|KiB|MiB|GiB|TiB|PiB)?\s*$"
+RATE_PATTERN = (
+    rf"^\s*{_NUMBER}\s*(?:(?:B|kB|KB|MB|GB|TB|PB|KiB|MiB|GiB|TiB|PiB)/s|"
+    r"[KMGT]b/s|[KMGT]bit/s|[KMGT]bps)?\s*$"
+)
+TP_PATTERN = (
+    r"^\s*(?:S\(\s*[0-9]+\s*\)|Shard\(\s*[0-9]+\s*\)|R|Replicate(?:\(\))?"
+    r"|colwise|rowwise|vocab)\s*$"
+)
+DTYPE_EXAMPLES = ["bfloat16", "float16", "float32", "fp8", "BF16"]
+
+
+def _enum(choices: tuple[str, ...], doc: str) -> dict[str, Any]:
+    return {"enum": list(choices), "description": doc}
+
+
+def _int(doc: str, minimum: int = 1, maximum: int | None = None) -> dict[str, Any]:
+    out: dict[str, Any] = {"type": "integer", "minimum": minimum, "description": doc}
+    if maximum is not None:
+        out["maximum"] = maximum
+    return out
+
+
+def _bool(doc: str) -> dict[str, Any]:
+    return {"type": "boolean", "description": doc}
+
+
+def _dtype(doc: str) -> dict[str, Any]:
+    return {"type": "string", "minLength": 1, "description": doc, "examples": DTYPE_EXAMPLES}
+
+
+def _size(doc: str) -> dict[str, Any]:
+    return {"$ref": "#/$defs/size", "description": doc}
+
+
+def _rate(doc: str) -> dict[str, Any]:
+    return {"$ref": "#/$defs/rate", "description": doc}
+
+
+def _object(section: str, properties: dict[str, Any], doc: str) -> dict[str, Any]:
+    assert tuple(properties) == SECTION_KEYS[section], f"schema out of sync for {section}"
+    return {
+        "type": "object",
+        "description": doc,
+        "properties": properties,
+        "additionalProperties": False,
+    }
+
+
+def _model() -> dict[str, Any]:
+    inline = {key: _int(f"HF config field {key}") for key in INLINE_POSITIVE_INTS}
+    return {
+        "type": "object",
+        "description": "The model: exactly one of config, checkpoint, parameters, or inline HF "
+        "config fields (model_type plus the config.json fields).",
+        "properties": {
+            "config": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Path to an HF config.json (relative to this file).",
+            },
+            "checkpoint": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Path to an HF checkpoint directory (exact, from "
+                "safetensors headers).",
+            },
+            "parameters": {
+                "description": "A bare parameter count for what-if planning, e.g. 7.5e9 "
+                "(scientific notation allowed; must be a whole number).",
+                "anyOf": [
+                    {"type": "integer", "minimum": 1},
+                    {"type": "number", "exclusiveMinimum": 0},
+                    {"type": "string", "pattern": rf"^\s*{_NUMBER}\s*$"},
+                ],
+            },
+            "dtype": _dtype("Weight dtype; default: the config's torch_dtype."),
+            "model_type": {
+                "type": "string",
+                "minLength": 1,
+                "description": "Inline config: the HF model_type (llama, qwen2, ...).",
+            },
+            **inline,
+        },
+        "additionalProperties": True,
+        "oneOf": [
+            {"required": ["config"]},
+            {"required": ["checkpoint"]},
+            {"required": ["parameters"]},
+            {"required": ["model_type"]},
+        ],
+    }
+
+
+def _rules() -> dict[str, Any]:
+    rule = _object(
+        "rules[]",
+        {
+            "match": {
+                "type": "string",
+                "minLength": 1,
+                "description": "fnmatch glob on the fqn, e.g. model.layers.*.mlp.down_proj.weight",
+            },
+            "tp": {
+                "type": "string",
+                "pattern": TP_PATTERN,
+                "description": "Placement on the tp axis: S(<dim>), R, colwise, rowwise or vocab.",
+            },
+            "parts": {
+                "type": "array",
+                "minItems": 2,
+                "items": {
+                    "anyOf": [{"type": "integer", "minimum": 1}, {"enum": list(m.RULE_PART_NAMES)}]
+                },
+                "description": "Fused sections along the sharded dim: sizes or q/kv/intermediate.",
+            },
+            "heads": _enum(m.RULE_HEADS, "The sharded dim is made of q or kv heads."),
+            "stage": _enum(
+                m.RULE_STAGES, "Pin a non-layer tensor to the first, last or all stages."
+            ),
+            "expert": _bool("The tensor is an expert weight, split over ep."),
+        },
+        "An override rule; rules are ordered and the first match wins.",
+    )
+    rule["required"] = ["match"]
+    rule["anyOf"] = [{"required": [k]} for k in SECTION_KEYS["rules[]"] if k != "match"]
+    return {
+        "type": "array",
+        "items": rule,
+        "description": "Placement overrides, before the architecture preset's rules.",
+    }
+
+
+def _sections() -> dict[str, Any]:
+    return {
+        "model": _model(),
+        "mesh": _object(
+            "mesh",
+            {
+                axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
+                for axis in SECTION_KEYS["mesh"]
+            },
+            "Device mesh, outer to inner pp, dp, ep, tp; omitted axes are 1.",
+        ),
+        "hardware": _object(
+            "hardware",
+            {
+                "device_memory": _size("Memory per GPU: 80GiB (2^30), 80GB (10^9) or bytes."),
+                "gpus_per_node": _int("GPUs per node (default 8).", 1, 1024),
+                "nodes": _int("Nodes (default 1).", 1, MAX_AXIS),
+                "gpu": {
+                    "type": "string",
+                    "examples": list(gpu_names()),
+                    "description": "A GPU preset filling device_memory and bandwidths.",
+                },
+                "intra_node_bandwidth": _rate("Per GPU, per direction: 450GB/s, 400Gb/s (bits)."),
+                "inter_node_bandwidth": _rate("Per GPU, per direction: 50GB/s, 400Gb/s (bits)."),
+                "allow_tp_across_nodes": _bool("Let a tp group span nodes (default false)."),
+            },
+            "The cluster.",
+        ),
+        "pipeline": _object(
+            "pipeline",
+            {
+                "convention": _enum(
+                    m.PIPELINE_CONVENTIONS,
+                    "How layers split over pp stages when they don't divide evenly (default even).",
+                ),
+                "layers_per_stage": {
+                    "type": ["array", "null"],
+                    "items": {"type": "integer", "minimum": 0},
+                    "description": "Explicit layer count per stage (one per pp stage).",
+                },
+            },
+            "Pipeline stage assignment.",
+        ),
+        "layout": _object(
+            "layout",
+            {
+                "vocab_padding": _enum(
+                    m.VOCAB_PADDING,
+                    "Pad the vocab to a multiple of tp "
+                    "(default), of 128*tp (megatron), or not at all.",
+                ),
+                "uneven": _enum(m.UNEVEN, "Uneven splits: error (default) or torch.chunk rule."),
+            },
+            "Named layout conventions where engines differ.",
+        ),
+        "rules": _rules(),
+        "workload": _object(
+            "workload",
+            {
+                "mode": _enum(m.MODES, "inference (default) or training."),
+                "batch_size": _int("Sequences per batch (default 1)."),
+                "sequence_length": _int("Tokens per sequence; 0 = weights only (default).", 0),
+                "kv_cache_dtype": _dtype("KV cache dtype (default: the model's; fp8 or auto)."),
+                "gpu_memory_utilization": {
+                    "type": "number",
+                    "exclusiveMinimum": 0,
+                    "maximum": 1,
+                    "description": "Fraction of memory usable (default 0.9).",
+                },
+                "flash_attention": _bool("Flash attention (default true)."),
+                "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
+                "gradient_accumulation_steps": _int("Default 1."),
+            },
+            "What runs on the cluster.",
+        ),
+        "training": _object(
+            "training",
+            {
+                "optimizer": _enum(m.OPTIMIZERS, "Default adamw."),
+                "zero": {
+                    "anyOf": [
+                        {"type": "integer", "minimum": 0, "maximum": 3},
+                        {"enum": list(m.ZERO_FSDP_NAMES)},
+                    ],
+                    "description": "ZeRO stage 0-3 over dp, or an FSDP sharding strategy.",
+                },
+                "offload_optimizer": _enum(m.OFFLOAD, "Default none; needs zero>=1 (nvme: 3)."),
+                "offload_params": _enum(m.OFFLOAD, "Default none; needs zero 3."),
+                "recompute": _enum(m.RECOMPUTE, "Activation recomputation (default none)."),
+                "sequence_parallel": _bool("Megatron sequence parallelism (default false)."),
+                "master_weights": _bool("fp32 master weights (default true)."),
+                "grad_dtype": _dtype("Gradient dtype (default: the model's)."),
+                "pipeline_schedule": _enum(m.PIPELINE_SCHEDULES, "Default 1f1b."),
+                "num_microbatches": _int(
+                    "Microbatches per step (default: gradient_accumulation_steps)."
+                ),
+            },
+            "Training states; giving this section implies workload.mode: training.",
+        ),
+        "quantization": {
+            **_object(
+                "quantization",
+                {
+                    "method": _enum(m.QUANT_METHODS, "Weight quantization method."),
+                    "group_size": _int(
+                        "Elements per scale group; 0 = per channel/tensor. Default per "
+                        "method: int4 128, nf4 64, mxfp4 32, nvfp4 16.",
+                        0,
+                    ),
+                    "double_quant": _bool("nf4 double quantization (default false)."),
+                    "fp8_scaling": _enum(
+                        m.FP8_SCALING, "fp8 scales per tensor (default) or 128x128 block."
+                    ),
+                    "keep_16bit": {
+                        "type": "array",
+                        "items": {"type": "string", "minLength": 1},
+                        "description": "fqn globs left in 16-bit; default: "
+                        + ", ".join(m.DEFAULT_KEEP_16BIT),
+                    },
+                },
+                "Quantized weights.",
+            ),
+            "required": ["method"],
+        },
+        "overhead": _object(
+            "overhead",
+            {
+                **{k: _size(f"Override of the {k} overhead (bytes).") for k in m.OVERHEAD_SIZES},
+                **{
+                    k: {
+                        "type": "number",
+                        "minimum": 0,
+                        "maximum": 0.99,
+                        "description": f"Override of the {k} fraction.",
+                    }
+                    for k in m.OVERHEAD_FRACTIONS
+                },
+            },
+            "Named overrides of the memory model's runtime overheads.",
+        ),
+    }
+
+
+def manifest_json_schema() -> dict[str, Any]:
+    """The JSON Schema of a shardctl manifest (a fresh dict on every call)."""
+    sections = _sections()
+    assert tuple(sections) == SECTION_KEYS[""], "schema out of sync with the top-level keys"
+    return {
+        "$schema": "https://json-schema.org/draft/2020-12/schema",
+        "$id": SCHEMA_ID,
+        "title": "shardctl manifest",
+        "description": "Model, mesh, hardware and workload for shardctl plan. Generated by "
+        "`shardctl schema`.",
+        "type": "object",
+        "required": ["model"],
+        "properties": sections,
+        "additionalProperties": False,
+        "$defs": {
+            "size": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0},
+                    {"type": "number", "minimum": 0},
+                    {"type": "string", "pattern": SIZE_PATTERN},
+                ]
+            },
+            "rate": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 1},
+                    {"type": "number", "exclusiveMinimum": 0},
+                    {"type": "string", "pattern": RATE_PATTERN},
+                ]
+            },
+        },
+    }
