@@ -90,6 +90,9 @@ PRESETS: dict[str, tuple[RuleSpec, ...]] = {
     "mistral": LLAMA,
     "qwen2": LLAMA,
     "gemma": LLAMA,
+    "gemma2": LLAMA,  # + pre/post_feedforward_layernorm: caught by the layernorm glob
+    "gemma3_text": LLAMA,  # + q_norm/k_norm
+    "qwen3": LLAMA,  # + q_norm/k_norm
     "mixtral": MIXTRAL,
     "phi3": PHI3,
     "gpt2": GPT2,

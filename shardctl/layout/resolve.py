@@ -72,7 +72,8 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         )
     dims = model.dims
     conv1d = model.architecture in CONV1D_ARCHS
-    matcher = Matcher(compile_rules(tuple(rules), preset(model.architecture), model.architecture))
+    arch = model.architecture
+    matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch)
     out: list[TensorRule] = []
     for info in model.tensors:
         layer = layer_index(info.fqn)

@@ -89,8 +89,9 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
 class Matcher:
     """Matches fqns against compiled rules; remembers which manifest rules ever matched."""
 
-    def __init__(self, rules: tuple[CompiledRule, ...]):
+    def __init__(self, rules: tuple[CompiledRule, ...], architecture: str = ""):
         self.rules = rules
+        self.architecture = architecture
         self._used: set[int] = set()
 
     def match(self, fqn: str, *, need_stage: bool) -> Match:
@@ -116,6 +117,8 @@ class Matcher:
         template = _LAYER_INDEX.sub(".*.", fqn)
         close = difflib.get_close_matches(template, patterns, n=1, cutoff=0.0)
         hint = f'closest pattern is "{close[0]}"; ' if close else ""
+        if not any(not cr.manifest for cr in self.rules):
+            hint = f"architecture {self.architecture!r} has no preset; {hint}"
         return LayoutError(
             f"no rule places this tensor ({len(patterns)} rules with a placement)",
             where=fqn,
