@@ -256,17 +256,13 @@ def _entry(name: str, info: Any, where: str) -> HeaderEntry:
             hint=f"known: {', '.join(DTYPE_BITS)}",
         )
     shape = fields["shape"]
-    if not isinstance(shape, list) or not all(_is_nonneg_int(d) for d in shape):
+    if not isinstance(shape, list) or not _all_nonneg_ints(shape):
         raise InvalidInputError(
             f"{at}: shape must be a list of non-negative integers, got {_short(shape)}",
             where=where,
         )
     offsets = fields["data_offsets"]
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(_is_nonneg_int(o) for o in offsets)
-    ):
+    if not isinstance(offsets, list) or len(offsets) != 2 or not _all_nonneg_ints(offsets):
         raise InvalidInputError(
             f"{at}: data_offsets must be [begin, end], two non-negative integers, "
             f"got {_short(offsets)}",
@@ -363,8 +359,11 @@ def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
     return b"".join(chunks)
 
 
-def _is_nonneg_int(v: Any) -> bool:
-    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+def _all_nonneg_ints(values: list[Any]) -> bool:
+    for v in values:
+        if type(v) is not int or v < 0:
+            return False
+    return True
 
 
 def _json_type(v: Any) -> str:
