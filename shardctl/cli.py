@@ -41,8 +41,9 @@ def _version(value: bool) -> None:
 def _root(
     version: Annotated[
         bool,
-        typer.Option("--version", help="Print the version and exit.", callback=_version,
-                     is_eager=True),
+        typer.Option(
+            "--version", help="Print the version and exit.", callback=_version, is_eager=True
+        ),
     ] = False,
 ) -> None:
     """Plan, reshard and verify large-language-model checkpoints."""
@@ -54,22 +55,29 @@ def _emit_json(payload: object) -> None:
 
 @app.command()
 def plan(
-    manifest: Annotated[Path, typer.Argument(help="YAML manifest: model, mesh, hardware, "
-                                                  "workload.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print the plan as JSON "
-                                                         "(schema shardctl.plan/1).")] = False,
+    manifest: Annotated[
+        Path, typer.Argument(help="YAML manifest: model, mesh, hardware, workload.")
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the plan as JSON (schema shardctl.plan/1).")
+    ] = False,
     tp: Annotated[int | None, typer.Option(help="Override mesh.tp.", min=1)] = None,
     pp: Annotated[int | None, typer.Option(help="Override mesh.pp.", min=1)] = None,
     dp: Annotated[int | None, typer.Option(help="Override mesh.dp.", min=1)] = None,
     ep: Annotated[int | None, typer.Option(help="Override mesh.ep.", min=1)] = None,
-    search: Annotated[bool, typer.Option("--search", help="Search every layout that fits "
-                                                          "the hardware.")] = False,
-    gpus: Annotated[int | None, typer.Option(help="With --search: GPUs available "
-                                                  "(default: hardware nodes × "
-                                                  "gpus_per_node).", min=1)] = None,
+    search: Annotated[
+        bool, typer.Option("--search", help="Search every layout that fits the hardware.")
+    ] = False,
+    gpus: Annotated[
+        int | None,
+        typer.Option(
+            help="With --search: GPUs available (default: hardware nodes × gpus_per_node).", min=1
+        ),
+    ] = None,
     top: Annotated[int, typer.Option(help="With --search: rows to print.", min=1)] = 10,
-    report: Annotated[Path | None, typer.Option(help="Write the memory picture as SVG or "
-                                                     "HTML (by extension).")] = None,
+    report: Annotated[
+        Path | None, typer.Option(help="Write the memory picture as SVG or HTML (by extension).")
+    ] = None,
 ) -> None:
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit.
 
@@ -106,10 +114,13 @@ def plan(
 
 @app.command()
 def inspect(
-    path: Annotated[Path, typer.Argument(help="A checkpoint directory (HF or shardctl layout) "
-                                              "or a config.json.")],
-    as_json: Annotated[bool, typer.Option("--json", help="Print as JSON "
-                                                         "(schema shardctl.inspect/1).")] = False,
+    path: Annotated[
+        Path,
+        typer.Argument(help="A checkpoint directory (HF or shardctl layout) or a config.json."),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print as JSON (schema shardctl.inspect/1).")
+    ] = False,
 ) -> None:
     """Show a checkpoint at a glance without reading tensor data.
 
@@ -128,9 +139,9 @@ def inspect(
 
 @app.command()
 def schema(
-    output: Annotated[Path | None, typer.Option("--output", "-o", help="Write to a file "
-                                                                       "instead of stdout.")]
-    = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", "-o", help="Write to a file instead of stdout.")
+    ] = None,
 ) -> None:
     """Print the manifest's JSON Schema (for editors and CI validation).
 

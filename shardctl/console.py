@@ -66,7 +66,10 @@ def exit_code_for(exc: BaseException) -> tuple[int, str]:
         where = f"{exc.filename}: " if exc.filename else ""
         return EXIT_ENVIRONMENT, f"{where}{exc.strerror or exc}"
     if isinstance(exc, MemoryError):
-        return EXIT_INVALID_INPUT, "out of memory while reading the input; is it hostile or corrupt?"
+        return (
+            EXIT_INVALID_INPUT,
+            "out of memory while reading the input; is it hostile or corrupt?",
+        )
     return (
         EXIT_INTERNAL,
         f"internal error: {type(exc).__name__}: {exc}; this is a bug in shardctl — "

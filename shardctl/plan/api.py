@@ -126,8 +126,12 @@ def _weights_per_coord(
         stages = (
             assign_layers(mesh.pp, mesh.pp, "even", None)
             if model.dims is None
-            else assign_layers(model.dims.num_layers, mesh.pp, manifest.layout.pipeline,
-                               manifest.layout.layers_per_stage)
+            else assign_layers(
+                model.dims.num_layers,
+                mesh.pp,
+                manifest.layout.pipeline,
+                manifest.layout.layers_per_stage,
+            )
         )
         coords = {
             (p, e, t): per for p in range(mesh.pp) for e in range(mesh.ep) for t in range(mesh.tp)
@@ -138,7 +142,9 @@ def _weights_per_coord(
     return layout, layout.stages, coords
 
 
-def make_plan(manifest_path: Path, *, mesh_overrides: Mapping[str, int] | None = None) -> PlanResult:
+def make_plan(
+    manifest_path: Path, *, mesh_overrides: Mapping[str, int] | None = None
+) -> PlanResult:
     manifest = load_manifest(manifest_path)
     return plan_manifest(manifest, mesh_overrides=mesh_overrides)
 

@@ -73,10 +73,17 @@ def render_plan(result: PlanResult, console: Console | None = None) -> None:
         if r is None:
             table.add_row(label, coord, "…", *["…"] * (len(active) + 1))
             continue
-        cells = [label, coord, str(r.stage), *(fmt_bytes(r.memory[k]) for k in active),
-                 fmt_bytes(r.total)]
+        cells = [
+            label,
+            coord,
+            str(r.stage),
+            *(fmt_bytes(r.memory[k]) for k in active),
+            fmt_bytes(r.total),
+        ]
         if result.device_memory is not None:
-            cells.append("[green]yes[/green]" if r.total <= result.device_memory else "[red]no[/red]")
+            cells.append(
+                "[green]yes[/green]" if r.total <= result.device_memory else "[red]no[/red]"
+            )
         table.add_row(*cells)
     console.print(table)
     if result.device_memory is not None:
