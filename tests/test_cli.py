@@ -187,3 +187,22 @@ def test_schema_command_matches_committed_file() -> None:
     assert proc.returncode == 0
     committed = json.loads((ROOT / "shardctl" / "schema" / "manifest.schema.json").read_text())
     assert json.loads(proc.stdout) == committed
+
+
+def test_inspect_hf_checkpoint_json() -> None:
+    proc = run("inspect", str(ROOT / "examples" / "tiny-llama"), "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = json.loads(proc.stdout)
+    assert doc["schema"] == "shardctl.inspect/1"
+    assert doc["kind"] == "hf"
+    assert doc["model"]["architecture"] == "llama"
+    # equals the data region of the real file: header excluded
+    from shardctl.io.safetensors_header import read_header
+
+    h = read_header(ROOT / "examples" / "tiny-llama" / "model.safetensors")
+    assert doc["model"]["weight_bytes"] == h.file_size - h.data_offset
+    assert "config.json" in doc["carried"]
+
+
+def test_inspect_missing_path_is_exit_3(tmp_path: Path) -> None:
+    assert_one_line_error(run("inspect", str(tmp_path / "nothing")), 3)

@@ -1,0 +1,195 @@
+"""``shardctl inspect PATH``: a checkpoint at a glance, from headers and records only.
+
+PATH may be an HF checkpoint directory, a shardctl layout directory (``shardctl.layout.json``),
+a single ``*.safetensors`` file, or a ``config.json``. No tensor data is read.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from shardctl.errors import InvalidInputError
+from shardctl.model.types import ModelInfo, TensorInfo
+
+INSPECT_SCHEMA = "shardctl.inspect/1"
+
+
+@dataclass(frozen=True)
+class FileSummary:
+    name: str
+    size: int
+    tensors: int
+
+
+@dataclass(frozen=True)
+class RankSummary:
+    rank: int
+    coord: dict[str, int]
+    shards: int
+    bytes: int
+    files: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class InspectResult:
+    path: Path
+    kind: str  # "hf" | "shardctl" | "safetensors" | "config"
+    model: ModelInfo
+    files: tuple[FileSummary, ...] = ()
+    carried: tuple[str, ...] = ()
+    warnings: tuple[str, ...] = ()
+    mesh: dict[str, int] | None = None
+    layout_format: str | None = None
+    stages: tuple[dict[str, Any], ...] = ()
+    ranks: tuple[RankSummary, ...] = ()
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def dtypes(self) -> dict[str, int]:
+        """Parameters per dtype, largest first."""
+        counts: Counter[str] = Counter()
+        for t in self.model.tensors:
+            counts[t.dtype] += t.numel
+        return dict(counts.most_common())
+
+    def to_json(self) -> dict[str, Any]:
+        doc: dict[str, Any] = {
+            "schema": INSPECT_SCHEMA,
+            "path": str(self.path),
+            "kind": self.kind,
+            "model": {
+                "architecture": self.model.architecture,
+                "parameters": self.model.parameters,
+                "weight_bytes": self.model.weight_bytes,
+                "tensors": len(self.model.tensors),
+                "dtypes": self.dtypes,
+                "dims": None if self.model.dims is None else vars(self.model.dims),
+            },
+            "files": [vars(f) for f in self.files],
+            "carried": list(self.carried),
+            "warnings": list(self.warnings),
+        }
+        if self.mesh is not None:
+            doc["layout"] = {
+                "format": self.layout_format,
+                "mesh": self.mesh,
+                "stages": list(self.stages),
+                "ranks": [
+                    {
+                        "rank": r.rank,
+                        "coord": r.coord,
+                        "shards": r.shards,
+                        "bytes": r.bytes,
+                        "files": list(r.files),
+                    }
+                    for r in self.ranks
+                ],
+            }
+        return doc
+
+
+def inspect_path(path: Path) -> InspectResult:
+    if not path.exists():
+        raise InvalidInputError(
+            "no such file or directory",
+            where=str(path),
+            hint="pass a checkpoint directory, a *.safetensors file or a config.json",
+        )
+    if path.is_dir():
+        if (path / "shardctl.layout.json").is_file():
+            return _inspect_layout(path)
+        return _inspect_hf(path)
+    if path.suffix == ".safetensors":
+        return _inspect_file(path)
+    if path.suffix == ".json":
+        from shardctl.model.inventory import from_config_file
+
+        return InspectResult(path=path, kind="config", model=from_config_file(path))
+    raise InvalidInputError(
+        f"cannot inspect a {path.suffix or 'suffix-less'} file",
+        where=str(path),
+        hint="pass a checkpoint directory, a *.safetensors file or a config.json",
+    )
+
+
+def _inspect_hf(root: Path) -> InspectResult:
+    from shardctl.io.checkpoint import open_checkpoint
+    from shardctl.model.inventory import from_checkpoint
+
+    files = open_checkpoint(root, ignore_layout_record=True)
+    model = from_checkpoint(root)
+    return InspectResult(
+        path=root,
+        kind="hf",
+        model=model,
+        files=tuple(FileSummary(h.path.name, h.file_size, len(h.tensors)) for h in files.files),
+        carried=tuple(str(p) for p in files.extra_files),
+        warnings=tuple(files.warnings),
+    )
+
+
+def _inspect_file(path: Path) -> InspectResult:
+    from shardctl.io.safetensors_header import read_header
+
+    header = read_header(path)
+    tensors = tuple(TensorInfo(e.name, tuple(e.shape), e.dtype) for e in header.tensors)
+    dtype = Counter(t.dtype for t in tensors).most_common(1)[0][0] if tensors else "BF16"
+    model = ModelInfo(
+        architecture="unknown", dims=None, tensors=tensors, dtype=dtype, source="checkpoint"
+    )
+    return InspectResult(
+        path=path,
+        kind="safetensors",
+        model=model,
+        files=(FileSummary(path.name, header.file_size, len(tensors)),),
+        extra={"metadata": header.metadata or {}},
+    )
+
+
+def _inspect_layout(root: Path) -> InspectResult:
+    from shardctl.reshard import record as record_mod
+
+    rec = record_mod.read(root)
+    tensors = rec.tensors
+    dtype = Counter(t.dtype for t in tensors).most_common(1)[0][0] if tensors else "BF16"
+    model = ModelInfo(
+        architecture=rec.architecture, dims=None, tensors=tensors, dtype=dtype, source="checkpoint"
+    )
+    counts: Counter[str] = Counter(name for (_rank, _fqn), name in rec.shard_files.items())
+    files = tuple(FileSummary(f.name, f.size, counts.get(f.name, 0)) for f in rec.files)
+    ranks: list[RankSummary] = []
+    mesh = None
+    stages: tuple[dict[str, Any], ...] = ()
+    if rec.layout is not None:
+        layout = rec.layout
+        mesh = layout.mesh.as_dict()
+        stages = tuple(
+            {"stage": s.index, "layers": list(s.layers) if s.layers else None}
+            for s in layout.stages
+        )
+        for i, r in enumerate(layout.ranks):
+            names = sorted({rec.shard_files[(i, s.fqn)] for s in r.shards})
+            ranks.append(
+                RankSummary(
+                    rank=i,
+                    coord={"pp": r.pp, "ep": r.ep, "tp": r.tp},
+                    shards=len(r.shards),
+                    bytes=r.nbytes,
+                    files=tuple(names),
+                )
+            )
+    return InspectResult(
+        path=root,
+        kind="shardctl",
+        model=model,
+        files=files,
+        carried=tuple(rec.carried),
+        mesh=mesh,
+        layout_format=rec.format,
+        stages=stages,
+        ranks=tuple(ranks),
+        extra={"source": rec.source, "hash": rec.hash},
+    )

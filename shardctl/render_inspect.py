@@ -1,0 +1,55 @@
+"""Terminal rendering of ``shardctl inspect`` (rich)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.table import Table
+
+from shardctl.inspect import InspectResult
+from shardctl.plan.render import fmt_bytes
+
+
+def render_inspect(info: InspectResult, console: Console | None = None) -> None:
+    console = console or Console()
+    m = info.model
+    console.print(f"[bold]{info.path}[/bold]  ({info.kind})")
+    console.print(
+        f"  architecture {m.architecture}  {m.parameters:,} parameters  "
+        f"{fmt_bytes(m.weight_bytes)} ({m.weight_bytes:,} B)  {len(m.tensors)} tensors"
+    )
+    if info.dtypes:
+        console.print("  dtypes: " + ", ".join(f"{d} {n:,}" for d, n in info.dtypes.items()))
+    if m.dims is not None:
+        d = m.dims
+        console.print(
+            f"  hidden {d.hidden_size}, layers {d.num_layers}, heads {d.num_heads} "
+            f"(kv {d.num_kv_heads}, head_dim {d.head_dim}), intermediate "
+            f"{d.intermediate_size}, vocab {d.vocab_size}"
+            + (", tied embeddings" if d.tie_word_embeddings else "")
+            + (f", {d.num_experts} experts (top-{d.experts_per_token})" if d.num_experts else "")
+        )
+    if info.mesh is not None:
+        mesh = "×".join(f"{a.upper()}{info.mesh[a]}" for a in ("pp", "dp", "ep", "tp"))
+        console.print(f"  layout: {info.layout_format}, mesh {mesh}")
+        for s in info.stages:
+            console.print(f"    stage {s['stage']}: layers {s['layers']}")
+    if info.ranks:
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        for col in ("rank", "coord", "shards", "bytes", "files"):
+            table.add_column(col, justify="right" if col in ("rank", "shards") else "left")
+        for r in info.ranks:
+            coord = " ".join(f"{k}{v}" for k, v in r.coord.items())
+            table.add_row(str(r.rank), coord, str(r.shards), fmt_bytes(r.bytes), ", ".join(r.files))
+        console.print(table)
+    if info.files and not info.ranks:
+        table = Table(box=None, header_style="bold", pad_edge=False)
+        table.add_column("file")
+        table.add_column("size", justify="right")
+        table.add_column("tensors", justify="right")
+        for f in info.files:
+            table.add_row(f.name, fmt_bytes(f.size), str(f.tensors))
+        console.print(table)
+    if info.carried:
+        console.print("  carried files: " + ", ".join(info.carried))
+    for w in info.warnings:
+        console.print(f"  [yellow]warning[/yellow]: {w}")
