@@ -14,7 +14,7 @@ import pytest
 
 from shardctl.errors import EXIT_INVALID_INPUT, ManifestError
 from shardctl.manifest import load_manifest, parse_manifest
-from shardctl.manifest.yamlstrict import MAX_BYTES, MAX_DEPTH
+from shardctl.manifest.yamlstrict import MAX_BYTES, MAX_DEPTH, MAX_NODES
 
 ROOT = Path(__file__).resolve().parent.parent
 M = "model: {parameters: 1000}\n"  # a valid model section to put broken sections beside
@@ -131,7 +131,7 @@ def test_d3_duplicate_keys() -> None:
 def test_d4_deep_flow_nesting(depth: int) -> None:
     start = time.perf_counter()
     refuse("model: " + "[" * depth + "]" * depth + "\n", rf"nesting deeper than {MAX_DEPTH}")
-    refuse("model: " + "{a: " * depth + "1" + "}" * depth + "\n", r"nesting deeper")
+    refuse("model: " + "{a: " * depth + "1" + "}" * depth + "\n", r"nesting deeper|limit")
     refuse("- " * depth + "x\n", r"nesting deeper")
     assert time.perf_counter() - start < 2.0
 
@@ -147,8 +147,27 @@ def test_d4_block_nesting_is_capped_by_size_or_depth() -> None:
 
 def test_d4_size_cap(tmp_path: Path) -> None:
     big = b"model: {parameters: 1000}\n" + b"# padding\n" * (MAX_BYTES // 10)
-    refuse_bytes(tmp_path, big, r"over the 1048576-byte manifest limit")
-    refuse("x" * (MAX_BYTES + 1), r"manifest limit")
+    refuse_bytes(tmp_path, big, rf"manifest is {len(big)} bytes, over the {MAX_BYTES}-byte limit")
+    refuse("x" * (MAX_BYTES + 1), rf"{MAX_BYTES + 1} characters, over the {MAX_BYTES}-byte limit")
+
+
+def test_d4_value_count_cap_keeps_hostile_files_fast() -> None:
+    flat = M + "x: [" + "1," * (MAX_BYTES // 2 - 40) + "]\n"
+    assert len(flat) <= MAX_BYTES
+    start = time.perf_counter()
+    refuse(flat, rf"more than {MAX_NODES} values \(line 2\)")
+    refuse(M + "x:\n" + "  - 1\n" * (MAX_NODES + 1), r"more than .* values")
+    assert time.perf_counter() - start < 2.0
+
+
+def test_d4_worst_case_text_at_the_size_cap_is_fast() -> None:
+    room = MAX_BYTES - len(M) - 10
+    for filler in ("a " * (room // 2), "\n" * room, "# comment\n" * (room // 10)):
+        text = f"{M}{filler}\nx: 1\n"
+        assert len(text) <= MAX_BYTES
+        start = time.perf_counter()
+        refuse(text, r"unknown key|invalid YAML")
+        assert time.perf_counter() - start < 1.5
 
 
 # ----------------------------------------------------------------------------- D5 spellings

@@ -66,7 +66,10 @@ def _object(section: str, properties: dict[str, Any], doc: str) -> dict[str, Any
 
 
 def _model() -> dict[str, Any]:
-    inline = {key: _int(f"HF config field {key}") for key in INLINE_POSITIVE_INTS}
+    inline = {
+        key: {**_int(f"HF config field {key} (null: derived)"), "type": ["integer", "null"]}
+        for key in INLINE_POSITIVE_INTS
+    }
     return {
         "type": "object",
         "description": "The model: exactly one of config, checkpoint, parameters, or inline HF "
