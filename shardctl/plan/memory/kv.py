@@ -1,0 +1,89 @@
+"""KV cache: bytes per token, per rank, and the serving questions it answers.
+
+Per token, every layer stores one key and one value vector per KV head (Kwon et al. 2023,
+"Efficient Memory Management for Large Language Model Serving with PagedAttention", §3;
+the vLLM paper's 13B example: 2 · 40 layers · 5120 · 2 bytes = 800 KB per token)::
+
+    kv_bytes_per_token = 2 · layers · num_kv_heads · head_dim · bytes(kv_cache_dtype)
+
+GQA (Ainslie et al. 2023) stores ``num_kv_heads`` heads, not ``num_heads``. On a tp rank:
+``num_kv_heads / tp`` heads, or one whole head when ``tp > num_kv_heads`` (vLLM
+``num_kv_head_replicas``); a pipeline stage stores only its own layers.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardctl.dtypes import DTYPE_BITS
+from shardctl.model.types import ModelDims
+from shardctl.plan.memory.shapes import kv_heads_per_rank
+
+VLLM_BLOCK_SIZE = 16  # tokens per paged KV block (vLLM default ``block_size``)
+
+
+def kv_bytes_per_token(
+    dims: ModelDims, dtype: str, *, layers: int | None = None, tp: int = 1
+) -> int:
+    """K and V bytes one token adds on one rank holding ``layers`` layers at tp degree ``tp``.
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(5120, 40, 40, 40, 128, 13824, 32000, False)  # the vLLM paper's 13B
+    >>> kv_bytes_per_token(d, "F16")  # 800 KB
+    819200
+    """
+    n_layers = dims.num_layers if layers is None else layers
+    heads = kv_heads_per_rank(dims.num_kv_heads, tp)
+    return 2 * n_layers * heads * dims.head_dim * DTYPE_BITS[dtype] // 8
+
+
+def kv_cache_bytes(per_token: int, batch: int, sequence_length: int) -> int:
+    """KV bytes for ``batch`` sequences of ``sequence_length`` tokens."""
+    return per_token * batch * sequence_length
+
+
+@dataclass(frozen=True)
+class KvCapacity:
+    """What a rank can hold once weights, activations and overhead are placed.
+
+    ``tokens`` is rounded down to whole paged blocks of ``block_size`` tokens (vLLM
+    ``determine_num_available_blocks``); ``max_batch`` at the workload's sequence length and
+    ``max_sequence_length`` at its batch are per dp replica.
+    """
+
+    budget: int  # gpu_memory_utilization × device memory
+    available: int  # budget minus everything but the KV cache (may be negative)
+    tokens: int
+    max_batch: int
+    max_sequence_length: int
+
+
+def kv_capacity(
+    *,
+    device_memory: int,
+    utilization: float,
+    non_kv_bytes: int,
+    per_token: int,
+    batch: int,
+    sequence_length: int,
+    block_size: int = VLLM_BLOCK_SIZE,
+) -> KvCapacity:
+    """Tokens of KV one rank can hold under ``utilization`` (vLLM ``gpu_memory_utilization``).
+
+    >>> kv_capacity(device_memory=100, utilization=1.0, non_kv_bytes=36, per_token=2,
+    ...             batch=2, sequence_length=8, block_size=1).tokens
+    32
+    """
+    budget = int(device_memory * utilization)
+    available = budget - non_kv_bytes
+    if per_token <= 0:
+        return KvCapacity(budget, available, 0, 0, 0)
+    blocks = max(available, 0) // (per_token * block_size)
+    tokens = blocks * block_size
+    return KvCapacity(
+        budget=budget,
+        available=available,
+        tokens=tokens,
+        max_batch=tokens // sequence_length,
+        max_sequence_length=tokens // batch,
+    )

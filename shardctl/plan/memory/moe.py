@@ -1,0 +1,45 @@
+"""Mixture of experts: total vs active parameters, and where experts sit.
+
+Experts are split contiguously over ``ep`` (rank ``e`` holds experts
+``e·E/ep … (e+1)·E/ep - 1``; Lepikhin et al. 2021, GShard), each expert's matrices further
+over ``tp`` like a dense MLP (Megatron-LM expert tensor parallelism); the router ``[E, h]`` is
+replicated. A token runs ``k`` of the ``E`` experts (Fedus et al. 2022; Jiang et al. 2024,
+Mixtral: 46.7B total, 12.9B active with E = 8, k = 2).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardctl.layout.types import Stage
+from shardctl.plan.memory.shapes import ModelShape, stage_counts
+
+
+@dataclass(frozen=True)
+class MoeParams:
+    total: int
+    active: int  # per token: shared weights + k/E of the expert weights
+    expert: int
+    num_experts: int
+    experts_per_token: int
+
+    def to_json(self) -> dict[str, int]:
+        return {
+            "parameters_total": self.total,
+            "parameters_active": self.active,
+            "parameters_expert": self.expert,
+            "num_experts": self.num_experts,
+            "experts_per_token": self.experts_per_token,
+        }
+
+
+def moe_params(shape: ModelShape) -> MoeParams:
+    """Total and active parameters of the whole (unsharded) model.
+
+    ``active = total - expert · (1 - k/E)``.
+    """
+    d = shape.dims
+    c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
+    e, k = d.num_experts, d.experts_per_token
+    active = c.total - (c.expert - c.expert * k // e if e else 0)
+    return MoeParams(c.total, active, c.expert, e, k)

@@ -1,0 +1,223 @@
+"""What the memory model is asked about: the workload, training setup and quantization.
+
+Plain frozen data, validated on construction (errors name the manifest key). The manifest
+adapter (:mod:`shardctl.plan.memory_bridge`) builds these from a ``Manifest``; tests and the
+search build them directly.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from shardctl.dtypes import normalize_dtype
+from shardctl.errors import InvalidInputError
+
+RECOMPUTE = ("none", "selective", "full")
+OFFLOAD = ("none", "cpu", "nvme")
+
+# FSDP sharding strategies -> ZeRO stage (PyTorch FSDP docs: FULL_SHARD is ZeRO-3,
+# SHARD_GRAD_OP is ZeRO-2, NO_SHARD is DDP).
+FSDP_NAMES: dict[str, int] = {
+    "no_shard": 0,
+    "ddp": 0,
+    "shard_grad_op": 2,
+    "full_shard": 3,
+    "hybrid_shard": 3,
+}
+
+
+def _positive(value: int, where: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise InvalidInputError(f"expected a positive integer, got {value!r}", where=where)
+
+
+@dataclass(frozen=True)
+class Workload:
+    """Inference: ``batch_size`` concurrent sequences of ``sequence_length`` tokens (prompt +
+    generated), shared by the ``dp`` replicas. Training uses :class:`TrainingSpec`'s batch.
+
+    ``kv_cache_dtype`` ``None`` means the model dtype (vLLM's ``kv_cache_dtype="auto"``).
+    ``sequence_length`` 0 plans weights only (no KV cache, no activations).
+    ``gpu_memory_utilization`` is the share of device memory the run may use (vLLM's flag).
+    ``max_num_batched_tokens`` caps the tokens one forward pass processes (vLLM's chunked
+    prefill; 8192 is vLLM V1's default for offline inference); ``None`` prefills every
+    prompt of the batch in one pass, as ``transformers``' ``generate`` does.
+    """
+
+    batch_size: int = 1
+    sequence_length: int = 2048
+    kv_cache_dtype: str | None = None
+    gpu_memory_utilization: float = 0.9
+    flash_attention: bool = True
+    max_num_batched_tokens: int | None = 8192
+
+    def __post_init__(self) -> None:
+        _positive(self.batch_size, "workload.batch_size")
+        if isinstance(self.sequence_length, bool) or self.sequence_length < 0:
+            raise InvalidInputError(
+                f"expected a non-negative integer, got {self.sequence_length!r}",
+                where="workload.sequence_length",
+            )
+        if self.max_num_batched_tokens is not None:
+            _positive(self.max_num_batched_tokens, "workload.max_num_batched_tokens")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise InvalidInputError(
+                f"expected 0 < value <= 1, got {self.gpu_memory_utilization}",
+                where="workload.gpu_memory_utilization",
+            )
+        if self.kv_cache_dtype is not None and self.kv_cache_dtype != "auto":
+            object.__setattr__(
+                self,
+                "kv_cache_dtype",
+                normalize_dtype(self.kv_cache_dtype, where="workload.kv_cache_dtype"),
+            )
+        elif self.kv_cache_dtype == "auto":
+            object.__setattr__(self, "kv_cache_dtype", None)
+
+
+@dataclass(frozen=True)
+class TrainingSpec:
+    """One training step: ``global_batch_size`` sequences of ``sequence_length`` tokens, as
+    ``micro_batch_size`` sequences per forward, accumulated over ``grad_accumulation`` steps.
+
+    ``global_batch_size`` ``None`` means ``grad_accumulation_steps`` micro-batches per dp rank
+    per step, whatever ``dp`` is (the manifest's ``workload.gradient_accumulation_steps``).
+    ``zero`` is the ZeRO stage over the data-parallel group (0–3); ``fsdp`` names are accepted
+    through :func:`zero_stage`. ``grad_dtype`` ``"F32"`` is Megatron's fp32 ``main_grad``.
+    """
+
+    optimizer: str = "adamw"
+    zero: int = 0
+    recompute: str = "none"
+    sequence_parallel: bool = False
+    flash_attention: bool = True
+    dropout: bool = False
+    micro_batch_size: int = 1
+    global_batch_size: int | None = None
+    grad_accumulation_steps: int = 1
+    sequence_length: int = 4096
+    grad_dtype: str | None = None  # None = model dtype
+    offload_optimizer: str = "none"
+    offload_params: str = "none"
+    capacity_factor: float = 1.0  # MoE token capacity (Switch Transformer); 1.0 = balanced
+    master_weights: bool = True  # fp32 master copy with 16-bit weights (mixed precision)
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe
+
+    def __post_init__(self) -> None:
+        from shardctl.plan.memory.training import OPTIMIZERS
+
+        if self.optimizer not in OPTIMIZERS:
+            raise InvalidInputError(
+                f"unknown optimizer {self.optimizer!r}",
+                where="training.optimizer",
+                hint=f"use one of: {', '.join(OPTIMIZERS)}",
+            )
+        if isinstance(self.zero, bool) or self.zero not in (0, 1, 2, 3):
+            raise InvalidInputError(
+                f"expected a ZeRO stage 0-3, got {self.zero!r}", where="training.zero"
+            )
+        if self.recompute not in RECOMPUTE:
+            raise InvalidInputError(
+                f"expected one of {', '.join(RECOMPUTE)}, got {self.recompute!r}",
+                where="training.recompute",
+            )
+        for key in ("offload_optimizer", "offload_params"):
+            if getattr(self, key) not in OFFLOAD:
+                raise InvalidInputError(
+                    f"expected one of {', '.join(OFFLOAD)}, got {getattr(self, key)!r}",
+                    where=f"training.{key}",
+                )
+        if self.offload_params != "none" and self.zero != 3:
+            raise InvalidInputError(
+                "parameter offload needs ZeRO stage 3",
+                where="training.offload_params",
+                hint="set training.zero: 3 (DeepSpeed offload_param works with stage 3 only)",
+            )
+        _positive(self.micro_batch_size, "training.micro_batch_size")
+        if isinstance(self.sequence_length, bool) or self.sequence_length < 0:
+            raise InvalidInputError(
+                f"expected a non-negative integer, got {self.sequence_length!r}",
+                where="training.sequence_length",
+            )
+        if self.pipeline_schedule not in ("1f1b", "gpipe"):
+            raise InvalidInputError(
+                f"expected 1f1b or gpipe, got {self.pipeline_schedule!r}",
+                where="training.pipeline_schedule",
+            )
+        _positive(self.grad_accumulation_steps, "training.grad_accumulation_steps")
+        if self.global_batch_size is not None:
+            _positive(self.global_batch_size, "training.global_batch_size")
+        if self.grad_dtype is not None:
+            object.__setattr__(
+                self, "grad_dtype", normalize_dtype(self.grad_dtype, where="training.grad_dtype")
+            )
+        if not self.capacity_factor >= 1.0:
+            raise InvalidInputError(
+                f"expected capacity_factor >= 1, got {self.capacity_factor}",
+                where="training.capacity_factor",
+            )
+
+    def grad_accumulation(self, dp: int) -> int:
+        """Micro-batches per dp rank per step: ``global / (micro × dp)`` (must divide)."""
+        if self.global_batch_size is None:
+            return self.grad_accumulation_steps
+        per = self.micro_batch_size * dp
+        if self.global_batch_size % per:
+            raise InvalidInputError(
+                f"global_batch_size {self.global_batch_size} is not divisible by "
+                f"micro_batch_size × dp = {self.micro_batch_size} × {dp} = {per}",
+                where="training.global_batch_size",
+                hint="pick a global batch that is a multiple of micro_batch_size × dp",
+            )
+        return self.global_batch_size // per
+
+
+def zero_stage(value: int | str) -> int:
+    """``2`` / ``"2"`` / ``"zero-2"`` / ``"SHARD_GRAD_OP"`` -> 2."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    key = str(value).strip().lower().replace("-", "_")
+    if key.startswith("zero"):
+        key = key[4:].lstrip("_")
+    if key in ("0", "1", "2", "3"):
+        return int(key)
+    if key in FSDP_NAMES:
+        return FSDP_NAMES[key]
+    raise InvalidInputError(
+        f"unknown ZeRO stage or FSDP strategy {value!r}",
+        where="training.zero",
+        hint="use 0-3 or one of " + ", ".join(n.upper() for n in FSDP_NAMES),
+    )
+
+
+@dataclass(frozen=True)
+class QuantSpec:
+    """How weights are stored on the device (see :mod:`shardctl.plan.memory.quant`).
+
+    ``method`` ``"none"`` counts the checkpoint as stored (an already-quantized checkpoint too).
+    ``keep`` lists the tensor kinds left in 16-bit: ``embedding``, ``head``, ``norm``
+    (norms, biases, routers).
+    """
+
+    method: str = "none"
+    group_size: int = 128
+    double_quant: bool = True
+    keep: tuple[str, ...] = ("embedding", "head", "norm")
+
+    def __post_init__(self) -> None:
+        from shardctl.plan.memory.quant import METHODS
+
+        if self.method not in METHODS:
+            raise InvalidInputError(
+                f"unknown quantization method {self.method!r}",
+                where="quantization.method",
+                hint=f"use one of: {', '.join(METHODS)}",
+            )
+        _positive(self.group_size, "quantization.group_size")
+        bad = [k for k in self.keep if k not in ("embedding", "head", "norm")]
+        if bad:
+            raise InvalidInputError(
+                f"unknown tensor kind(s) {bad} in keep",
+                where="quantization.keep",
+                hint="use embedding, head, norm",
+            )

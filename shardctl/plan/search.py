@@ -1,0 +1,345 @@
+"""Layout search: every ``(tp, pp, dp, ep)`` (and, for training, ZeRO stage and recompute)
+within the hardware, why the invalid ones are invalid, and the ones that fit, ranked.
+
+Validity rules (first failing rule is the reason counted):
+
+- ``tp_across_nodes``: ``tp`` above ``gpus_per_node`` (TP all-reduces every layer; across
+  nodes they run at NIC speed), unless allowed; ``tp_splits_node``: ``tp`` does not divide
+  ``gpus_per_node`` (a TP group would straddle two nodes);
+- ``heads_not_divisible``: ``tp`` does not divide ``num_attention_heads``;
+  ``kv_heads_not_divisible``: neither ``tp`` divides ``num_key_value_heads`` nor the reverse
+  (DESIGN.md, K/V replication);
+- ``pp_above_layers``; ``layers_not_divisible``: the pipeline convention needs ``pp | L``;
+- ``no_experts``: ``ep > 1`` on a dense model; ``experts_not_divisible``: ``ep ∤ E``;
+- ``dp_above_batch`` (inference: a replica would serve no sequence);
+  ``batch_not_divisible`` (training: ``global_batch ∤ micro_batch × dp``);
+- ``bare_parameter_count``: a bare count has no layers or heads: only ``dp`` is searched;
+- ``does_not_fit``: priced, some rank above the budget.
+
+Objective (default ``gpus,headroom,comm``): fewest GPUs, then the most headroom (budget
+minus the fullest rank), then the least communication time per token / step.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from functools import cache
+from typing import Any
+
+from shardctl.errors import InvalidInputError
+from shardctl.layout.pipeline import assign_layers
+from shardctl.layout.types import Mesh, Stage
+from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.estimate import _Context
+from shardctl.plan.memory.hardware import HardwareSpec
+from shardctl.plan.memory.overhead import OverheadSpec
+from shardctl.plan.memory.shapes import shape_from_model
+from shardctl.plan.memory.spec import RECOMPUTE, QuantSpec, TrainingSpec, Workload
+
+OBJECTIVES = ("gpus,headroom,comm", "gpus,comm,headroom", "comm,gpus,headroom")
+
+
+@dataclass(frozen=True)
+class SearchOptions:
+    gpus: int
+    allow_tp_across_nodes: bool = False
+    pipeline: str = "even"
+    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
+    recompute: tuple[str, ...] = RECOMPUTE
+    objective: str = OBJECTIVES[0]
+    vocab_padding: str = "tp"
+
+    def __post_init__(self) -> None:
+        if self.gpus < 1:
+            raise InvalidInputError(
+                f"expected a positive GPU count, got {self.gpus}", where="--gpus"
+            )
+        if self.objective not in OBJECTIVES:
+            raise InvalidInputError(
+                f"unknown objective {self.objective!r}",
+                where="search.objective",
+                hint=f"use one of: {', '.join(OBJECTIVES)}",
+            )
+
+
+@dataclass(frozen=True)
+class Candidate:
+    """One priced layout: its fullest rank, headroom and communication time."""
+
+    mesh: Mesh
+    zero: int | None
+    recompute: str | None
+    peak: int
+    headroom: int | None
+    comm_time: float  # seconds per token (inference) or per step (training), slowest stage
+    comm_bytes: int
+    stage_peaks: tuple[int, ...]  # the stages priced (first, heaviest, last)
+
+    @property
+    def world(self) -> int:
+        return self.mesh.world
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"mesh": self.mesh.as_dict(), "gpus": self.world}
+        if self.zero is not None:
+            out.update(zero=self.zero, recompute=self.recompute)
+        out.update(
+            peak_bytes=self.peak,
+            headroom_bytes=self.headroom,
+            comm_time_s=round(self.comm_time, 9),
+            comm_bytes=self.comm_bytes,
+        )
+        return out
+
+
+@dataclass(frozen=True)
+class SearchResult:
+    mode: str
+    gpus: int
+    budget: int | None
+    objective: str
+    candidates: tuple[Candidate, ...]  # those that fit, best first
+    rejected: dict[str, int]
+    priced: int
+    seconds: float
+    unit: str  # "token" | "step"
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+    @property
+    def has_fit(self) -> bool:
+        return bool(self.candidates)
+
+    def top(self, n: int) -> tuple[Candidate, ...]:
+        return self.candidates[:n]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "schema": "shardctl.search/1",
+            "mode": self.mode,
+            "gpus": self.gpus,
+            "budget_bytes": self.budget,
+            "objective": self.objective,
+            "comm_unit": self.unit,
+            "priced": self.priced,
+            "fitting": len(self.candidates),
+            "rejected": dict(sorted(self.rejected.items())),
+            "seconds": round(self.seconds, 4),
+            "notes": list(self.notes),
+            "candidates": [c.to_json() for c in self.candidates],
+        }
+
+
+@cache
+def _pairs(m: int) -> int:
+    """#(x, y) >= 1 with x·y <= m."""
+    return sum(m // x for x in range(1, m + 1))
+
+
+@cache
+def _triples(m: int) -> int:
+    """#(x, y, z) >= 1 with x·y·z <= m."""
+    return sum(_pairs(m // x) for x in range(1, m + 1))
+
+
+def search(
+    model: ModelInfo,
+    *,
+    options: SearchOptions,
+    workload: Workload | None = None,
+    training: TrainingSpec | None = None,
+    quant: QuantSpec | None = None,
+    hardware: HardwareSpec | None = None,
+    overhead: OverheadSpec | None = None,
+) -> SearchResult:
+    """Price every valid layout on at most ``options.gpus`` GPUs; keep those that fit."""
+    t0 = time.perf_counter()
+    workload = workload or Workload()
+    quant = quant or QuantSpec()
+    hw = hardware or HardwareSpec()
+    ovh = overhead or OverheadSpec()
+    n = options.gpus
+    rej: Counter[str] = Counter()
+    fits: list[Candidate] = []
+    priced = 0
+    shape = shape_from_model(model, vocab_padding=options.vocab_padding) if model.dims else None
+    d = model.dims
+    combos = _state_choices(training, options)
+    term_cache: dict[Any, Any] = {}
+    count_cache: dict[Any, Any] = {}
+
+    for tp in range(1, n + 1):
+        reason = _tp_reason(model, tp, hw, options)
+        if reason:
+            rej[reason] += _triples(n // tp)
+            continue
+        for pp in range(1, n // tp + 1):
+            reason, stages = _pp_reason(model, pp, options)
+            if reason:
+                rej[reason] += _pairs(n // (tp * pp))
+                continue
+            for ep in range(1, n // (tp * pp) + 1):
+                reason = _ep_reason(model, ep)
+                if reason:
+                    rej[reason] += n // (tp * pp * ep)
+                    continue
+                for dp in range(1, n // (tp * pp * ep) + 1):
+                    reason = _dp_reason(dp, workload, training)
+                    if reason:
+                        rej[reason] += 1
+                        continue
+                    mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
+                    for tr in combos:
+                        priced += 1
+                        ctx = _Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
+                        ctx._cache = term_cache.setdefault(
+                            (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None),
+                            {},
+                        )
+                        ctx._counts = count_cache.setdefault((tp, pp, ep), {})
+                        cand = _price(ctx, mesh, stages, tr)
+                        if cand.headroom is not None and cand.headroom < 0:
+                            rej["does_not_fit"] += 1
+                        else:
+                            fits.append(cand)
+    fits.sort(key=_sort_key(options.objective))
+    notes = []
+    if hw.device_memory is None:
+        notes.append("hardware.device_memory is not set: every valid layout is kept")
+    if d is None:
+        notes.append("bare parameter count: model states only, dp searched alone")
+    return SearchResult(
+        mode="training" if training else "inference",
+        gpus=n,
+        budget=None
+        if hw.device_memory is None
+        else (
+            hw.device_memory
+            if training
+            else int(hw.device_memory * workload.gpu_memory_utilization)
+        ),
+        objective=options.objective,
+        candidates=tuple(fits),
+        rejected=dict(rej),
+        priced=priced,
+        seconds=time.perf_counter() - t0,
+        unit="step" if training else "token",
+        notes=tuple(notes),
+    )
+
+
+def _state_choices(
+    training: TrainingSpec | None, options: SearchOptions
+) -> list[TrainingSpec | None]:
+    if training is None:
+        return [None]
+    out: list[TrainingSpec | None] = []
+    for z in options.zero_stages:
+        for rc in options.recompute:
+            off_p = training.offload_params if z == 3 else "none"
+            out.append(replace(training, zero=z, recompute=rc, offload_params=off_p))
+    return out
+
+
+def _tp_reason(model: ModelInfo, tp: int, hw: HardwareSpec, o: SearchOptions) -> str | None:
+    d = model.dims
+    if d is None:
+        return "bare_parameter_count" if tp > 1 else None
+    if tp > hw.gpus_per_node and not o.allow_tp_across_nodes:
+        return "tp_across_nodes"
+    if tp <= hw.gpus_per_node and hw.gpus_per_node % tp:
+        return "tp_splits_node"
+    if d.num_heads % tp:
+        return "heads_not_divisible"
+    if d.num_kv_heads % tp and tp % d.num_kv_heads:
+        return "kv_heads_not_divisible"
+    return None
+
+
+def _pp_reason(model: ModelInfo, pp: int, o: SearchOptions) -> tuple[str | None, tuple[Stage, ...]]:
+    d = model.dims
+    if d is None:
+        return ("bare_parameter_count", ()) if pp > 1 else (None, (Stage(0, None),))
+    if pp > d.num_layers:
+        return "pp_above_layers", ()
+    if d.num_layers % pp and o.pipeline in ("even", "megatron"):
+        return "layers_not_divisible", ()
+    return None, assign_layers(d.num_layers, pp, o.pipeline)
+
+
+def _ep_reason(model: ModelInfo, ep: int) -> str | None:
+    d = model.dims
+    if ep == 1:
+        return None
+    if d is None:
+        return "bare_parameter_count"
+    if not d.num_experts:
+        return "no_experts"
+    if d.num_experts % ep:
+        return "experts_not_divisible"
+    return None
+
+
+def _dp_reason(dp: int, w: Workload, tr: TrainingSpec | None) -> str | None:
+    if tr is None:
+        return "dp_above_batch" if dp > w.batch_size else None
+    if tr.global_batch_size is not None and tr.global_batch_size % (tr.micro_batch_size * dp):
+        return "batch_not_divisible"
+    return None
+
+
+def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
+    """The stages that can hold the fullest rank: the first (embedding, most micro-batches in
+    flight), the first with the most layers, the last (head, logits)."""
+    most = max(stages, key=lambda s: s.num_layers)
+    picks = {stages[0].index: stages[0], most.index: most, stages[-1].index: stages[-1]}
+    if len(stages) > 2:  # a middle stage sends and receives: the most PP traffic
+        mid = stages[len(stages) // 2]
+        picks.setdefault(mid.index, mid)
+    return [picks[i] for i in sorted(picks)]
+
+
+def _price(
+    ctx: _Context, mesh: Mesh, stages: tuple[Stage, ...], tr: TrainingSpec | None
+) -> Candidate:
+    probes = _probe_stages(stages)
+    peaks = tuple(ctx.rank(st, None).total for st in probes)
+    peak = max(peaks)
+    headroom = None if ctx.budget is None else ctx.budget - peak
+    times, sent = [0.0], [0]
+    if headroom is None or headroom >= 0:  # communication is priced for the ones kept
+        comm = [ctx.comm(st) for st in probes]
+        times = [sum(c.time(mesh, ctx.hw).values()) for c in comm]
+        sent = [int(sum(c.bytes.values())) for c in comm]
+    return Candidate(
+        mesh=mesh,
+        zero=None if tr is None else tr.zero,
+        recompute=None if tr is None else tr.recompute,
+        peak=peak,
+        headroom=headroom,
+        comm_time=max(times),
+        comm_bytes=max(sent),
+        stage_peaks=peaks,
+    )
+
+
+def _sort_key(objective: str) -> Any:
+    order = objective.split(",")
+
+    def key(c: Candidate) -> tuple[float, ...]:
+        parts = {
+            "gpus": float(c.world),
+            "headroom": -float(c.headroom if c.headroom is not None else 0),
+            "comm": c.comm_time,
+        }
+        return tuple(parts[k] for k in order)
+
+    return key
+
+
+def render_search_table(result: SearchResult, *, top: int, console: Any = None) -> None:
+    """Print the top layouts (rich); lives in :mod:`shardctl.plan.report`."""
+    from shardctl.plan.report import render_search_table as render
+
+    render(result, top=top, console=console)
