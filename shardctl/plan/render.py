@@ -68,7 +68,7 @@ def render_plan(result: PlanResult, console: Console | None = None) -> None:
         table.add_column("fits", justify="center")
     rows = _rank_rows(result)
     if len(rows) > 64:
-        rows = rows[:32] + [("…", "…", None)] + rows[-31:]
+        rows = [*rows[:32], ("…", "…", None), *rows[-31:]]
     for label, coord, r in rows:
         if r is None:
             table.add_row(label, coord, "…", *["…"] * (len(active) + 1))
