@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from shardctl.manifest import manifest_json_schema
-from shardctl.manifest.validate import SECTION_KEYS
+from shardctl.manifest.fields import SECTION_KEYS
 from shardctl.manifest.values import thaw, to_plain
 from shardctl.manifest.yamlstrict import parse
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardctl.manifest import model as m
+from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, SECTION_KEYS
 from shardctl.manifest.presets import gpu_names
-from shardctl.manifest.validate import INLINE_POSITIVE_INTS, MAX_AXIS, SECTION_KEYS
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
 _NUMBER = r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"

@@ -1,0 +1,218 @@
+"""The ``workload:``, ``training:``, ``quantization:`` and ``overhead:`` sections."""
+
+from __future__ import annotations
+
+from shardctl.manifest import model as m
+from shardctl.manifest.fields import Problems, enum, read_dtype, read_positive
+from shardctl.manifest.values import (
+    Invalid,
+    describe,
+    read_bool,
+    read_float,
+    read_int,
+    read_size,
+    read_str,
+)
+from shardctl.manifest.yamlstrict import Map, Node, Scalar, Seq
+
+
+def read_workload(section: Map | None, training: bool, problems: Problems) -> m.WorkloadSpec:
+    if section is None:
+        return m.WorkloadSpec(mode="training" if training else "inference")
+    problems.keys(section, "workload")
+    get, path = problems.get, "workload"
+    mode = get(section, "mode", path, enum(m.MODES), "training" if training else "inference")
+    if training and mode == "inference":
+        problems.add(
+            Invalid(
+                "workload.mode",
+                "is inference but a training: section is given",
+                section.entries["mode"].line,
+                "set mode: training, or remove the training section",
+            )
+        )
+    batch = get(section, "batch_size", path, read_positive, 1)
+    return m.WorkloadSpec(
+        mode=mode,
+        batch_size=batch,
+        sequence_length=get(
+            section,
+            "sequence_length",
+            path,
+            lambda n, p: read_int(n, p, minimum=0, maximum=2**31),
+            0,
+        ),
+        kv_cache_dtype=get(section, "kv_cache_dtype", path, _kvread_dtype, None),
+        gpu_memory_utilization=get(
+            section,
+            "gpu_memory_utilization",
+            path,
+            lambda n, p: read_float(n, p, minimum=0.0, maximum=1.0, exclusive_minimum=True),
+            0.9,
+        ),
+        flash_attention=get(section, "flash_attention", path, read_bool, True),
+        micro_batch_size=get(section, "micro_batch_size", path, read_positive, None),
+        gradient_accumulation_steps=get(
+            section, "gradient_accumulation_steps", path, read_positive, 1
+        ),
+    )
+
+
+def _kvread_dtype(node: Node, path: str) -> str | None:
+    if isinstance(node, Scalar) and node.text == "auto":
+        return None  # vLLM's spelling for "same as the model"
+    return read_dtype(node, path)
+
+
+def read_training(section: Map | None, problems: Problems) -> m.TrainingSpec:
+    if section is None:
+        return m.TrainingSpec()
+    problems.keys(section, "training")
+    get, path = problems.get, "training"
+    spec = m.TrainingSpec(
+        optimizer=get(section, "optimizer", path, enum(m.OPTIMIZERS), "adamw"),
+        zero=get(section, "zero", path, _zero, 0),
+        offload_optimizer=get(section, "offload_optimizer", path, enum(m.OFFLOAD), "none"),
+        offload_params=get(section, "offload_params", path, enum(m.OFFLOAD), "none"),
+        recompute=get(section, "recompute", path, enum(m.RECOMPUTE), "none"),
+        sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
+        master_weights=get(section, "master_weights", path, read_bool, True),
+        grad_dtype=get(section, "grad_dtype", path, read_dtype, None),
+        pipeline_schedule=get(
+            section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b"
+        ),
+        num_microbatches=get(section, "num_microbatches", path, read_positive, None),
+    )
+    # DeepSpeed: parameter offload and NVMe offload exist only in ZeRO-3 (ZeRO-Infinity);
+    # optimizer offload (ZeRO-Offload) needs ZeRO ≥ 1.
+    lines = section.key_lines
+    if spec.offload_params != "none" and spec.zero != 3:
+        problems.add(
+            Invalid(
+                "training.offload_params",
+                f"{spec.offload_params} offload needs zero: 3, got zero: {spec.zero}",
+                lines["offload_params"],
+                "set zero: 3 (FULL_SHARD) or offload_params: none",
+            )
+        )
+    if spec.offload_optimizer == "nvme" and spec.zero != 3:
+        problems.add(
+            Invalid(
+                "training.offload_optimizer",
+                f"nvme offload needs zero: 3, got zero: {spec.zero}",
+                lines["offload_optimizer"],
+            )
+        )
+    elif spec.offload_optimizer == "cpu" and spec.zero == 0:
+        problems.add(
+            Invalid(
+                "training.offload_optimizer",
+                "cpu offload needs zero: 1, 2 or 3, got zero: 0",
+                lines["offload_optimizer"],
+            )
+        )
+    return spec
+
+
+def _zero(node: Node, path: str) -> int:
+    """``0``–``3``, or an FSDP sharding strategy name."""
+    if isinstance(node, Scalar) and node.text in m.ZERO_FSDP_NAMES:
+        return m.ZERO_FSDP_NAMES[node.text]
+    try:
+        return read_int(node, path, minimum=0, maximum=3)
+    except Invalid:
+        names = ", ".join(m.ZERO_FSDP_NAMES)
+        raise Invalid(
+            path,
+            f"expected a ZeRO stage 0-3 or an FSDP strategy ({names}); got {describe(node)}",
+            node.line,
+        ) from None
+
+
+def read_quantization(section: Map | None, problems: Problems) -> m.QuantSpec | None:
+    if section is None:
+        return None
+    problems.keys(section, "quantization")
+    get, path = problems.get, "quantization"
+    if "method" not in section.entries:
+        problems.add(
+            Invalid(
+                path,
+                "missing required key 'method'",
+                section.line,
+                f"one of {', '.join(m.QUANT_METHODS)}",
+            )
+        )
+        return None
+    method = get(section, "method", path, enum(m.QUANT_METHODS), "none")
+    if method == "none":
+        for key in section.entries:
+            if key != "method":
+                problems.add(
+                    Invalid(
+                        f"{path}.{key}", "has no effect with method: none", section.key_lines[key]
+                    )
+                )
+        return None
+    default_group = m.DEFAULT_GROUP_SIZE[method]
+    group = get(
+        section,
+        "group_size",
+        path,
+        lambda n, p: read_int(n, p, minimum=0, maximum=2**20),
+        default_group,
+    )
+    lines = section.key_lines
+    if method in ("mxfp4", "nvfp4") and group != default_group:
+        problems.add(
+            Invalid(
+                f"{path}.group_size",
+                f"{method} blocks are {default_group} elements by definition, got {group}",
+                lines["group_size"],
+            )
+        )
+    double = get(section, "double_quant", path, read_bool, False)
+    if double and method != "nf4":
+        problems.add(
+            Invalid(
+                f"{path}.double_quant", f"applies to nf4 only, not {method}", lines["double_quant"]
+            )
+        )
+    scaling = get(section, "fp8_scaling", path, enum(m.FP8_SCALING), "tensor")
+    if "fp8_scaling" in section.entries and method != "fp8":
+        problems.add(
+            Invalid(
+                f"{path}.fp8_scaling", f"applies to fp8 only, not {method}", lines["fp8_scaling"]
+            )
+        )
+    if method == "fp8" and scaling == "block" and "group_size" not in section.entries:
+        group = m.FP8_BLOCK
+    keep = get(section, "keep_16bit", path, _globs, m.DEFAULT_KEEP_16BIT)
+    return m.QuantSpec(
+        method=method, group_size=group, double_quant=double, fp8_scaling=scaling, keep_16bit=keep
+    )
+
+
+def _globs(node: Node, path: str) -> tuple[str, ...]:
+    if not isinstance(node, Seq):
+        raise Invalid(path, f"expected a list of fqn globs, got {describe(node)}", node.line)
+    return tuple(read_str(item, f"{path}[{i}]") for i, item in enumerate(node.items))
+
+
+def read_overhead(section: Map | None, problems: Problems) -> dict[str, int | float]:
+    if section is None:
+        return {}
+    problems.keys(section, "overhead")
+    out: dict[str, int | float] = {}
+    for key in section.entries:
+        if key in m.OVERHEAD_SIZES:
+            out[key] = problems.get(section, key, "overhead", read_size, 0)
+        elif key in m.OVERHEAD_FRACTIONS:
+            out[key] = problems.get(
+                section,
+                key,
+                "overhead",
+                lambda n, p: read_float(n, p, minimum=0.0, maximum=0.99),
+                0.0,
+            )
+    return out
