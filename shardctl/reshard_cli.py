@@ -1,0 +1,147 @@
+"""``shardctl reshard``: options → one :func:`shardctl.reshard.api.reshard` call → summary."""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from shardctl.errors import UsageError
+from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
+from shardctl.units import parse_size
+
+
+def _target(
+    tp: int | None, pp: int | None, ep: int | None, manifest: Path | None
+) -> tuple[Mesh | None, tuple[RuleSpec, ...], LayoutOptions]:
+    flags = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep}.items() if v is not None}
+    if manifest is not None:
+        from shardctl.manifest import load_manifest
+
+        m = load_manifest(manifest)
+        return replace(m.mesh, dp=1, **flags), m.rules, m.layout
+    if not flags:
+        return None, (), LayoutOptions()
+    return Mesh(**flags), (), LayoutOptions()
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set (Linux reports KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@contextmanager
+def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
+    if not enabled:
+        yield None
+        return
+    from rich.progress import (
+        BarColumn,
+        DownloadColumn,
+        Progress,
+        TimeRemainingColumn,
+        TransferSpeedColumn,
+    )
+
+    with Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        TimeRemainingColumn(),
+        transient=True,
+        console=_stderr_console(),
+    ) as bar:
+        task = bar.add_task("resharding", total=None)
+
+        def update(done: int, total: int) -> None:
+            bar.update(task, completed=done, total=total)
+
+        yield update
+
+
+def _stderr_console() -> Any:
+    from rich.console import Console
+
+    return Console(stderr=True)
+
+
+def run_reshard(
+    src: Path,
+    dst: Path,
+    *,
+    tp: int | None,
+    pp: int | None,
+    ep: int | None,
+    manifest: Path | None,
+    fmt: str | None,
+    max_shard_size: str,
+    workers: int,
+    force: bool,
+    allow_pickle: bool,
+    follow_external_symlinks: bool,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    from shardctl.reshard.api import reshard
+
+    if fmt is not None and fmt not in ("ranks", "hf"):
+        raise UsageError(f"--format: expected ranks or hf, got {fmt!r}")
+    mesh, rules, options = _target(tp, pp, ep, manifest)
+    size = parse_size(max_shard_size, option="--max-shard-size")
+    show = not quiet and not as_json and sys.stderr.isatty()
+    with _progress(show) as progress:
+        result = reshard(
+            src,
+            dst,
+            mesh=mesh,
+            rules=rules,
+            options=options,
+            fmt=fmt,
+            max_shard_size=size,
+            workers=workers,
+            force=force,
+            allow_pickle=allow_pickle,
+            follow_external_symlinks=follow_external_symlinks,
+            progress=progress,
+        )
+    peak = peak_rss_bytes()
+    rate = result.tensor_bytes / result.seconds if result.seconds > 0 else 0.0
+    if as_json:
+        doc = {
+            "schema": "shardctl.reshard/1",
+            "src": str(src),
+            "dst": str(result.dst),
+            "format": result.format,
+            "mesh": None if result.mesh is None else result.mesh.as_dict(),
+            "source_kind": result.source_kind,
+            "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in result.files],
+            "hash": result.hash,
+            "carried": list(result.carried),
+            "tensor_bytes": result.tensor_bytes,
+            "total_bytes": result.total_bytes,
+            "seconds": round(result.seconds, 4),
+            "bytes_per_second": round(rate),
+            "peak_rss_bytes": peak,
+            "workers": result.workers,
+        }
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        return
+    if quiet:
+        return
+    from rich.console import Console
+
+    from shardctl.plan.render import fmt_bytes
+
+    mesh_text = "" if result.mesh is None else f" mesh {result.mesh}"
+    Console().print(
+        f"[green]wrote[/green] {result.dst} ({result.format}{mesh_text}): "
+        f"{len(result.files)} files, {fmt_bytes(result.total_bytes)} in {result.seconds:.2f} s "
+        f"({fmt_bytes(rate)}/s), peak memory {fmt_bytes(peak)}"
+        + (f", carried {', '.join(result.carried)}" if result.carried else "")
+    )

@@ -1,0 +1,36 @@
+"""Byte-size strings on the command line: ``5GB`` (10**9), ``5GiB`` (2**30), ``500MB``, ``123``."""
+
+from __future__ import annotations
+
+import re
+from fractions import Fraction
+
+from shardctl.errors import UsageError
+
+_UNITS = {
+    "": 1,
+    "B": 1,
+    "KB": 10**3,
+    "MB": 10**6,
+    "GB": 10**9,
+    "TB": 10**12,
+    "KIB": 2**10,
+    "MIB": 2**20,
+    "GIB": 2**30,
+    "TIB": 2**40,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([A-Za-z]*)\s*$")
+
+
+def parse_size(text: str, *, option: str) -> int:
+    """``"5GB"`` -> ``5_000_000_000`` (SI as transformers' ``max_shard_size``; ``GiB`` binary)."""
+    m = _SIZE.match(text)
+    unit = m.group(2).upper() if m else ""
+    if m is None or unit not in _UNITS:
+        raise UsageError(
+            f"{option}: expected a size like 5GB, 500MiB or 1000000, got {text!r}",
+        )
+    value = Fraction(m.group(1)) * _UNITS[unit]
+    if value < 1 or value.denominator != 1:
+        raise UsageError(f"{option}: expected a whole positive number of bytes, got {text!r}")
+    return int(value)
