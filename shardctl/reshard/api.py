@@ -1,0 +1,450 @@
+"""``reshard(src, dst, ...)``: split, merge or convert a checkpoint, atomically, in bounded memory.
+
+::
+
+    result = reshard(Path("llama"), Path("llama-tp4"), mesh=Mesh(tp=4))    # HF -> ranks
+    reshard(Path("llama-tp4"), Path("llama-tp2"), mesh=Mesh(tp=2))         # ranks -> ranks
+    reshard(Path("llama-tp4"), Path("llama-merged"), fmt="hf")            # ranks -> HF
+
+Order of work: validate paths and input (nothing written) → target layout and every output
+header → free-space preflight → lock → staging sibling → carried files, data, index → input
+re-checked → record → fsync → rename. Errors are ShardctlError subclasses (exit codes in
+shardctl.errors); OSErrors become one-line exit-5 errors; SIGINT/SIGTERM clean up and raise
+``Interrupted`` (130/143).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardctl.errors import Interrupted, ShardctlError, UsageError
+from shardctl.io import atomic, faults
+from shardctl.io.checkpoint import PickleInputRefused
+from shardctl.io.lock import OutputLock
+from shardctl.layout.engine import build_layout
+from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
+from shardctl.reshard import pickle_input, plan_files, record
+from shardctl.reshard.copy import BLOCK_BYTES, Executor, default_hash
+from shardctl.reshard.safety import check_output, os_failure, preflight_space
+from shardctl.reshard.source import Source, open_source
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class ReshardResult:
+    dst: Path
+    format: str  # "ranks" | "hf"
+    mesh: Mesh | None
+    source_kind: str  # "hf" | "shardctl" | "pickle"
+    files: tuple[record.FileDigest, ...]
+    tensor_bytes: int  # bytes of tensor data written (padding included)
+    total_bytes: int  # every file written, headers, index, record and carried files included
+    seconds: float
+    hash: str
+    carried: tuple[str, ...]
+    workers: int
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before writing: format, layout, files and their headers."""
+
+    fmt: str
+    layout: Layout | None
+    files: tuple[plan_files.OutputFile, ...]
+    shard_files: dict[tuple[int, str], str]
+    index: bytes | None
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def plan(
+    source: Source,
+    *,
+    mesh: Mesh | None,
+    rules: Sequence[RuleSpec] = (),
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen
+    fmt: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Plan:
+    """The target layout and every output file's header; writes nothing."""
+    if fmt is None:
+        fmt = "ranks" if mesh is not None and mesh.model_parallel > 1 else "hf"
+    if fmt not in ("ranks", "hf"):
+        raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
+    if max_shard_size <= 0:
+        raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
+    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    if fmt == "hf":
+        if mesh is not None and mesh.model_parallel > 1:
+            raise UsageError(f"format hf holds whole tensors; mesh {mesh} needs format ranks")
+        files, index = plan_files.hf_files(source.model.tensors, max_shard_size)
+        return Plan("hf", None, tuple(files), {}, index)
+    layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
+    rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
+    return Plan("ranks", layout, tuple(rfiles), where, None)
+
+
+def reshard(
+    src: Path,
+    dst: Path,
+    *,
+    mesh: Mesh | None = None,
+    rules: Sequence[RuleSpec] = (),
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen
+    fmt: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+    workers: int = 1,
+    force: bool = False,
+    allow_pickle: bool = False,
+    follow_external_symlinks: bool = False,
+    progress: Callable[[int, int], None] | None = None,
+    hash_name: str | None = None,
+    block_bytes: int = BLOCK_BYTES,
+) -> ReshardResult:
+    """Write ``src`` re-laid-out as ``mesh`` (``ranks``) or whole (``hf``) to ``dst``."""
+    t0 = time.monotonic()
+    src, dst = Path(src), Path(dst)
+    if workers < 1:
+        raise UsageError(f"workers must be >= 1, got {workers}")
+    pickle_input.refuse_untrusted_formats(src)
+    dst = check_output(src, dst, force=force)
+    source: Source | None
+    try:
+        source = open_source(src, follow_external_symlinks=follow_external_symlinks)
+        kind = source.kind
+        pickle_files: tuple[Path, ...] = ()
+    except PickleInputRefused as exc:
+        if not allow_pickle:
+            raise
+        pickle_files, source, kind = exc.files, None, "pickle"
+    if source is not None:
+        check_output(src, dst, force=force, input_files=[f.path for f in source.files])
+        the_plan = plan(
+            source, mesh=mesh, rules=rules, options=options, fmt=fmt, max_shard_size=max_shard_size
+        )
+        preflight_space(dst.parent, _need(source, the_plan))
+    hash_name = hash_name or default_hash()
+    dist = _distributed()
+    lead = dist is None or dist.rank == 0
+    with _signals():
+        lock: OutputLock | None = None
+        staging: Path | None = None
+        try:
+            if lead:
+                try:
+                    lock = OutputLock(dst)
+                    lock.acquire()
+                    atomic.recover(dst)
+                    if os.path.lexists(dst) and not force:
+                        check_output(src, dst, force=False)
+                    staging = atomic.make_staging(dst)
+                except BaseException:
+                    if dist is not None:
+                        dist.share(None)
+                    raise
+            work = staging if dist is None else dist.share(staging)
+            assert work is not None
+            if source is None:  # pickle: convert weights-only into the staging area first
+                conv = pickle_input.convert(
+                    [src / p for p in pickle_files], src, work / ".pickle-input"
+                )
+                source = _with_carried(open_source(conv), src)
+                the_plan = plan(
+                    source,
+                    mesh=mesh,
+                    rules=rules,
+                    options=options,
+                    fmt=fmt,
+                    max_shard_size=max_shard_size,
+                )
+                preflight_space(dst.parent, _need(source, the_plan))
+            mine = list(the_plan.files) if dist is None else dist.mine(list(the_plan.files))
+            if dist is None:
+                digests = _write_data(
+                    work,
+                    source,
+                    mine,
+                    hash_name,
+                    workers,
+                    block_bytes,
+                    progress,
+                    the_plan.data_bytes,
+                )
+            else:
+                digests = dist.run_and_gather(
+                    lambda: _write_data(
+                        work,
+                        source,
+                        mine,
+                        hash_name,
+                        workers,
+                        block_bytes,
+                        progress,
+                        the_plan.data_bytes,
+                    )
+                )
+                if not lead:
+                    dist.done()
+                    return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, 0)
+            assert staging is not None
+            carried = _carry(source, staging)
+            extra = 0
+            if the_plan.index is not None:
+                extra += _write_small(staging / plan_files.INDEX_NAME, the_plan.index)
+                faults.point("index_written")
+            source.check_unchanged()
+            files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
+            if the_plan.index is not None:
+                files.append(_digest_file(staging / plan_files.INDEX_NAME, hash_name))
+            rec = record.build(
+                fmt=the_plan.fmt,
+                architecture=source.model.architecture,
+                layout=the_plan.layout,
+                tensors=source.model.tensors,
+                padded_shapes=dict(the_plan.layout.padded_shapes) if the_plan.layout else {},
+                shard_files=the_plan.shard_files,
+                source=_identity(source, src, kind),
+                hash_name=hash_name,
+                files=files,
+                carried=carried,
+            )
+            shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
+            record.write(staging, rec)
+            faults.point("record_written")
+            atomic.commit(staging, dst, replace=force)
+            staging = None
+            if dist is not None:
+                dist.done()
+            return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, extra)
+        except OSError as exc:
+            raise os_failure(exc) from None
+        finally:
+            atomic.discard(staging)
+            if lock is not None:
+                lock.release()
+
+
+# ---- pieces --------------------------------------------------------------------------------
+
+
+def _need(source: Source, the_plan: Plan) -> int:
+    carried = sum(os.path.getsize(source.root / p) for p in source.carried)
+    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"")
+
+
+def _write_data(
+    staging: Path,
+    source: Source,
+    files: list[plan_files.OutputFile],
+    hash_name: str,
+    workers: int,
+    block_bytes: int,
+    progress: Callable[[int, int], None] | None,
+    total: int,
+) -> dict[str, str]:
+    done = [0]
+    lock = threading.Lock()
+
+    def tick(n: int) -> None:
+        if progress is not None:
+            with lock:
+                done[0] += n
+                progress(done[0], total)
+
+    paths = [f.path for f in source.files]
+    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    groups = _balance(files, min(workers, max(1, len(files))))
+    execs = [
+        Executor(
+            staging,
+            paths,
+            dict(source.shards),
+            hash_name=hash_name,
+            block_bytes=block_bytes,
+            progress=tick,
+            order=order,
+        )
+        for _ in groups
+    ]
+    if len(execs) == 1:
+        return execs[0].run(groups[0])
+    results: list[dict[str, str] | BaseException] = [{} for _ in groups]
+
+    def work(i: int) -> None:
+        try:
+            results[i] = execs[i].run(groups[i])
+        except BaseException as exc:
+            results[i] = exc
+            for e in execs:
+                e.cancel()
+
+    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(1, len(groups))]
+    for t in threads:
+        t.start()
+    try:
+        work(0)
+    except BaseException:
+        for e in execs:
+            e.cancel()
+        raise
+    finally:
+        for t in threads:
+            while t.is_alive():
+                t.join(0.2)
+    out: dict[str, str] = {}
+    errors = [r for r in results if isinstance(r, BaseException)]
+    real = [e for e in errors if not isinstance(e, InterruptedError)]
+    if real or errors:
+        raise (real or errors)[0]
+    for r in results:
+        assert isinstance(r, dict)
+        out.update(r)
+    return out
+
+
+def _balance(files: list[plan_files.OutputFile], n: int) -> list[list[plan_files.OutputFile]]:
+    """Greedy by size, largest first; each group keeps the files' original order."""
+    loads = [0] * n
+    owner: dict[int, int] = {}
+    for i in sorted(range(len(files)), key=lambda i: -files[i].size):
+        k = loads.index(min(loads))
+        owner[i] = k
+        loads[k] += files[i].size
+    return [[f for i, f in enumerate(files) if owner[i] == k] for k in range(n)]
+
+
+def _write_small(path: Path, data: bytes) -> int:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return len(data)
+
+
+def _carry(source: Source, staging: Path) -> list[str]:
+    """config.json, tokenizer and generation files, byte for byte (fsynced)."""
+    names: list[str] = []
+    for rel in source.carried:
+        if rel.name == record.RECORD_NAME:
+            continue
+        with open(source.root / rel, "rb") as f:
+            _write_small(staging / rel.name, f.read())
+        names.append(rel.name)
+    return names
+
+
+def _digest_file(path: Path, hash_name: str) -> record.FileDigest:
+    from shardctl.reshard.copy import new_hash
+
+    h = new_hash(hash_name)
+    data = path.read_bytes()
+    h.update(data)
+    return record.FileDigest(path.name, len(data), h.hexdigest())
+
+
+def _with_carried(source: Source, root: Path) -> Source:
+    """A converted pickle input carries the original root's files (absolute paths)."""
+    from dataclasses import replace
+
+    from shardctl.io.checkpoint import PICKLE_SUFFIXES
+
+    carried = tuple(
+        root / n
+        for n in sorted(os.listdir(root))
+        if (root / n).is_file()
+        and not n.startswith(".")
+        and not n.endswith(PICKLE_SUFFIXES)
+        and not n.endswith(".index.json")
+    )
+    return replace(source, carried=carried)
+
+
+def _identity(source: Source, src: Path, kind: str) -> dict[str, Any]:
+    ident = source.identity()
+    if kind == "pickle":
+        ident["kind"] = "pickle"
+        ident["path"] = str(Path(os.path.abspath(src)))
+        ident["files"] = []
+    return ident
+
+
+def _result(
+    dst: Path,
+    the_plan: Plan,
+    source: Source,
+    kind: str,
+    digests: dict[str, str],
+    hash_name: str,
+    t0: float,
+    workers: int,
+    extra: int,
+) -> ReshardResult:
+    files = tuple(
+        record.FileDigest(f.name, f.size, digests.get(f.name, "")) for f in the_plan.files
+    )
+    tensor_bytes = sum(t.nbytes for f in the_plan.files for t in f.tensors)
+    return ReshardResult(
+        dst=dst,
+        format=the_plan.fmt,
+        mesh=the_plan.layout.mesh if the_plan.layout else None,
+        source_kind=kind,
+        files=files,
+        tensor_bytes=tensor_bytes,
+        total_bytes=the_plan.data_bytes + extra,
+        seconds=time.monotonic() - t0,
+        hash=hash_name,
+        carried=tuple(p.name for p in source.carried),
+        workers=workers,
+    )
+
+
+@contextmanager
+def _signals() -> Iterator[None]:
+    """SIGINT/SIGTERM raise Interrupted in the main thread (cleanup runs); SIGXFSZ -> EFBIG."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
+
+    def handler(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second interrupt during cleanup
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        raise Interrupted(signum)
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding RLIMIT_FSIZE: EFBIG, not death
+    try:
+        yield
+    finally:
+        for s, h in old.items():
+            signal.signal(s, h)
+
+
+def _distributed() -> Any:
+    """Under torchrun (``WORLD_SIZE`` > 1): a gloo group that splits the output files."""
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    from shardctl.reshard.scaleout import Group
+
+    return Group()
+
+
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "Plan", "ReshardResult", "ShardctlError", "plan", "reshard"]

@@ -1,0 +1,453 @@
+"""The box-copy engine: fill target local tensors from source shards, in bounded memory.
+
+For each target tensor and each of its pieces (a box of the global tensor), intersect with the
+source pieces that cover it; every intersection is a *box copy* from source-local to
+target-local coordinates. A target tensor is then produced in row-major order, one *block* at a
+time (rows ``[r0, r1)`` of some dim ``d``, every dim before ``d`` fixed), each block at most
+``block_bytes``:
+
+- a block that one box fills and that is contiguous in the source (``S(0)`` splits, whole
+  tensors) is ``pread`` straight into the output buffer: one copy in, one copy out;
+- any other block (``S(1)`` splits, fused parts, padding) reads the source rows it needs into a
+  scratch buffer and gathers with numpy on raw bytes — an element is ``itemsize`` byte columns,
+  so BF16/FP8 need no numpy dtype. Uncovered bytes are zero padding, written explicitly.
+
+The target shards of one fqn advance in lockstep, block by block, so all ``tp`` targets of an
+``S(1)`` split share one read of the source rows (a one-entry cache). A writer thread hashes
+each buffer and ``pwrite``s it, in file order, so the digest is of the bytes actually written
+and every output file is written sequentially. Memory: ``(pool + 1) × block_bytes`` per worker.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+import os
+import queue
+import threading
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardctl.dtypes import itemsize
+from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.io import faults
+from shardctl.layout.types import Piece
+from shardctl.reshard.plan_files import OutputFile, TargetTensor
+from shardctl.reshard.source import SourceShard
+
+BLOCK_BYTES = 16 * 2**20
+POOL = 3
+
+
+def new_hash(name: str) -> Any:
+    if name == "blake3":
+        import blake3
+
+        return blake3.blake3()
+    import hashlib
+
+    return hashlib.new(name)
+
+
+def default_hash() -> str:
+    """BLAKE3 when installed (≈2× sha256 here, and it can run on a second core), else sha256."""
+    try:
+        import blake3  # noqa: F401
+    except ImportError:
+        return "sha256"
+    return "blake3"
+
+
+@dataclass(frozen=True)
+class Box:
+    """Copy ``sizes`` elements from ``src`` at ``src_lo`` to the target at ``dst_lo`` (local)."""
+
+    src: SourceShard
+    src_lo: tuple[int, ...]
+    dst_lo: tuple[int, ...]
+    sizes: tuple[int, ...]
+
+
+def _scalar(shape: tuple[int, ...]) -> tuple[int, ...]:
+    return shape if shape else (1,)
+
+
+def _piece(p: Piece) -> Piece:
+    return p if p.sizes else Piece((0,), (1,), (0,))
+
+
+def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]) -> list[Box]:
+    """Box copies that fill ``pieces`` from ``sources`` (replicas: the first holder wins).
+
+    Raises InvalidInputError when the sources leave part of a piece uncovered or overlap.
+    """
+    held: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[SourceShard, Piece]] = {}
+    for s in sources:
+        for q in map(_piece, s.pieces):
+            held.setdefault((q.offsets, q.sizes), (s, q))
+    boxes: list[Box] = []
+    for p in map(_piece, pieces):
+        need = math.prod(p.sizes)
+        if need == 0:
+            continue
+        got = 0
+        for s, q in held.values():
+            lo = tuple(max(a, b) for a, b in zip(p.offsets, q.offsets, strict=True))
+            hi = tuple(
+                min(a + n, b + m)
+                for a, n, b, m in zip(p.offsets, p.sizes, q.offsets, q.sizes, strict=True)
+            )
+            sizes = tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True))
+            if any(n <= 0 for n in sizes):
+                continue
+            src_lo = tuple(
+                a - b + c for a, b, c in zip(lo, q.offsets, q.local_offsets, strict=True)
+            )
+            dst_lo = tuple(
+                a - b + c for a, b, c in zip(lo, p.offsets, p.local_offsets, strict=True)
+            )
+            boxes.append(Box(s, src_lo, dst_lo, sizes))
+            got += math.prod(sizes)
+        if got != need:
+            raise InvalidInputError(
+                f"source shards cover {got} of the {need} elements of box "
+                f"offsets={list(p.offsets)} sizes={list(p.sizes)}"
+                + (" (overlapping source pieces)" if got > need else ""),
+                where=fqn,
+                hint="the source layout record is inconsistent; re-create the sharded checkpoint",
+            )
+    return boxes
+
+
+def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    out = [1] * len(shape)
+    for i in range(len(shape) - 2, -1, -1):
+        out[i] = out[i + 1] * shape[i + 1]
+    return tuple(out)
+
+
+def _flat(idx: Sequence[int], shape: tuple[int, ...]) -> int:
+    return sum(i * s for i, s in zip(idx, _strides(shape), strict=True))
+
+
+def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
+    """Is a box of ``sizes`` in a tensor of ``shape`` one contiguous run (whatever its start)?"""
+    k = next((i for i, n in enumerate(sizes) if n != 1), len(sizes))
+    return all(sizes[j] == shape[j] for j in range(k + 1, len(sizes)))
+
+
+def _rows_view(arr: np.ndarray, nrows: int, trailing: tuple[int, ...], s: int) -> np.ndarray:
+    """Raw bytes as ``[rows, *trailing[:-1], trailing[-1]·itemsize]`` (or ``[rows·itemsize]``)."""
+    if not trailing:
+        return arr[: nrows * s]
+    shape = (nrows, *trailing[:-1], trailing[-1] * s)
+    return arr[: math.prod(shape)].reshape(shape)
+
+
+def _index(
+    row0: int, nrows: int, lo: tuple[int, ...], sz: tuple[int, ...], s: int
+) -> tuple[slice, ...]:
+    """Slices of a ``_rows_view`` selecting rows ``[row0, row0+nrows)`` and the box ``lo/sz``."""
+    if not lo:
+        return (slice(row0 * s, (row0 + nrows) * s),)
+    out = [slice(row0, row0 + nrows)]
+    out += [slice(a, a + n) for a, n in zip(lo[:-1], sz[:-1], strict=True)]
+    out.append(slice(lo[-1] * s, (lo[-1] + sz[-1]) * s))
+    return tuple(out)
+
+
+class _Out:
+    def __init__(self, path: Path, f: OutputFile, hash_name: str):
+        self.path = path
+        self.file = f
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+        self.hasher = new_hash(hash_name)
+        self.pos = 0
+        self.digest = ""
+
+
+class _Writer(threading.Thread):
+    """Hashes and writes buffers in queue order; fsyncs and closes finished files."""
+
+    def __init__(self, pool: queue.Queue[bytearray]):
+        super().__init__(name="shardctl-writer", daemon=True)
+        self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
+        self.pool = pool
+        self.error: BaseException | None = None
+        self.stop = False
+
+    def run(self) -> None:
+        while True:
+            item = self.q.get()
+            if item is None:
+                return
+            try:
+                if self.error is None and not self.stop:
+                    self._do(item)
+            except BaseException as exc:
+                self.error = exc
+            finally:
+                if item[0] == "data" and item[4] is not None:
+                    self.pool.put(item[4])
+
+    def _do(self, item: tuple[Any, ...]) -> None:
+        if item[0] == "data":
+            _, out, offset, mv, _buf = item
+            assert offset == out.pos, (out.path, offset, out.pos)
+            out.hasher.update(mv)
+            done = 0
+            while done < len(mv):
+                done += os.pwrite(out.fd, mv[done:], offset + done)
+            out.pos += len(mv)
+            if offset == 0:
+                faults.point("shard_started")
+        else:
+            out = item[1]
+            if out.pos != out.file.size:
+                raise AssertionError(f"{out.path}: wrote {out.pos} of {out.file.size} bytes")
+            faults.point("shard_written")
+            os.fsync(out.fd)
+            faults.point("shard_fsynced")
+            os.close(out.fd)
+            out.fd = -1
+            out.digest = out.hasher.hexdigest()
+
+
+class Executor:
+    """Writes ``files`` into ``directory`` from ``sources``; one writer thread, bounded buffers."""
+
+    def __init__(
+        self,
+        directory: Path,
+        input_paths: Sequence[Path],
+        sources: dict[str, tuple[SourceShard, ...]],
+        *,
+        hash_name: str,
+        block_bytes: int = BLOCK_BYTES,
+        progress: Callable[[int], None] | None = None,
+        order: dict[str, int] | None = None,
+    ):
+        """``order``: the global fqn order every output file's tensors follow."""
+        self.order = order
+        self.directory = directory
+        self.input_paths = list(input_paths)
+        self.sources = sources
+        self.hash_name = hash_name
+        self.block = block_bytes
+        self.progress = progress
+        self.pool: queue.Queue[bytearray] = queue.Queue()
+        for _ in range(POOL):
+            self.pool.put(bytearray(block_bytes))
+        self.scratch_buf = bytearray(block_bytes)
+        self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
+        self.scratch_key: tuple[int, int, int] | None = None
+        self.fds: dict[int, int] = {}
+        self.writer = _Writer(self.pool)
+        self.cancelled = threading.Event()
+        self.outs: list[_Out] = []
+
+    # ---- public --------------------------------------------------------------------------
+
+    def run(self, files: Sequence[OutputFile], max_open: int = 128) -> dict[str, str]:
+        """Write every file; returns ``name -> digest``."""
+        self.writer.start()
+        try:
+            for i in range(0, len(files), max_open):
+                self._batch(files[i : i + max_open])
+            self._finish()
+        finally:
+            self.close()
+        return {out.file.name: out.digest for out in self.outs}
+
+    def cancel(self) -> None:
+        self.cancelled.set()
+
+    def close(self) -> None:
+        if self.writer.is_alive():
+            self.writer.stop = True
+            self.writer.q.put(None)
+            self.writer.join()
+        for fd in self.fds.values():
+            os.close(fd)
+        self.fds.clear()
+        for out in self.outs:
+            if out.fd >= 0:
+                os.close(out.fd)
+                out.fd = -1
+
+    # ---- internals -----------------------------------------------------------------------
+
+    def _finish(self) -> None:
+        self.writer.q.put(None)
+        self.writer.join()
+        if self.writer.error is not None:
+            raise self.writer.error
+
+    def _check(self) -> None:
+        if self.cancelled.is_set():
+            raise InterruptedError("cancelled")
+        if self.writer.error is not None:
+            self._finish()
+
+    def _buffer(self) -> bytearray:
+        while True:
+            self._check()
+            try:
+                return self.pool.get(timeout=0.2)
+            except queue.Empty:
+                continue
+
+    def _batch(self, files: Sequence[OutputFile]) -> None:
+        outs: list[_Out] = []
+        for f in files:
+            outs.append(_Out(self.directory / f.name, f, self.hash_name))
+            self.outs.append(outs[-1])
+        order: dict[str, list[tuple[_Out, TargetTensor]]] = {}
+        last: dict[int, str] = {}
+        for out in outs:
+            self.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
+            for t in out.file.tensors:
+                order.setdefault(t.fqn, []).append((out, t))
+            if out.file.tensors:
+                last[id(out)] = out.file.tensors[-1].fqn
+        closing: dict[str, list[_Out]] = {}
+        for out in outs:
+            if id(out) in last:
+                closing.setdefault(last[id(out)], []).append(out)
+            else:
+                self.writer.q.put(("close", out))
+        rank = self.order or {}
+        for fqn, targets in sorted(order.items(), key=lambda kv: rank.get(kv[0], -1)):
+            gens = [self._tensor(out, t) for out, t in targets]
+            while gens:
+                gens = [g for g in gens if next(g, StopIteration) is not StopIteration]
+            for out in closing.get(fqn, []):
+                self.writer.q.put(("close", out))
+        self._check()
+
+    def _fd(self, file: int) -> int:
+        fd = self.fds.get(file)
+        if fd is None:
+            fd = self.fds[file] = os.open(self.input_paths[file], os.O_RDONLY | os.O_CLOEXEC)
+        return fd
+
+    def _read(self, file: int, offset: int, mv: memoryview) -> None:
+        fd = self._fd(file)
+        done = 0
+        while done < len(mv):
+            n = os.preadv(fd, [mv[done:]], offset + done)
+            if n == 0:
+                raise EnvironmentFailure(
+                    f"input changed during run (short read at byte {offset + done})",
+                    where=str(self.input_paths[file]),
+                    hint="rerun once the input is stable",
+                )
+            done += n
+
+    def _tensor(self, out: _Out, t: TargetTensor) -> Iterator[None]:
+        """Produce ``t`` block by block (a generator: one block per ``next``)."""
+        s = itemsize(t.dtype)
+        shape = _scalar(t.local_shape)
+        if math.prod(shape) == 0:
+            return
+        boxes = plan_boxes(t.fqn, t.pieces, self.sources[t.fqn])
+        boxes = [Box(b.src, *(_scalar(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes]
+        nd = len(shape)
+        src_shapes = [_scalar(b.src.local_shape) for b in boxes]
+
+        def row_bytes(d: int) -> int:
+            return s * max(
+                [math.prod(shape[d + 1 :])] + [math.prod(ls[d + 1 :]) for ls in src_shapes]
+            )
+
+        d = next(i for i in range(nd) if row_bytes(i) <= self.block)
+        rows = max(1, self.block // row_bytes(d))
+        trailing = shape[d + 1 :]
+        for prefix in itertools.product(*(range(n) for n in shape[:d])):
+            for r0 in range(0, shape[d], rows):
+                r1 = min(r0 + rows, shape[d])
+                lo = (*prefix, r0) + (0,) * len(trailing)
+                sz = (1,) * d + (r1 - r0, *trailing)
+                self._block(out, t, s, shape, lo, sz, boxes)
+                yield
+
+    def _block(
+        self,
+        out: _Out,
+        t: TargetTensor,
+        s: int,
+        shape: tuple[int, ...],
+        lo: tuple[int, ...],
+        sz: tuple[int, ...],
+        boxes: Sequence[Box],
+    ) -> None:
+        n = math.prod(sz)
+        nbytes = n * s
+        subs: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []
+        for b in boxes:
+            a = tuple(max(x, y) for x, y in zip(lo, b.dst_lo, strict=True))
+            z = tuple(
+                min(x + p, y + q) - m
+                for x, p, y, q, m in zip(lo, sz, b.dst_lo, b.sizes, a, strict=True)
+            )
+            if all(v > 0 for v in z):
+                subs.append((b, a, z))
+        buf = self._buffer()
+        mv = memoryview(buf)[:nbytes]
+        offset = t.begin + _flat(lo, shape) * s
+        covered = sum(math.prod(z) for _, _, z in subs)
+        if (
+            len(subs) == 1
+            and covered == n
+            and _contiguous(subs[0][2], _scalar(subs[0][0].src.local_shape))
+        ):
+            b, a, z = subs[0]
+            src_at = tuple(x - y + w for x, y, w in zip(a, b.dst_lo, b.src_lo, strict=True))
+            ls = _scalar(b.src.local_shape)
+            self._read(b.src.file, b.src.begin + _flat(src_at, ls) * s, mv)
+        else:
+            arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+            if covered != n:
+                arr[:] = 0
+            dim = self._dim(lo, sz)
+            nrows = sz[dim]
+            dst_view = _rows_view(arr, nrows, shape[dim + 1 :], s)
+            for b, a, z in subs:
+                src_at = tuple(x - y + w for x, y, w in zip(a, b.dst_lo, b.src_lo, strict=True))
+                ls = _scalar(b.src.local_shape)
+                src_view = self._rows(b.src, ls, src_at, z[dim], dim, s)
+                dst_view[_index(a[dim] - lo[dim], z[dim], a[dim + 1 :], z[dim + 1 :], s)] = (
+                    src_view[_index(0, z[dim], src_at[dim + 1 :], z[dim + 1 :], s)]
+                )
+        self.writer.q.put(("data", out, offset, mv, buf))
+        if self.progress is not None:
+            self.progress(nbytes)
+
+    @staticmethod
+    def _dim(lo: tuple[int, ...], sz: tuple[int, ...]) -> int:
+        """The block's row dim: dims before it have size 1 and dims after it are full."""
+        return next((i for i, n in enumerate(sz) if n != 1), len(sz) - 1)
+
+    def _rows(
+        self,
+        src: SourceShard,
+        ls: tuple[int, ...],
+        at: tuple[int, ...],
+        nrows: int,
+        dim: int,
+        s: int,
+    ) -> np.ndarray:
+        """Source rows ``[at[dim], +nrows)`` (dims before ``dim`` fixed at ``at``), full width."""
+        start = (*at[:dim], at[dim]) + (0,) * (len(ls) - dim - 1)
+        offset = src.begin + _flat(start, ls) * s
+        length = nrows * math.prod(ls[dim + 1 :]) * s
+        key = (src.file, offset, length)
+        if key != self.scratch_key:
+            self.scratch_key = None
+            self._read(src.file, offset, memoryview(self.scratch_buf)[:length])
+            self.scratch_key = key
+        return _rows_view(self.scratch, nrows, ls[dim + 1 :], s)

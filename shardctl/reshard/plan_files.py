@@ -1,0 +1,151 @@
+"""Output files and their headers, computed from the layout before a byte is written.
+
+Every tensor's offset is known up front, so the copy engine streams data straight into place.
+Within every output file tensors follow one global order (the source's file order), which lets
+the engine walk an fqn's target shards in lockstep and write every file sequentially.
+
+- ``ranks``: ``rank-00003-of-00008.safetensors`` per model-parallel rank (index ``(pp·ep + e)·tp
+  + t``); above ``max_shard_size`` ``rank-00003-of-00008.part-00001-of-00002.safetensors``.
+- ``hf``: ``model.safetensors``, or ``model-00001-of-00003.safetensors`` … plus the index.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardctl.dtypes import nbytes
+from shardctl.io.safetensors_header import HeaderEntry, header_bytes
+from shardctl.layout.types import Layout, Piece, Shard
+from shardctl.model.types import TensorInfo
+from shardctl.reshard.record import SCHEMA, shard_json
+
+DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
+SHARDCTL_KEY = "shardctl"
+INDEX_NAME = "model.safetensors.index.json"
+
+
+@dataclass(frozen=True)
+class TargetTensor:
+    """One local tensor in an output file, ``nbytes`` at absolute offset ``begin``."""
+
+    fqn: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    begin: int
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, math.prod(self.local_shape))
+
+
+@dataclass(frozen=True)
+class OutputFile:
+    name: str
+    header: bytes
+    tensors: tuple[TargetTensor, ...]
+    size: int
+    rank: int | None = None
+
+
+def _file(
+    name: str,
+    items: Sequence[tuple[Shard | TensorInfo, tuple[Piece, ...]]],
+    metadata: dict[str, str],
+    rank: int | None,
+) -> OutputFile:
+    entries: list[HeaderEntry] = []
+    cursor = 0
+    for obj, _ in items:
+        shape = obj.local_shape if isinstance(obj, Shard) else obj.shape
+        n = nbytes(obj.dtype, math.prod(shape))
+        entries.append(HeaderEntry(obj.fqn, obj.dtype, tuple(shape), cursor, cursor + n))
+        cursor += n
+    header = header_bytes(entries, metadata)
+    base = len(header)
+    tensors = tuple(
+        TargetTensor(e.name, e.dtype, e.shape, pieces, base + e.begin)
+        for e, (_, pieces) in zip(entries, items, strict=True)
+    )
+    return OutputFile(name, header, tensors, base + cursor, rank)
+
+
+def _parts(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
+    """Greedy ``[start, end)`` runs with byte sums <= limit (a lone item may exceed it)."""
+    runs: list[tuple[int, int]] = []
+    start, acc = 0, 0
+    for i, n in enumerate(sizes):
+        if i > start and acc + n > limit:
+            runs.append((start, i))
+            start, acc = i, 0
+        acc += n
+    runs.append((start, len(sizes)))
+    return runs
+
+
+def rank_files(
+    layout: Layout, order: dict[str, int], max_shard_size: int
+) -> tuple[list[OutputFile], dict[tuple[int, str], str]]:
+    """Per-rank files; also ``(rank, fqn) -> file name`` for the record."""
+    files: list[OutputFile] = []
+    where: dict[tuple[int, str], str] = {}
+    world = len(layout.ranks)
+    for i, rl in enumerate(layout.ranks):
+        shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+        runs = _parts([s.nbytes for s in shards], max_shard_size) if shards else [(0, 0)]
+        base = f"rank-{i:05d}-of-{world:05d}"
+        for k, (a, b) in enumerate(runs):
+            name = f"{base}.safetensors"
+            if len(runs) > 1:
+                name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+            part = shards[a:b]
+            meta = {
+                "format": "pt",
+                SHARDCTL_KEY: json.dumps(
+                    {
+                        "schema": SCHEMA,
+                        "rank": i,
+                        "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
+                        "mesh": layout.mesh.as_dict(),
+                        "shards": [shard_json(s, name) for s in part],
+                    },
+                    separators=(",", ":"),
+                ),
+            }
+            if all(s.is_rectangular for s in part):
+                # torch DCP's HuggingFaceStorageReader: global size = max(offset + shape)
+                meta[DCP_KEY] = json.dumps(
+                    {s.fqn: {"saved_offsets": list(s.offsets)} for s in part}, separators=(",", ":")
+                )
+            files.append(_file(name, [(s, s.pieces) for s in part], meta, i))
+            for s in part:
+                where[(i, s.fqn)] = name
+    return files, where
+
+
+def hf_files(
+    tensors: Sequence[TensorInfo], max_shard_size: int
+) -> tuple[list[OutputFile], bytes | None]:
+    """Whole tensors in HF files (in the given order); the index bytes when there are several."""
+    runs = _parts([t.nbytes for t in tensors], max_shard_size)
+    files: list[OutputFile] = []
+    for k, (a, b) in enumerate(runs):
+        name = (
+            "model.safetensors"
+            if len(runs) == 1
+            else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+        )
+        items = [
+            (t, (Piece((0,) * len(t.shape), t.shape, (0,) * len(t.shape)),)) for t in tensors[a:b]
+        ]
+        files.append(_file(name, items, {"format": "pt"}, None))
+    if len(files) == 1:
+        return files, None
+    index = {
+        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
+        "weight_map": {t.fqn: f.name for f in files for t in f.tensors},
+    }
+    return files, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")

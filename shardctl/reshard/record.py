@@ -1,0 +1,367 @@
+"""The layout record ``shardctl.layout.json``: what a reshard wrote, and from what.
+
+Written at DST's root (both formats), last before the commit; merging or converting a ``ranks``
+output needs only this record, never the rules that made it. Schema ``"shardctl.layout/1"``::
+
+    {
+      "schema": "shardctl.layout/1",
+      "tool": {"name": "shardctl", "version": "0.1.0"},
+      "created": "2025-01-01T00:00:00Z",
+      "format": "ranks",                      # or "hf"
+      "architecture": "llama",
+      "mesh": {"pp": 2, "dp": 1, "ep": 1, "tp": 4},
+      "options": {"pipeline": "even", "layers_per_stage": null,
+                  "vocab_padding": "tp", "uneven": "error"},
+      "stages": [{"index": 0, "layers": [0, 15]}, {"index": 1, "layers": [16, 31]}],
+      "source": {"kind": "hf", "path": "/abs/src",
+                 "files": [{"name": "model-00001-of-00002.safetensors", "size": 4998…,
+                            "mtime_ns": 17…, "sha256": null}],  # sha256 known from an HF-cache
+                                                              # blob name, else null
+                 "record": null},                # a shardctl source: {"name", "blake3"|"sha256"}
+      "tensors": [                               # the original checkpoint's tensors, file order
+        {"fqn": "model.embed_tokens.weight", "dtype": "BF16",
+         "global_shape": [32000, 4096], "padded_shape": [32000, 4096]}, ...],
+      "ranks": [                                 # model-parallel ranks (dp 0), (pp, ep, tp) order
+        {"rank": 0, "coord": {"pp": 0, "ep": 0, "tp": 0},
+         "shards": [
+           {"fqn": "model.layers.0.self_attn.q_proj.weight",
+            "file": "rank-00000-of-00008.safetensors",
+            "placement": "S(0)", "local_shape": [1024, 4096],
+            "pieces": [{"offsets": [0, 0], "sizes": [1024, 4096], "local_offsets": [0, 0]}]},
+           ...]}],
+      "hash": "blake3",                          # algorithm of every "files[].digest"
+      "files": [{"name": "rank-00000-of-00008.safetensors", "size": 123, "digest": "ab…"}],
+      "carried": ["config.json", "tokenizer.json"]
+    }
+
+- A shard's local tensor is stored under its ``fqn`` in ``file``; the data offsets come from
+  that file's safetensors header. Local regions no piece covers are zero padding (vocab
+  padding); ``padded_shape`` != ``global_shape`` says a tensor was padded.
+- ``files[].digest`` hashes the whole file (header included) as written; for ``format: hf``
+  ``ranks`` is empty and ``files`` lists the HF files (the index included).
+- dp replicas are not written: a rank with ``dp > 0`` loads the file of its ``(pp, ep, tp)``.
+- Each rank file's safetensors ``__metadata__`` repeats its part of this record under
+  ``"shardctl"`` (JSON), and carries torch DCP's ``DCP_SHARDING_INFO`` (``saved_offsets``) when
+  every shard in the file is rectangular; fused or padded shards, which DCP offsets cannot
+  express, leave it out (DCP then refuses the directory instead of loading wrong values).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from shardctl import __version__
+from shardctl.errors import InvalidInputError
+from shardctl.layout.types import (
+    Layout,
+    LayoutOptions,
+    Mesh,
+    Piece,
+    RankLayout,
+    Shard,
+    Stage,
+)
+from shardctl.model.types import TensorInfo
+
+SCHEMA = "shardctl.layout/1"
+RECORD_NAME = "shardctl.layout.json"
+MAX_RECORD_BYTES = 256 * 2**20
+
+
+@dataclass(frozen=True)
+class FileDigest:
+    name: str
+    size: int
+    digest: str
+
+
+@dataclass(frozen=True)
+class LayoutRecord:
+    """A parsed, validated record. ``files_of[(rank, fqn)]`` names the file holding that shard."""
+
+    format: str
+    architecture: str
+    layout: Layout | None  # None for format "hf"
+    tensors: tuple[TensorInfo, ...]
+    padded_shapes: dict[str, tuple[int, ...]]
+    shard_files: dict[tuple[int, str], str]
+    hash: str
+    files: tuple[FileDigest, ...]
+    carried: tuple[str, ...]
+    source: dict[str, Any]
+    raw: dict[str, Any]
+
+
+def shard_json(shard: Shard, file: str) -> dict[str, Any]:
+    return {
+        "fqn": shard.fqn,
+        "file": file,
+        "placement": shard.placement,
+        "local_shape": list(shard.local_shape),
+        "pieces": [
+            {
+                "offsets": list(p.offsets),
+                "sizes": list(p.sizes),
+                "local_offsets": list(p.local_offsets),
+            }
+            for p in shard.pieces
+        ],
+    }
+
+
+def build(
+    *,
+    fmt: str,
+    architecture: str,
+    layout: Layout | None,
+    tensors: tuple[TensorInfo, ...],
+    padded_shapes: dict[str, tuple[int, ...]],
+    shard_files: dict[tuple[int, str], str],
+    source: dict[str, Any],
+    hash_name: str,
+    files: list[FileDigest],
+    carried: list[str],
+) -> dict[str, Any]:
+    """The record as a JSON-ready dict."""
+    ranks: list[dict[str, Any]] = []
+    if layout is not None:
+        for i, rl in enumerate(layout.ranks):
+            ranks.append(
+                {
+                    "rank": i,
+                    "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
+                    "shards": [shard_json(s, shard_files[(i, s.fqn)]) for s in rl.shards],
+                }
+            )
+    opts = layout.options if layout is not None else LayoutOptions()
+    return {
+        "schema": SCHEMA,
+        "tool": {"name": "shardctl", "version": __version__},
+        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "format": fmt,
+        "architecture": architecture,
+        "mesh": (layout.mesh if layout is not None else Mesh()).as_dict(),
+        "options": {
+            "pipeline": opts.pipeline,
+            "layers_per_stage": list(opts.layers_per_stage) if opts.layers_per_stage else None,
+            "vocab_padding": opts.vocab_padding,
+            "uneven": opts.uneven,
+        },
+        "stages": [
+            {"index": s.index, "layers": list(s.layers) if s.layers else None}
+            for s in (layout.stages if layout is not None else ())
+        ],
+        "source": source,
+        "tensors": [
+            {
+                "fqn": t.fqn,
+                "dtype": t.dtype,
+                "global_shape": list(t.shape),
+                "padded_shape": list(padded_shapes.get(t.fqn, t.shape)),
+            }
+            for t in tensors
+        ],
+        "ranks": ranks,
+        "hash": hash_name,
+        "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in files],
+        "carried": carried,
+    }
+
+
+def write(directory: Path, record: dict[str, Any]) -> Path:
+    """Write and fsync ``shardctl.layout.json`` in ``directory``."""
+    path = directory / RECORD_NAME
+    data = json.dumps(record, indent=1).encode("utf-8") + b"\n"
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
+    try:
+        os.write(fd, data)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    return path
+
+
+# ---- reading -----------------------------------------------------------------------------
+
+
+def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ValueError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def _bad_constant(name: str) -> Any:
+    raise ValueError(f"non-finite number {name}")
+
+
+def load_json(path: Path) -> dict[str, Any]:
+    """Strict JSON: size cap, no duplicate keys, no NaN/Infinity."""
+    where = str(path)
+    try:
+        size = path.stat().st_size
+        if size > MAX_RECORD_BYTES:
+            raise InvalidInputError(f"record larger than {MAX_RECORD_BYTES >> 20} MiB", where=where)
+        text = path.read_bytes().decode("utf-8")
+        obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_bad_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+        raise InvalidInputError(f"invalid JSON: {exc}", where=where) from None
+    if not isinstance(obj, dict):
+        raise InvalidInputError("expected a JSON object", where=where)
+    return obj
+
+
+def _ints(v: Any, what: str, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(type(x) is int and x >= 0 for x in v):
+        raise InvalidInputError(f"{what}: expected a list of non-negative integers", where=where)
+    return tuple(v)
+
+
+def _str(v: Any, what: str, where: str) -> str:
+    if not isinstance(v, str):
+        raise InvalidInputError(f"{what}: expected a string", where=where)
+    return v
+
+
+def read(root: Path) -> LayoutRecord:
+    """Parse and validate ``root/shardctl.layout.json`` (exit 3 on anything malformed)."""
+    path = root / RECORD_NAME
+    where = str(path)
+    obj = load_json(path)
+    if obj.get("schema") != SCHEMA:
+        raise InvalidInputError(
+            f"unknown record schema {obj.get('schema')!r}, expected {SCHEMA!r}", where=where
+        )
+    try:
+        return _parse(obj, where)
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise InvalidInputError(
+            f"malformed record ({type(exc).__name__}: {exc})", where=where
+        ) from None
+
+
+def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
+    fmt = _str(obj["format"], "format", where)
+    if fmt not in ("ranks", "hf"):
+        raise InvalidInputError(f"format: expected 'ranks' or 'hf', got {fmt!r}", where=where)
+    tensors: list[TensorInfo] = []
+    padded: dict[str, tuple[int, ...]] = {}
+    seen: set[str] = set()
+    for i, t in enumerate(obj["tensors"]):
+        w = f"tensors[{i}]"
+        fqn = _str(t["fqn"], f"{w}.fqn", where)
+        if not fqn or fqn in seen:
+            raise InvalidInputError(f"{w}.fqn: empty or duplicate name {fqn!r}", where=where)
+        seen.add(fqn)
+        shape = _ints(t["global_shape"], f"{w}.global_shape", where)
+        tensors.append(TensorInfo(fqn, shape, _str(t["dtype"], f"{w}.dtype", where)))
+        pshape = _ints(t.get("padded_shape", list(shape)), f"{w}.padded_shape", where)
+        if pshape != shape:
+            padded[fqn] = pshape
+    info = {t.fqn: t for t in tensors}
+    m = obj["mesh"]
+    mesh = Mesh(**{a: int(m[a]) for a in ("pp", "dp", "ep", "tp")})
+    o = obj.get("options") or {}
+    lps = o.get("layers_per_stage")
+    options = LayoutOptions(
+        pipeline=o.get("pipeline", "even"),
+        layers_per_stage=tuple(lps) if lps else None,
+        vocab_padding=o.get("vocab_padding", "tp"),
+        uneven=o.get("uneven", "error"),
+    )
+    stages = tuple(
+        Stage(
+            int(s["index"]), (int(s["layers"][0]), int(s["layers"][1])) if s.get("layers") else None
+        )
+        for s in obj.get("stages", [])
+    )
+    files = tuple(
+        FileDigest(_str(f["name"], "files[].name", where), int(f["size"]), str(f["digest"]))
+        for f in obj["files"]
+    )
+    names = {f.name for f in files}
+    shard_files: dict[tuple[int, str], str] = {}
+    layout: Layout | None = None
+    if fmt == "ranks":
+        if len(obj["ranks"]) != mesh.model_parallel:
+            raise InvalidInputError(
+                f"ranks: {len(obj['ranks'])} entries for a mesh of {mesh.model_parallel} "
+                "model-parallel ranks",
+                where=where,
+            )
+        ranks: list[RankLayout] = []
+        for i, r in enumerate(obj["ranks"]):
+            shards: list[Shard] = []
+            for j, s in enumerate(r["shards"]):
+                w = f"ranks[{i}].shards[{j}]"
+                fqn = _str(s["fqn"], f"{w}.fqn", where)
+                if fqn not in info:
+                    raise InvalidInputError(f"{w}: tensor {fqn!r} not in 'tensors'", where=where)
+                file = _str(s["file"], f"{w}.file", where)
+                if file not in names or "/" in file or file.startswith("."):
+                    raise InvalidInputError(
+                        f"{w}.file: {file!r} is not a recorded file", where=where
+                    )
+                shard = _shard(s, info[fqn], w, where)
+                shards.append(shard)
+                shard_files[(i, fqn)] = file
+            c = r["coord"]
+            ranks.append(RankLayout(int(c["pp"]), int(c["ep"]), int(c["tp"]), tuple(shards)))
+        layout = Layout(
+            architecture=str(obj.get("architecture", "unknown")),
+            mesh=mesh,
+            options=options,
+            stages=stages,
+            ranks=tuple(ranks),
+            padded_shapes=padded,
+        )
+    return LayoutRecord(
+        format=fmt,
+        architecture=str(obj.get("architecture", "unknown")),
+        layout=layout,
+        tensors=tuple(tensors),
+        padded_shapes=padded,
+        shard_files=shard_files,
+        hash=_str(obj["hash"], "hash", where),
+        files=files,
+        carried=tuple(str(c) for c in obj.get("carried", [])),
+        source=dict(obj.get("source") or {}),
+        raw=obj,
+    )
+
+
+def _shard(s: dict[str, Any], t: TensorInfo, w: str, where: str) -> Shard:
+    local = _ints(s["local_shape"], f"{w}.local_shape", where)
+    nd = len(t.shape)
+    if len(local) != nd:
+        raise InvalidInputError(f"{w}.local_shape: rank {len(local)} != {nd}", where=where)
+    pieces: list[Piece] = []
+    for k, p in enumerate(s["pieces"]):
+        off = _ints(p["offsets"], f"{w}.pieces[{k}].offsets", where)
+        siz = _ints(p["sizes"], f"{w}.pieces[{k}].sizes", where)
+        loc = _ints(p["local_offsets"], f"{w}.pieces[{k}].local_offsets", where)
+        if not (len(off) == len(siz) == len(loc) == nd) or any(
+            o + z > g or lo + z > ls
+            for o, z, g, lo, ls in zip(off, siz, t.shape, loc, local, strict=True)
+        ):
+            raise InvalidInputError(
+                f"{w}.pieces[{k}]: box outside the global {list(t.shape)} or local "
+                f"{list(local)} tensor",
+                where=where,
+            )
+        pieces.append(Piece(off, siz, loc))
+    return Shard(
+        fqn=t.fqn,
+        dtype=t.dtype,
+        global_shape=t.shape,
+        local_shape=local,
+        pieces=tuple(pieces),
+        placement=str(s.get("placement", "?")),
+    )

@@ -1,0 +1,88 @@
+"""Checks made before any write: output location, overlap with the input, free space.
+
+RELIABILITY B7–B9 and E4 (preflight): DST equal to SRC, inside it, containing it, a symlink to
+it, or a hard link to an input file → exit 4; DST existing without ``force`` → exit 4; DST's
+parent missing → exit 5; not enough free space → exit 5 ``need X GiB, Y available``.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterable
+from pathlib import Path
+
+from shardctl.errors import EnvironmentFailure, OutputConflictError
+
+_GIB = 2**30
+
+
+def _inside(child: str, parent: str) -> bool:
+    return child == parent or child.startswith(parent.rstrip(os.sep) + os.sep)
+
+
+def check_output(src: Path, dst: Path, *, force: bool, input_files: Iterable[Path] = ()) -> Path:
+    """Validate DST against SRC; returns DST as an absolute path (its parent resolved)."""
+    parent = Path(os.path.abspath(dst)).parent
+    if not parent.is_dir():
+        raise EnvironmentFailure(
+            "output's parent directory does not exist", where=str(parent), hint="create it first"
+        )
+    dst_abs = Path(os.path.realpath(parent)) / Path(os.path.abspath(dst)).name
+    src_real = os.path.realpath(src)
+    candidates = {str(dst_abs), os.path.realpath(dst_abs)}
+    for c in candidates:
+        if _inside(c, src_real) or _inside(src_real, c):
+            what = "is the input" if c == src_real else "overlaps the input"
+            raise OutputConflictError(
+                f"output {what} ({src_real})",
+                where=str(dst),
+                hint="choose an output outside the input",
+            )
+    if os.path.lexists(dst_abs):
+        if os.path.islink(dst_abs):
+            raise OutputConflictError(
+                "output is a symlink; refusing to write through it", where=str(dst)
+            )
+        if dst_abs.is_file():
+            st = os.stat(dst_abs)
+            for f in input_files:
+                fs = os.stat(f)
+                if (fs.st_dev, fs.st_ino) == (st.st_dev, st.st_ino):
+                    raise OutputConflictError(
+                        "output is a hard link to an input file", where=str(dst)
+                    )
+        if not force:
+            raise OutputConflictError(
+                "output exists", where=str(dst), hint="pass --force to replace it"
+            )
+    return dst_abs
+
+
+def preflight_space(parent: Path, need: int) -> None:
+    """Exit 5 with the numbers when the output's file system lacks ``need`` bytes."""
+    st = os.statvfs(parent)
+    avail = st.f_bavail * st.f_frsize
+    if need > avail:
+        raise EnvironmentFailure(
+            f"not enough space: need {need / _GIB:.2f} GiB, {avail / _GIB:.2f} GiB available",
+            where=str(parent),
+            hint="free space or write elsewhere",
+        )
+
+
+_MESSAGES = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EFBIG: "file too large for this file system or ulimit",
+    errno.EIO: "I/O error",
+}
+
+
+def os_failure(exc: OSError, where: Path | str | None = None) -> EnvironmentFailure:
+    """An OSError as one line (exit 5)."""
+    what = _MESSAGES.get(exc.errno or 0, exc.strerror or str(exc))
+    return EnvironmentFailure(what, where=str(exc.filename or where or "") or None)

@@ -1,0 +1,223 @@
+"""The input side of a reshard: every tensor's *source shards* and where their bytes lie.
+
+An HF checkpoint is one whole-tensor shard per fqn at its file offset; a shardctl ``ranks``
+layout is its record's shards (replicas included: the copy engine picks one per box). Only
+headers, the index and the record are read here — never tensor data.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import MappingProxyType
+from typing import Any
+
+from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.io.checkpoint import CheckpointFiles, open_checkpoint, read_json_strict
+from shardctl.io.safetensors_header import read_header
+from shardctl.layout.types import Layout, Piece
+from shardctl.model.archs import SUPPORTED, dims_from_config
+from shardctl.model.types import ModelInfo, TensorInfo
+from shardctl.reshard import record as rec
+
+
+@dataclass(frozen=True)
+class SourceShard:
+    """A local tensor in an input file: ``local_shape`` bytes at ``begin``, made of ``pieces``."""
+
+    fqn: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    file: int  # index into Source.files
+    begin: int  # absolute byte offset in the file
+
+
+@dataclass(frozen=True)
+class InputFile:
+    path: Path
+    size: int
+    mtime_ns: int
+    sha256: str | None = None  # known for free from an HF-cache blob name
+
+
+@dataclass(frozen=True)
+class Source:
+    root: Path
+    kind: str  # "hf" | "shardctl"
+    model: ModelInfo  # the original checkpoint's tensors (global, unpadded), in file order
+    shards: Mapping[str, tuple[SourceShard, ...]]
+    files: tuple[InputFile, ...]
+    carried: tuple[Path, ...]  # relative to root
+    record: rec.LayoutRecord | None = None
+
+    def identity(self) -> dict[str, Any]:
+        """The record's ``source`` entry: names, sizes, mtimes (and sha256 where known)."""
+        ident: dict[str, Any] = {
+            "kind": self.kind,
+            "path": str(self.root),
+            "files": [
+                {
+                    "name": f.path.name,
+                    "size": f.size,
+                    "mtime_ns": f.mtime_ns,
+                    "sha256": f.sha256,
+                }
+                for f in self.files
+            ],
+            "record": None,
+        }
+        if self.record is not None:
+            ident["record"] = {"files": self.record.raw.get("files"), "hash": self.record.hash}
+        return ident
+
+    def check_unchanged(self) -> None:
+        """Exit 5 ``input changed during run`` if any input file's size or mtime moved."""
+        for f in self.files:
+            try:
+                st = os.stat(f.path)
+            except OSError:
+                raise EnvironmentFailure(
+                    "input changed during run (file vanished)", where=str(f.path)
+                ) from None
+            if (st.st_size, st.st_mtime_ns) != (f.size, f.mtime_ns):
+                raise EnvironmentFailure(
+                    f"input changed during run (size {f.size} -> {st.st_size})",
+                    where=str(f.path),
+                    hint="rerun once the input is stable",
+                )
+
+
+def open_source(root: Path, *, follow_external_symlinks: bool = False) -> Source:
+    """Validate ``root`` and locate every source shard (exit 3 on anything malformed)."""
+    ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
+    if ck.kind == "shardctl":
+        return _from_record(Path(root))
+    return _from_hf(Path(root), ck)
+
+
+def _input_file(path: Path) -> InputFile:
+    st = os.stat(path)
+    sha = None
+    real = Path(os.path.realpath(path))
+    if real.parent.name == "blobs" and len(real.name) == 64:
+        sha = real.name  # HF cache: LFS blobs are named by their sha256
+    return InputFile(path, st.st_size, st.st_mtime_ns, sha)
+
+
+def _config(root: Path) -> dict[str, Any]:
+    path = root / "config.json"
+    if not path.exists():
+        return {}
+    data = read_json_strict(path, max_bytes=10 * 2**20, what="config")
+    if not isinstance(data, dict):
+        raise InvalidInputError("config is not a JSON object", where=str(path))
+    return data
+
+
+def _model(root: Path, tensors: tuple[TensorInfo, ...], architecture: str | None) -> ModelInfo:
+    config = _config(root)
+    arch = config.get("model_type") if isinstance(config.get("model_type"), str) else None
+    arch = arch or architecture or "unknown"
+    dims = dims_from_config(config, where=str(root / "config.json")) if arch in SUPPORTED else None
+    dtypes = [t.dtype for t in tensors]
+    return ModelInfo(
+        architecture=arch,
+        dims=dims,
+        tensors=tensors,
+        dtype=max(set(dtypes), key=dtypes.count) if dtypes else "BF16",
+        source="checkpoint",
+        config=MappingProxyType(config),
+    )
+
+
+def _from_hf(root: Path, ck: CheckpointFiles) -> Source:
+    if root.is_file():
+        raise InvalidInputError("expected a checkpoint directory", where=str(root))
+    index = {h.path: i for i, h in enumerate(ck.files)}
+    files = tuple(_input_file(h.path) for h in ck.files)
+    shards: dict[str, tuple[SourceShard, ...]] = {}
+    tensors: list[TensorInfo] = []
+    for fqn, loc in ck.locations.items():
+        e = loc.entry
+        whole = Piece((0,) * len(e.shape), e.shape, (0,) * len(e.shape))
+        shards[fqn] = (
+            SourceShard(fqn, e.dtype, e.shape, (whole,), index[loc.path], loc.file_offset),
+        )
+        tensors.append(TensorInfo(fqn, e.shape, e.dtype))
+    model = _model(root, tuple(tensors), None)
+    return Source(root, "hf", model, shards, files, tuple(ck.extra_files))
+
+
+def _from_record(root: Path) -> Source:
+    record = rec.read(root)
+    layout = record.layout
+    if layout is None:  # a shardctl hf output is an ordinary HF checkpoint with a record
+        ck = open_checkpoint_ignoring_record(root)
+        return _from_hf(root, ck)
+    names = sorted({f for f in record.shard_files.values()})
+    files: list[InputFile] = []
+    offsets: dict[str, dict[str, tuple[int, int, tuple[int, ...], str]]] = {}
+    for name in names:
+        path = root / name
+        if path.is_symlink() or not path.is_file():
+            raise InvalidInputError("recorded file missing or not a regular file", where=str(path))
+        header = read_header(path)
+        files.append(_input_file(path))
+        offsets[name] = {
+            e.name: (header.data_offset + e.begin, e.nbytes, e.shape, e.dtype)
+            for e in header.tensors
+        }
+    findex = {n: i for i, n in enumerate(names)}
+    shards: dict[str, list[SourceShard]] = {t.fqn: [] for t in record.tensors}
+    for i, rl in enumerate(layout.ranks):
+        for s in rl.shards:
+            name = record.shard_files[(i, s.fqn)]
+            got = offsets[name].get(s.fqn)
+            if got is None or got[2] != s.local_shape or got[3] != s.dtype:
+                raise InvalidInputError(
+                    f"shard {s.fqn!r} of rank {i}: file header disagrees with the record "
+                    f"(record {list(s.local_shape)} {s.dtype}, file "
+                    f"{[*got[2], got[3]] if got else 'missing'})",
+                    where=str(root / name),
+                )
+            shards[s.fqn].append(
+                SourceShard(s.fqn, s.dtype, s.local_shape, s.pieces, findex[name], got[0])
+            )
+    missing = [fqn for fqn, ss in shards.items() if not ss]
+    if missing:
+        raise InvalidInputError(
+            f"record lists tensors no rank holds: {missing[:5]}", where=str(root)
+        )
+    carried = tuple(
+        Path(n)
+        for n in sorted(os.listdir(root))
+        if not n.startswith(".")
+        and not n.endswith(".safetensors")
+        and n != rec.RECORD_NAME
+        and (root / n).is_file()
+        and not (root / n).is_symlink()
+    )
+    model = _model(root, record.tensors, record.architecture)
+    return Source(
+        root,
+        "shardctl",
+        model,
+        {k: tuple(v) for k, v in shards.items()},
+        tuple(files),
+        carried,
+        record,
+    )
+
+
+def open_checkpoint_ignoring_record(root: Path) -> CheckpointFiles:
+    """An ``hf`` output of shardctl: read it as a plain HF directory (the record is metadata)."""
+    from shardctl.io import checkpoint as ckmod
+
+    return ckmod._open_hf(root, False, ckmod.DEFAULT_MAX_HEADER_BYTES)
+
+
+def source_layout(source: Source) -> Layout | None:
+    return source.record.layout if source.record is not None else None
