@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import os
 import threading
-import time
 from pathlib import Path
 
 import numpy as np
@@ -108,21 +107,30 @@ def test_a3_header_length_past_eof(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("length", [100_000_000, 2**63, 2**64 - 1])
-def test_a4_huge_length_fast(tmp_path: Path, length: int) -> None:
+def test_a4_huge_length_refused_before_reading(
+    tmp_path: Path, length: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Refused from the 8-byte length alone: no allocation, no read of the header itself
+    (speed follows from that; bench/, not tests, measures time)."""
     path = _write(tmp_path, "{}", length=length)
     os.truncate(path, 200_000_000)  # sparse: the length is not also past EOF for 1e8
-    t = time.perf_counter()
+    requested: list[int] = []
+    real_pread = os.pread
+
+    def spy(fd: int, n: int, offset: int) -> bytes:
+        requested.append(n)
+        return real_pread(fd, n, offset)
+
+    monkeypatch.setattr(os, "pread", spy)
     _refused(path, "header exceeds shardctl limit (16 MiB)", "--max-header-bytes")
-    assert time.perf_counter() - t < 0.1
+    assert sum(requested) <= 8, requested
 
 
 def test_a5_legal_but_huge_header_refused_fast(tmp_path: Path) -> None:
     """A 72 MB header is refused from its length alone: nothing is read or parsed."""
     path = _write(tmp_path, "{}", length=72_000_000)
     os.truncate(path, 8 + 72_000_000)
-    t = time.perf_counter()
     _refused(path, "16 MiB")
-    assert time.perf_counter() - t < 1.0
     # ... and the limit is adjustable for trusted files:
     entries = [HeaderEntry(f"t{i}", "F32", (0,), 0, 0) for i in range(3)]
     small = tmp_path / "s.safetensors"
@@ -287,12 +295,10 @@ def test_a17_fifo_does_not_block(tmp_path: Path) -> None:
         except BaseException as exc:
             result.append(exc)
 
-    t = time.perf_counter()
     thread = threading.Thread(target=run, daemon=True)
     thread.start()
-    thread.join(timeout=2)
+    thread.join(timeout=60)  # a hang guard, not a speed limit
     assert not thread.is_alive(), "read_header blocked on a FIFO"
-    assert time.perf_counter() - t < 1.0
     assert isinstance(result[0], InvalidInputError)
     assert "not a regular file (FIFO)" in str(result[0])
 
