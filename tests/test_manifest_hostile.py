@@ -235,6 +235,10 @@ def test_d7_huge_integers_out_of_range() -> None:
     refuse(f"{M}mesh: {{tp: {big}}}\n", r"mesh\.tp: .*out of range")
     refuse(f"{M}mesh: {{tp: {2**40}}}\n", r"mesh\.tp: 1099511627776 out of range")
     refuse(f"model: {{model_type: llama, hidden_size: {2**63}}}\n", r"out of range")
+    refuse(
+        f"model: {{model_type: llama, hidden_size: {2**40}}}\n",
+        r"model\.hidden_size: 1099511627776 out of range \(at most 4294967296\)",
+    )
     refuse(f"model: {{model_type: llama, x: {big}}}\n", r"model\.x: .*out of range")
     refuse(f"model: {{parameters: {big}}}\n", r"model\.parameters: .*out of range")
     refuse(f"{M}hardware: {{device_memory: {big}}}\n", r"out of range")

@@ -16,6 +16,7 @@ T = TypeVar("T")
 
 MAX_REPORTED = 6
 MAX_AXIS = 2**20
+MAX_DIM = 2**32
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 # The keys of every section: the validator's and the JSON Schema's single list.

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardctl.manifest import model as m
-from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, SECTION_KEYS
+from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, MAX_DIM, SECTION_KEYS
 from shardctl.manifest.presets import gpu_names
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
@@ -67,7 +67,10 @@ def _object(section: str, properties: dict[str, Any], doc: str) -> dict[str, Any
 
 def _model() -> dict[str, Any]:
     inline = {
-        key: {**_int(f"HF config field {key} (null: derived)"), "type": ["integer", "null"]}
+        key: {
+            **_int(f"HF config field {key} (null: derived)", 1, MAX_DIM),
+            "type": ["integer", "null"],
+        }
         for key in INLINE_POSITIVE_INTS
     }
     return {

@@ -17,13 +17,13 @@ from shardctl.manifest import model as m
 from shardctl.manifest.fields import (
     INLINE_POSITIVE_INTS,
     MAX_AXIS,
+    MAX_DIM,
     NULLS,
     SECTION_KEYS,
     Problems,
     enum,
     read_axis,
     read_dtype,
-    read_positive,
     section_map,
     unknown,
 )
@@ -137,7 +137,7 @@ def _inline(node: Map, keys: list[str], problems: Problems) -> dict[str, object]
     for key in INLINE_POSITIVE_INTS:
         value = node.entries.get(key)
         if not (isinstance(value, Scalar) and value.plain and value.text in NULLS):
-            problems.get(node, key, "model", read_positive, 0)  # null = HF's "derive it"
+            problems.get(node, key, "model", _dim, 0)  # null = HF's "derive it"
     out: dict[str, object] = {}
     for key in keys:
         try:
@@ -145,6 +145,11 @@ def _inline(node: Map, keys: list[str], problems: Problems) -> dict[str, object]
         except Invalid as problem:
             problems.add(problem)
     return out
+
+
+def _dim(node: Node, path: str) -> int:
+    """A model dimension: real ones stay far below 2**32 (Llama 4's 10M-token context)."""
+    return read_int(node, path, minimum=1, maximum=MAX_DIM)
 
 
 def _near_manifest_key(key: str) -> str | None:
