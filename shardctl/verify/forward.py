@@ -1,0 +1,210 @@
+"""The forward level: run the sharded checkpoint as a sharded model and compare its logits.
+
+Where the ranks run::
+
+    device cpu                      one process per rank, gloo
+    device cuda, GPUs >= ranks      one process per rank, NCCL, rank r on cuda:r
+    device cuda, GPUs <  ranks      simulation: every rank a thread of this process on cuda:0
+
+The reference is transformers' own model class loaded from SRC: once in the checkpoint's dtype
+(the *unsharded* model, whose error is the dtype's own noise) and once upcast to float64 (the
+*reference*). The tolerance is a multiple of that noise (see ``metrics``).
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from shardctl.errors import EnvironmentFailure
+from shardctl.verify import metrics
+from shardctl.verify.launch import ProcessWorld, run_processes, run_threads
+from shardctl.verify.rank import RankJob, RankOutcome, input_ids
+from shardctl.verify.result import LevelResult
+from shardctl.verify.sharded import ShardedCheckpoint
+from shardctl.verify.tp_model import implementations
+
+BATCH = 4
+SEQ_LEN = 32
+
+
+def resolve_device(device: str) -> str:
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentFailure(
+            "--device cuda: no CUDA device is available", hint="use --device cpu or auto"
+        )
+    return device
+
+
+def plan_run(device: str, world: int, simulate: bool | None) -> dict[str, Any]:
+    """Where the ranks run: backend, whether simulated, and each rank's device."""
+    gpus = torch.cuda.device_count() if device == "cuda" else 0
+    if simulate is None:
+        simulate = device == "cuda" and gpus < world
+    backend = "threads" if simulate else ("nccl" if device == "cuda" else "gloo")
+    return {
+        "device": device,
+        "backend": backend,
+        "world_size": world,
+        "simulated": simulate,
+        "gpus": gpus,
+        "torch": torch.__version__,
+    }
+
+
+def make_jobs(ck: ShardedCheckpoint, *, device: str, simulated: bool, seed: int) -> list[RankJob]:
+    mesh = ck.layout.mesh
+    seq = min(SEQ_LEN, _max_positions(ck.config))
+    jobs = []
+    for rank in range(ck.world):
+        pp = rank // (mesh.ep * mesh.tp)
+        stage = ck.layout.stages[pp]
+        first, count = (stage.layers[0], stage.num_layers) if stage.layers else (0, 0)
+        dev = "cpu" if device == "cpu" else ("cuda:0" if simulated else f"cuda:{rank}")
+        jobs.append(
+            RankJob(
+                rank=rank,
+                topo=(mesh.pp, mesh.ep, mesh.tp),
+                config=ck.config,
+                files=tuple(str(f) for f in ck.files.get(rank, ())),
+                first_layer=first,
+                num_layers=count,
+                device=dev,
+                seed=seed,
+                batch=BATCH,
+                seq_len=seq,
+            )
+        )
+    return jobs
+
+
+def _max_positions(cfg: dict[str, Any]) -> int:
+    return int(cfg.get("max_position_embeddings") or cfg.get("n_positions") or SEQ_LEN)
+
+
+def run_sharded(
+    jobs: list[RankJob], env: dict[str, Any], world: ProcessWorld | None = None
+) -> list[RankOutcome]:
+    if any(j.num_layers == 0 for j in jobs):
+        raise EnvironmentFailure("forward level cannot run a pipeline stage with no layers")
+    if env["simulated"]:
+        return run_threads(jobs)
+    if world is not None:
+        return world.run(jobs)
+    return run_processes(jobs, backend=env["backend"])
+
+
+def reference_logits(src: Path, job: RankJob) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(unsharded logits in the checkpoint dtype, float64 logits, dtype name), from SRC."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            src, dtype="auto", **implementations(job.config)
+        )
+    except (OSError, ValueError) as exc:
+        raise EnvironmentFailure(
+            f"could not load the reference model: {exc}", where=str(src)
+        ) from exc
+    device = torch.device(job.device)
+    model = model.to(device).eval()  # type: ignore[arg-type]
+    dtype = next(model.parameters()).dtype
+    ids = input_ids(job.seed, job.batch, job.seq_len, int(job.config["vocab_size"])).to(device)
+    with torch.inference_mode():
+        unsharded = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
+        model = model.to(torch.float64)
+        reference = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
+    return unsharded, reference, str(dtype).removeprefix("torch.")
+
+
+def compare(
+    level: LevelResult, sharded: torch.Tensor, unsharded: torch.Tensor, reference: torch.Tensor
+) -> dict[str, Any]:
+    """Fill ``level`` with figures, one row per figure, and the verdict; return tolerances."""
+    if sharded.shape != reference.shape:
+        level.fail(f"sharded logits {list(sharded.shape)} vs {list(reference.shape)} expected")
+        return {}
+    err_s = metrics.errors(sharded, reference)
+    err_u = metrics.errors(unsharded, reference)
+    limit = metrics.bounds(err_u, reference)
+    over = metrics.within(err_s, limit)
+    level.figures.update(
+        sharded=err_s.as_dict(),
+        unsharded=err_u.as_dict(),
+        bounds=limit,
+        sharded_vs_unsharded=metrics.errors(sharded, unsharded).as_dict(),
+    )
+    for m, value in err_s.as_dict().items():
+        level.rows.append(
+            {
+                "figure": m,
+                "sharded": value,
+                "unsharded": err_u.as_dict()[m],
+                "bound": limit[m],
+                "status": "fail" if m in over else "pass",
+            }
+        )
+    if over:
+        worst = over[0]
+        level.fail(
+            f"sharded logits differ from the float64 reference beyond the dtype's noise: "
+            f"{worst} {err_s.as_dict()[worst]:.3g} > bound {limit[worst]:.3g} "
+            f"({metrics.MULTIPLES[worst]:g}× the unsharded model's {err_u.as_dict()[worst]:.3g} "
+            f"+ floor)"
+        )
+    return {"multiples": metrics.MULTIPLES, "floors": metrics.FLOORS, "bounds": limit}
+
+
+_FQN = re.compile(r"^([\w.]+): ")
+
+
+def check_forward(
+    src: Path,
+    ck: ShardedCheckpoint,
+    *,
+    device: str = "auto",
+    seed: int = 0,
+    simulate: bool | None = None,
+    world: ProcessWorld | None = None,
+) -> tuple[LevelResult, dict[str, Any], dict[str, Any]]:
+    """Run the forward level: (level result, tolerances, environment).
+
+    ``simulate`` forces (True) or forbids (False) the one-process simulation; ``world`` reuses
+    running worker processes (tests run many layouts on one process group).
+    """
+    t0 = time.perf_counter()
+    level = LevelResult("forward")
+    dev = resolve_device(device)
+    env = plan_run(dev, ck.world, simulate)
+    jobs = make_jobs(ck, device=dev, simulated=env["simulated"], seed=seed)
+    outcomes = run_sharded(jobs, env, world)
+    level.figures.update(
+        seed=seed,
+        batch=jobs[0].batch,
+        seq_len=jobs[0].seq_len,
+        load_s=max(o.load_s for o in outcomes),
+        forward_s=max(o.forward_s for o in outcomes),
+    )
+    for o in outcomes:
+        for problem in o.problems:
+            m = _FQN.match(problem)
+            level.fail(
+                problem[m.end() :] if m else problem, fqn=m.group(1) if m else None, rank=o.rank
+            )
+    tolerances: dict[str, Any] = {}
+    if not level.findings:
+        logits = next((o.logits for o in outcomes if o.logits is not None), None)
+        if logits is None:
+            raise EnvironmentFailure("no rank returned logits (internal: output rank missing)")
+        t1 = time.perf_counter()
+        unsharded, reference, dtype = reference_logits(src, jobs[0])
+        level.figures.update(dtype=dtype, reference_s=time.perf_counter() - t1)
+        tolerances = compare(level, logits, unsharded, reference)
+    level.seconds = time.perf_counter() - t0
+    return level.close(), tolerances, env

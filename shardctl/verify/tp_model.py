@@ -1,0 +1,276 @@
+"""Build one rank of the sharded model from transformers' own classes and the rank's tensors.
+
+Steps (all on the rank's own files; nothing global is ever materialized)::
+
+    local config  ->  from_config (eager attention)  ->  local GPT-2 attention / local experts
+                  ->  load local tensors by on-disk name  ->  wrap parallel modules
+
+Loading is strict: every parameter this rank's stage uses must come from its files with exactly
+the shape a correct tensor-parallel rank has, and every tensor in its files must land somewhere.
+A mismatch is a *finding* (the layout does not compute as the model does), not a crash.
+"""
+
+from __future__ import annotations
+
+import importlib
+import re
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from shardctl.verify.adapters import Adapter, Dims, adapter_for, dims_of, local_config
+from shardctl.verify.comm import Comm
+from shardctl.verify.parallel import GatherHead, LocalExperts, RowParallel, VocabParallelEmbedding
+
+_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
+# transformers sets the process-wide default dtype while it builds a model, and imports model
+# modules lazily: simulated ranks (threads) build one at a time, after warm_imports().
+_BUILD_LOCK = threading.Lock()
+
+
+def implementations(cfg: dict[str, Any]) -> dict[str, str]:
+    """Eager attention (and eager experts: the grouped kernels lack float64) everywhere."""
+    impl = {"attn_implementation": "eager"}
+    if cfg.get("num_local_experts"):
+        impl["experts_implementation"] = "eager"
+    return impl
+
+
+def warm_imports(model_type: str) -> None:
+    """Import transformers' classes for ``model_type`` now, in the calling thread."""
+    import transformers
+
+    transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
+    transformers.AutoModelForCausalLM  # noqa: B018
+    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+
+
+@dataclass
+class RankModel:
+    """A built rank: the model (``None`` when loading failed) and what went wrong."""
+
+    model: nn.Module | None
+    adapter: Adapter
+    first_layer: int
+    num_layers: int
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Role:
+    rank: int
+    pp: int
+    ep: int
+    tp: int
+    pp_size: int
+    ep_size: int
+    tp_size: int
+    first_layer: int
+    num_layers: int
+
+    @property
+    def first_stage(self) -> bool:
+        return self.pp == 0
+
+    @property
+    def last_stage(self) -> bool:
+        return self.pp == self.pp_size - 1
+
+
+def build_rank_model(
+    cfg: dict[str, Any],
+    role: Role,
+    tensors: dict[str, torch.Tensor],
+    comm: Comm,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> RankModel:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    ad = adapter_for(str(cfg.get("model_type")))
+    d = dims_of(cfg)
+    out = RankModel(None, ad, role.first_layer, role.num_layers)
+    vocab_rows, vocab_sharded = _vocab(ad, d, tensors)
+    local = local_config(
+        cfg,
+        tp=role.tp_size,
+        ep=role.ep_size,
+        first_layer=role.first_layer,
+        num_layers=role.num_layers,
+        vocab=vocab_rows,
+    )
+    local.pop("architectures", None)
+    model_type = local.pop("model_type")
+    config = AutoConfig.for_model(model_type, **local)
+    config._attn_implementation = "eager"
+    with _BUILD_LOCK, torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **implementations(local))
+        if ad.arch == "gpt2":
+            _localize_gpt2(model, d, role.tp_size, dtype)
+        if d.experts:
+            _localize_experts(model, config, d.experts // role.ep_size, dtype)
+    model.eval()
+    out.problems = _load(model, ad, d, role, tensors)
+    if out.problems:
+        return out
+    _wrap(model, ad, d, role, comm, vocab_rows=vocab_rows, vocab_sharded=vocab_sharded)
+    out.model = model
+    return out
+
+
+def _vocab(ad: Adapter, d: Dims, tensors: dict[str, torch.Tensor]) -> tuple[int, bool]:
+    """Local vocab rows and whether the vocab is split over tp (rows < V)."""
+    for name in (f"{ad.embeddings[0]}.weight", f"{ad.lm_head}.weight"):
+        if name in tensors and tensors[name].dim() == 2:
+            rows = int(tensors[name].shape[0])
+            return rows, rows < d.vocab
+    return 1, False  # a middle pipeline stage: no embedding, no head
+
+
+def _localize_gpt2(model: nn.Module, d: Dims, tp: int, dtype: torch.dtype) -> None:
+    # GPT-2 derives head_dim from n_embd / n_head, so the model was built with the global
+    # n_head; give each attention its local heads and [in, out] Conv1D projections.
+    from transformers.pytorch_utils import Conv1D
+
+    for block in model.transformer.h:  # type: ignore[union-attr]
+        attn = block.attn
+        attn.num_heads = d.heads // tp
+        attn.split_size = d.hidden // tp
+        attn.c_attn = Conv1D(3 * d.hidden // tp, d.hidden).to(dtype)
+        attn.c_proj = Conv1D(d.hidden, d.hidden // tp).to(dtype)
+
+
+def _localize_experts(model: nn.Module, config: Any, count: int, dtype: torch.dtype) -> None:
+    import copy
+
+    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
+
+    sub = copy.copy(config)
+    sub.num_local_experts = count
+    for layer in model.model.layers:  # type: ignore[union-attr]
+        layer.mlp.experts = MixtralExperts(sub).to(dtype)
+
+
+def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any, ...]] | str:
+    """On-disk fqn -> (local parameter name, index into it), or a reason it has no place here."""
+    m = ad.layer_re.match(fqn)
+    if m is None:
+        return fqn, ()
+    layer, rest = int(m.group(1)), m.group(2)
+    if not role.first_layer <= layer < role.first_layer + role.num_layers:
+        last = role.first_layer + role.num_layers - 1
+        return f"layer {layer} is outside this stage (layers {role.first_layer}..{last})"
+    prefix = f"{ad.layer_prefix}.{layer - role.first_layer}"
+    if rest == "block_sparse_moe.gate.weight":
+        return f"{prefix}.mlp.gate.weight", ()
+    e = _EXPERT.match(rest)
+    if e is None:
+        return f"{prefix}.{rest}", ()
+    per_rank = d.experts // role.ep_size
+    expert = int(e.group(1)) - role.ep * per_rank
+    if not 0 <= expert < per_rank:
+        return f"expert {e.group(1)} belongs to another ep rank (ep={role.ep} holds {per_rank})"
+    inter = d.intermediate // role.tp_size
+    w = e.group(2)
+    if w == "w2":
+        return f"{prefix}.mlp.experts.down_proj", (expert,)
+    part = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
+    return f"{prefix}.mlp.experts.gate_up_proj", (expert, part)
+
+
+def _required(model: nn.Module, ad: Adapter, role: Role) -> dict[int, str]:
+    """id(param) -> name, for every parameter this rank's stage computes with."""
+    skip: list[str] = []
+    if not role.first_stage:
+        skip += [f"{e}." for e in ad.embeddings]
+    if not role.last_stage:
+        skip += [f"{ad.final_norm}.", f"{ad.lm_head}."]
+    needed: dict[int, str] = {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if not any(name.startswith(s) for s in skip):
+            needed.setdefault(id(p), name)
+    # A tied head on a later stage still needs the table, whatever name it goes by.
+    if not role.first_stage and role.last_stage:
+        head = model.get_parameter(f"{ad.lm_head}.weight")
+        needed[id(head)] = f"{ad.lm_head}.weight"
+    return needed
+
+
+def _load(
+    model: nn.Module, ad: Adapter, d: Dims, role: Role, tensors: dict[str, torch.Tensor]
+) -> list[str]:
+    problems: list[str] = []
+    needed = _required(model, ad, role)
+    covered: dict[int, int] = {}  # id(param) -> elements loaded
+    misfit: set[int] = set()  # reported once, as a shape mismatch, not again as missing
+    for fqn, t in tensors.items():
+        target = _target(fqn, ad, d, role)
+        if isinstance(target, str):
+            problems.append(f"{fqn}: unexpected on rank {role.rank}: {target}")
+            continue
+        name, index = target
+        try:
+            param = model.get_parameter(name)
+        except AttributeError:
+            problems.append(f"{fqn}: unexpected on rank {role.rank}: the model has no {name}")
+            continue
+        dest = param.data[index] if index else param.data
+        if tuple(dest.shape) != tuple(t.shape):
+            problems.append(
+                f"{fqn}: rank {role.rank} holds {list(t.shape)}, a tp={role.tp_size} "
+                f"ep={role.ep_size} rank of {ad.arch} computes with {list(dest.shape)}"
+            )
+            misfit.add(id(param))
+            continue
+        with torch.no_grad():
+            dest.copy_(t)
+        covered[id(param)] = covered.get(id(param), 0) + t.numel()
+    for pid, name in needed.items():
+        param = model.get_parameter(name)
+        if pid not in misfit and covered.get(pid, 0) < param.numel():
+            problems.append(f"{name}: missing on rank {role.rank} (its stage computes with it)")
+    return problems
+
+
+def _wrap(
+    model: nn.Module,
+    ad: Adapter,
+    d: Dims,
+    role: Role,
+    comm: Comm,
+    *,
+    vocab_rows: int,
+    vocab_sharded: bool,
+) -> None:
+    layers = model.get_submodule(ad.layer_prefix)
+    assert isinstance(layers, nn.ModuleList)
+    for layer in layers:
+        for path in ad.row_parallel:
+            parent_path, _, leaf = path.rpartition(".")
+            parent = layer.get_submodule(parent_path)
+            setattr(parent, leaf, RowParallel(getattr(parent, leaf), comm, conv1d=ad.conv1d))
+        if d.experts:
+            per_rank = d.experts // role.ep_size
+            mlp = layer.get_submodule("mlp")
+            experts = mlp.get_submodule("experts")
+            mlp.experts = LocalExperts(experts, comm, first=role.ep * per_rank, count=per_rank)
+    root, _, emb = ad.embeddings[0].rpartition(".")
+    if vocab_sharded and role.first_stage:
+        parent = model.get_submodule(root)
+        start = role.tp * vocab_rows
+        setattr(parent, emb, VocabParallelEmbedding(getattr(parent, emb), comm, start=start))
+    if role.last_stage:
+        weight = model.get_parameter(f"{ad.lm_head}.weight")
+        setattr(
+            model,
+            ad.lm_head,
+            GatherHead(weight, comm, vocab=d.vocab, sharded=vocab_sharded),
+        )
+    else:
+        norm_root, _, norm = ad.final_norm.rpartition(".")
+        setattr(model.get_submodule(norm_root), norm, nn.Identity())
+        setattr(model, ad.lm_head, nn.Identity())

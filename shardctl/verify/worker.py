@@ -1,0 +1,113 @@
+"""Entry point of one forward rank: ``python -m shardctl.verify.worker``.
+
+Two ways in, both reading ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER_PORT`` (and
+``LOCAL_RANK`` for the GPU) the way ``torchrun`` sets them:
+
+1. spawned by ``shardctl verify`` (``--serve``): take jobs from the parent's TCP store, run
+   each, put the outcome (problems, timings, logits on the output rank) back;
+2. multi-node, under torchrun — one process per model-parallel rank (``pp × ep × tp``)::
+
+       torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE \\
+           --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
+           -m shardctl.verify.worker SRC DST --seed 0 --report verify.json
+
+   Every rank loads only its own files from DST (shared storage or a copy per node). Rank 0
+   first runs the structure and bitwise levels, then every rank runs the forward; the output
+   rank sends its logits to rank 0, which compares them with SRC's unsharded model and writes
+   the report (schema ``shardctl.verify/1``). Exit: 0 equivalent, 1 not, 3 invalid, 5 could
+   not verify — on rank 0; other ranks exit 0 unless their run broke.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+
+def _init(world: int, rank: int) -> str:
+    import torch.distributed as dist
+
+    backend = os.environ.get("SHARDCTL_VERIFY_BACKEND") or (
+        "nccl" if torch.cuda.is_available() else "gloo"
+    )
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    store = None
+    if os.environ.get("SHARDCTL_VERIFY_STORE") == "client":
+        # The parent ``shardctl verify`` hosts the store on a port it already holds.
+        store = dist.TCPStore(
+            os.environ["MASTER_ADDR"],
+            int(os.environ["MASTER_PORT"]),
+            is_master=False,
+            timeout=timedelta(seconds=120),
+        )
+    dist.init_process_group(
+        backend, rank=rank, world_size=world, store=store, timeout=timedelta(seconds=600)
+    )
+    return backend
+
+
+def _serve() -> int:
+    """Run jobs from the parent's store until told to stop (``ProcessWorld``)."""
+    import torch.distributed as dist
+
+    from shardctl.verify.comm import DistComm, Topology
+    from shardctl.verify.launch import encode
+    from shardctl.verify.rank import RankJob, run_rank
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    _init(world, rank)
+    store = dist.TCPStore(
+        os.environ["MASTER_ADDR"],
+        int(os.environ["MASTER_PORT"]),
+        is_master=False,
+        timeout=timedelta(hours=24),
+    )
+    k = 0
+    try:
+        while True:
+            data = store.get(f"job/{k}/{rank}")
+            if data == b"stop":
+                return 0
+            job = RankJob.from_json(json.loads(data))
+            outcome = run_rank(job, DistComm(job.rank, Topology(*job.topo)))
+            store.set(f"outcome/{k}/{rank}", encode(outcome))  # type: ignore[arg-type]
+            k += 1
+    finally:
+        dist.destroy_process_group()
+
+
+def _run_torchrun(args: argparse.Namespace) -> int:
+    from shardctl.verify.distributed import run_under_torchrun
+
+    return run_under_torchrun(
+        Path(args.src),
+        Path(args.dst),
+        seed=args.seed,
+        report=Path(args.report) if args.report else None,
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m shardctl.verify.worker")
+    p.add_argument("src", nargs="?")
+    p.add_argument("dst", nargs="?")
+    p.add_argument("--serve", action="store_true")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--report")
+    args = p.parse_args(argv)
+    if args.serve:
+        return _serve()
+    if not (args.src and args.dst):
+        p.error("give SRC and DST (under torchrun), or --serve")
+    return _run_torchrun(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
