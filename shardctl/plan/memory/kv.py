@@ -84,6 +84,6 @@ def kv_capacity(
         budget=budget,
         available=available,
         tokens=tokens,
-        max_batch=tokens // sequence_length,
-        max_sequence_length=tokens // batch,
+        max_batch=tokens // sequence_length if sequence_length else 0,
+        max_sequence_length=tokens // batch if batch else 0,
     )
