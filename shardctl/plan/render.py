@@ -86,6 +86,9 @@ def render_plan(result: PlanResult, console: Console | None = None) -> None:
             )
         table.add_row(*cells)
     console.print(table)
+    from shardctl.plan.report import render_bars
+
+    render_bars(result, console=console)
     if result.device_memory is not None:
         worst = max(result.ranks, key=lambda r: r.total)
         verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
