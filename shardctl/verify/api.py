@@ -1,0 +1,126 @@
+"""``verify(src, dst)``: is DST the same model as SRC? In levels, cumulative, stop at the first failure.
+
+    structure  headers and the record: tensors, shapes, dtypes, coverage, stages, replicas
+    bitwise    every shard equals its region of SRC bit for bit; padding zero; file hashes
+    forward    the sharded checkpoint runs as a sharded model (torch.distributed) and its logits
+               match SRC's unsharded model within the dtype's own noise
+
+Outcomes (DESIGN.md exit codes): ``VerifyResult.ok`` true → 0; false → 1 (not equivalent,
+naming the level, tensor, rank, file); :class:`InvalidInputError` → 3 (SRC/DST unreadable, a
+malformed record); :class:`EnvironmentFailure` → 5 (could not verify: backend unavailable,
+no CUDA for ``--device cuda``, a rank died).
+
+Example::
+
+    result = verify(Path("llama"), Path("llama-tp4"), level="forward")
+    result.ok, result.level_result("forward").figures["sharded"]["kl"]
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from shardctl.errors import EnvironmentFailure, UsageError
+from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
+from shardctl.reshard.source import Source, open_source
+from shardctl.verify.bitwise import check_bitwise
+from shardctl.verify.dst import Destination, open_destination
+from shardctl.verify.result import LEVELS, LevelResult, VerifyResult
+from shardctl.verify.sharded import ShardedCheckpoint
+from shardctl.verify.structure import check_structure
+
+DEVICES = ("auto", "cpu", "cuda")
+LAUNCHERS = ("local", "torchrun")
+TORCHRUN_HINT = (
+    "run every rank under torchrun: torchrun --nnodes N --nproc-per-node M "
+    "-m shardctl.verify.worker SRC DST --report verify.json"
+)
+
+
+def verify(
+    src: Path,
+    dst: Path,
+    *,
+    level: str = "forward",
+    device: str = "auto",
+    launcher: str = "local",
+    seed: int = 0,
+    simulate: bool | None = None,
+    world: Any = None,
+) -> VerifyResult:
+    """Verify DST against SRC up to ``level``. ``simulate``/``world``: see ``check_forward``."""
+    _check_options(level, device, launcher)
+    src, dst = Path(src), Path(dst)
+    source = open_source(src)
+    dest = open_destination(dst)
+    result = VerifyResult(str(src), str(dst), level, [LevelResult(n) for n in LEVELS])
+    result.environment = {"launcher": launcher}
+    wanted = LEVELS[: LEVELS.index(level) + 1]
+
+    structure = check_structure(
+        {t.fqn: t for t in source.model.tensors}, src, [f.path for f in source.files], dest
+    )
+    result.levels[0] = structure
+    if not structure.ok or "bitwise" not in wanted:
+        return result
+    bitwise = check_bitwise(source, dest)
+    note = str(structure.figures.get("source_identity", ""))
+    if not bitwise.ok and note.startswith("original changed"):
+        bitwise.fail(f"{note}: the output may match the original as it was at reshard time")
+    result.levels[1] = bitwise
+    if not bitwise.ok or "forward" not in wanted:
+        return result
+    if launcher == "torchrun":
+        raise UsageError("--launcher torchrun cannot be started from here", hint=TORCHRUN_HINT)
+    from shardctl.verify.forward import check_forward
+
+    reference, sharded = _forward_sides(src, source, dst, dest)
+    forward, tolerances, env = check_forward(
+        reference, sharded, device=device, seed=seed, simulate=simulate, world=world
+    )
+    result.levels[2] = forward
+    result.tolerances["forward"] = tolerances
+    result.environment.update(env)
+    return result
+
+
+def _check_options(level: str, device: str, launcher: str) -> None:
+    if level not in LEVELS:
+        raise UsageError(f"level: expected one of {', '.join(LEVELS)}, got {level!r}")
+    if device not in DEVICES:
+        raise UsageError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
+    if launcher not in LAUNCHERS:
+        raise UsageError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {launcher!r}")
+    if launcher == "torchrun" and "WORLD_SIZE" in os.environ:
+        return  # the worker calls the levels itself (distributed.py)
+
+
+def _forward_sides(
+    src: Path, source: Source, dst: Path, dest: Destination
+) -> tuple[Path, ShardedCheckpoint]:
+    """(HF checkpoint to load as the reference, sharded checkpoint to run)."""
+    if source.kind == "hf":
+        return src, sharded_view(dest)
+    if dest.kind == "hf":  # equivalence is symmetric: run SRC sharded, DST as the reference
+        return dst, sharded_view(open_destination(src))
+    raise EnvironmentFailure(
+        "could not verify the forward level: both sides are sharded layouts",
+        hint="merge one with `shardctl reshard SRC OUT --format hf` and verify against that",
+    )
+
+
+def sharded_view(dest: Destination) -> ShardedCheckpoint:
+    """What the forward level runs: DST's layout and rank files (an HF DST is one rank)."""
+    layout = dest.layout
+    if layout is None:
+        layers = dest.config.get("num_hidden_layers") or dest.config.get("n_layer") or 1
+        layout = Layout(
+            architecture=str(dest.config.get("model_type", "unknown")),
+            mesh=Mesh(),
+            options=LayoutOptions(),
+            stages=(Stage(0, (0, int(layers) - 1)),),
+            ranks=(RankLayout(0, 0, 0, ()),),
+        )
+    return ShardedCheckpoint(dest.root, dest.config, layout, dest.rank_files())

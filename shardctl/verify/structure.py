@@ -1,0 +1,182 @@
+"""Level 1, structure: from headers and the record only — no tensor data is read.
+
+Checks, each a finding naming the tensor / rank / file:
+
+- the same tensors on both sides (missing, extra, renamed), same global shape and dtype;
+- DST's files agree with its record (``dst.py``): shards present with the recorded dtype and
+  local shape, no unrecorded tensors or files, sizes as recorded, each rank file where its
+  header says it belongs (swapped rank files);
+- coverage: within every tensor-parallel group ``(pp, ep)`` that holds a tensor, its pieces tile
+  the tensor exactly — distinct boxes disjoint, no gaps; identical boxes are replicas (K/V heads
+  when ``tp > kv heads``, norms); every non-expert tensor present in every ``ep`` group of its
+  stage, an expert in exactly one;
+- stages complete and contiguous (``0..L-1`` in order), each layer's tensors only on its stage;
+- the original unchanged since the reshard (size and mtime against the record's ``source``).
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+from pathlib import Path
+
+from shardctl.layout.types import Layout, Piece
+from shardctl.model.types import TensorInfo
+from shardctl.verify.dst import Destination
+from shardctl.verify.result import LevelResult
+
+_LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def check_structure(
+    src_tensors: dict[str, TensorInfo], src_root: Path, src_files: list[Path], dst: Destination
+) -> LevelResult:
+    level = LevelResult("structure")
+    _names(level, src_tensors, dst)
+    level.findings.extend(dst.problems)
+    layout = dst.layout
+    shards = sum(len(v) for v in dst.shards.values())
+    level.figures.update(
+        tensors=len(src_tensors), shards=shards, files=len(dst.files), kind=dst.kind
+    )
+    if layout is not None:
+        level.figures.update(mesh=layout.mesh.as_dict())
+        _coverage(level, layout, src_tensors)
+        _stages(level, layout, dst)
+    elif dst.kind == "hf":
+        for fqn, ss in dst.shards.items():
+            if fqn in src_tensors and len(ss) != 1:
+                level.fail(f"held {len(ss)} times", fqn=fqn)
+    _source_identity(level, src_root, src_files, dst)
+    return level.close()
+
+
+def _names(level: LevelResult, src: dict[str, TensorInfo], dst: Destination) -> None:
+    missing = [f for f in src if f not in dst.tensors]
+    extra = [f for f in dst.tensors if f not in src]
+    for f in missing:
+        level.fail("in the source, missing from the output", fqn=f)
+    for f in extra:
+        level.fail("in the output, not in the source", fqn=f)
+    for fqn, t in src.items():
+        d = dst.tensors.get(fqn)
+        if d is not None and (d.shape, d.dtype) != (t.shape, t.dtype):
+            level.fail(
+                f"output {list(d.shape)} {d.dtype}, source {list(t.shape)} {t.dtype}", fqn=fqn
+            )
+    level.figures["missing"] = len(missing)
+    level.figures["extra"] = len(extra)
+
+
+def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
+    """None when the distinct boxes are disjoint and cover ``shape``; else what is wrong."""
+    distinct = list({(p.offsets, p.sizes) for p in boxes})
+    total = math.prod(shape)
+    covered = sum(math.prod(s) for _, s in distinct)
+    for i, (oa, sa) in enumerate(distinct):
+        for ob, sb in distinct[i + 1 :]:
+            if all(a < b + n and b < a + m for a, m, b, n in zip(oa, sa, ob, sb, strict=True)):
+                return f"pieces at {list(oa)} and {list(ob)} overlap"
+    if covered < total:
+        return f"pieces cover {covered} of {total} elements"
+    if covered > total:
+        return f"pieces cover {covered} elements of a {total}-element tensor"
+    return None
+
+
+def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) -> None:
+    groups: dict[str, dict[tuple[int, int], list[Piece]]] = {}
+    for rl in layout.ranks:
+        for s in rl.shards:
+            groups.setdefault(s.fqn, {}).setdefault((rl.pp, rl.ep), []).extend(s.pieces)
+    mesh = layout.mesh
+    for fqn, t in src.items():
+        held = groups.get(fqn)
+        if not held:
+            level.fail("no rank holds it", fqn=fqn)
+            continue
+        for (pp, ep), pieces in sorted(held.items()):
+            shape = t.shape if t.shape else (1,)
+            norm = [p if p.sizes else Piece((0,), (1,), (0,)) for p in pieces]
+            bad = _boxes_tile(shape, norm)
+            if bad:
+                level.fail(f"tp group pp={pp} ep={ep}: {bad}", fqn=fqn)
+        eps = {ep for _, ep in held}
+        stages = {pp for pp, _ in held}
+        if _EXPERT.search(fqn):
+            if len(eps) != 1:
+                level.fail(f"expert held by {len(eps)} ep groups, expected 1", fqn=fqn)
+        elif mesh.ep > 1:
+            for pp in stages:
+                have = {ep for p, ep in held if p == pp}
+                if len(have) != mesh.ep:
+                    level.fail(
+                        f"replica missing: stage {pp} holds it in ep groups "
+                        f"{sorted(have)} of {mesh.ep}",
+                        fqn=fqn,
+                    )
+
+
+def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
+    expect = 0
+    for stage in layout.stages:
+        if stage.layers is None:
+            continue
+        if stage.layers[0] != expect or stage.layers[1] < stage.layers[0]:
+            level.fail(
+                f"stage {stage.index} holds layers {list(stage.layers)}, expected to start at "
+                f"{expect}: stages not contiguous"
+            )
+        expect = stage.layers[1] + 1
+    layers = dst.config.get("num_hidden_layers") or dst.config.get("n_layer")
+    if isinstance(layers, int) and layout.stages and expect != layers:
+        level.fail(f"stages cover layers 0..{expect - 1} of {layers}")
+    for rl in layout.ranks:
+        st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
+        for s in rl.shards:
+            m = _LAYER.match(s.fqn)
+            if m and st is not None and st.layers is not None:
+                n = int(m.group(1))
+                if not st.layers[0] <= n <= st.layers[1]:
+                    level.fail(
+                        f"layer {n} on stage {rl.pp} (layers {list(st.layers)})",
+                        fqn=s.fqn,
+                        rank=layout.ranks.index(rl),
+                    )
+
+
+def _source_identity(
+    level: LevelResult, src_root: Path, src_files: list[Path], dst: Destination
+) -> None:
+    """G6: the record remembers the original's sizes and mtimes; say when they moved."""
+    if dst.record is None:
+        return
+    source = dst.record.source
+    try:
+        same = os.path.realpath(str(source.get("path"))) == os.path.realpath(src_root)
+    except (TypeError, ValueError):
+        same = False
+    if not same:
+        level.figures["source_identity"] = "other path (not compared)"
+        return
+    now = {p.name: os.stat(p) for p in src_files}
+    changed = []
+    for f in source.get("files") or []:
+        st = now.get(f.get("name"))
+        if st is None:
+            continue
+        if st.st_size != f.get("size"):
+            level.fail(
+                f"original changed since reshard: size {st.st_size} B, the record says "
+                f"{f.get('size')} B",
+                file=f.get("name"),
+            )
+        elif st.st_mtime_ns != f.get("mtime_ns"):
+            changed.append(f.get("name"))
+    level.figures["source_identity"] = (
+        f"original changed since reshard (mtime differs: {', '.join(changed)})"
+        if changed
+        else "unchanged"
+    )
