@@ -227,6 +227,53 @@ def reshard(
     )
 
 
+@app.command()
+def verify(
+    src: Annotated[
+        Path, typer.Argument(help="The original: an HF checkpoint dir (or a shardctl layout).")
+    ],
+    dst: Annotated[
+        Path, typer.Argument(help="The resharded output: a shardctl layout or an HF dir.")
+    ],
+    level: Annotated[
+        str, typer.Option(help="structure | bitwise | forward (cumulative).")
+    ] = "forward",
+    device: Annotated[
+        str, typer.Option(help="auto | cpu | cuda (auto: CUDA when present).")
+    ] = "auto",
+    launcher: Annotated[
+        str, typer.Option(help="local (spawn one process per rank) | torchrun (see README).")
+    ] = "local",
+    seed: Annotated[int, typer.Option(help="Seed of the random input ids.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON (schema shardctl.verify/1).")
+    ] = False,
+    report: Annotated[
+        Path | None, typer.Option(help="Also write the JSON result to this file.")
+    ] = None,
+) -> None:
+    """Prove DST equivalent to SRC: structure, then bits, then a distributed forward.
+
+    Exit 0 equivalent, 1 not equivalent, 3 invalid input, 5 could not verify.
+
+    Example: [bold]shardctl verify ./Llama-3-8B ./llama-tp4 --level forward --json[/bold]
+    """
+    from shardctl.verify.api import verify as run_verify
+
+    result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
+    doc = result.to_json()
+    if report is not None:
+        report.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        _emit_json(doc)
+    else:
+        from shardctl.verify.render import render_verify
+
+        render_verify(result)
+    if not result.ok:
+        raise typer.Exit(EXIT_NEGATIVE)
+
+
 def main() -> None:
     run_cli(lambda: app(prog_name="shardctl"))
 
