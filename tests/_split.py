@@ -197,3 +197,27 @@ def _on_rank(fqn: str, d: dict[str, int], mesh: Mesh, stage: Stage, pp: int, ep:
     if fqn.endswith("wpe.weight"):
         return first
     return last  # final norm, lm_head
+
+
+def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Path]]) -> Path:
+    """Record ``layout`` as reshard would (``shardctl.layout.json``), so ``verify`` can open it."""
+    from shardctl.model.types import TensorInfo
+    from shardctl.reshard import record as rec
+    from shardctl.reshard.copy import new_hash
+    from shardctl.reshard.source import open_source
+
+    source = open_source(src)
+    tensors = tuple(TensorInfo(t.fqn, t.shape, t.dtype) for t in source.model.tensors)
+    shard_files = {(r, s.fqn): files[r][0].name for r, rl in enumerate(layout.ranks)
+                   for s in rl.shards}
+    digests = []
+    for r in sorted(files):
+        path = files[r][0]
+        h = new_hash("blake3")
+        h.update(path.read_bytes())
+        digests.append(rec.FileDigest(path.name, path.stat().st_size, h.hexdigest()))
+    data = rec.build(fmt="ranks", architecture=layout.architecture, layout=layout,
+                     tensors=tensors, padded_shapes=layout.padded_shapes,
+                     shard_files=shard_files, source=source.identity(), hash_name="blake3",
+                     files=digests, carried=["config.json"])
+    return rec.write(out, data)
