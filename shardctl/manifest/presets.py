@@ -65,6 +65,21 @@ GPU_PRESETS: dict[str, GpuPreset] = {
             "~32 GB/s; 200 Gb/s NIC",
         ),
         GpuPreset(
+            "h100-pcie",
+            80 * GiB,
+            64 * GB,
+            50 * GB,
+            "H100 PCIe: 80 GB HBM2e; PCIe Gen5 x16 ~64 GB/s per direction (NVLink bridge "
+            "optional); 400 Gb/s NIC",
+        ),
+        GpuPreset(
+            "b200",
+            180 * GiB,
+            900 * GB,
+            50 * GB,
+            "B200: 180 GB HBM3e; NVLink 5 1.8 TB/s bidirectional; CX-7 400 Gb/s",
+        ),
+        GpuPreset(
             "mi300x",
             192 * GiB,
             448 * GB,

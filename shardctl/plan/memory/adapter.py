@@ -81,18 +81,9 @@ def quant_of(manifest: Manifest) -> QuantSpec:
 
 def hardware_of(manifest: Manifest) -> HardwareSpec:
     h = manifest.hardware
-    base = HardwareSpec()
-    if h.gpu is not None:
-        try:
-            g = gpu_preset(h.gpu)
-            base = replace(
-                base,
-                intra_node_bw=g.intra_node_bw,
-                intra_node_latency=g.intra_node_latency,
-                gpu=g.name,
-            )
-        except Exception:  # a manifest preset this table lacks: keep the defaults
-            pass
+    # The manifest has already filled memory and bandwidths from its GPU preset (one table,
+    # shardctl.manifest.presets); only the name is carried for the report.
+    base = HardwareSpec() if h.gpu is None else replace(HardwareSpec(), gpu=gpu_preset(h.gpu).name)
     return replace(
         base,
         device_memory=h.device_memory,

@@ -22,6 +22,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardctl.errors import InvalidInputError
+from shardctl.manifest.presets import GPU_ALIASES
+from shardctl.manifest.presets import GPU_PRESETS as _MANIFEST_GPUS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -43,18 +45,10 @@ class LinkPreset:
     latency: float = 10e-6
 
 
+# One table of GPUs for the whole tool: the manifest's presets (data-sheet sources there).
 GPUS: dict[str, GpuPreset] = {
-    p.name: p
-    for p in (
-        GpuPreset("h100-sxm", 80 * GiB, 450 * GB),
-        GpuPreset("h100-pcie", 80 * GiB, 64 * GB),  # PCIe Gen5 x16 (NVLink bridge optional)
-        GpuPreset("h200", 141 * GiB, 450 * GB),
-        GpuPreset("a100-80gb", 80 * GiB, 300 * GB),
-        GpuPreset("a100-40gb", 40 * GiB, 300 * GB),
-        GpuPreset("b200", 180 * GiB, 900 * GB),
-        GpuPreset("l40s", 48 * GiB, 32 * GB, intra_node_latency=10e-6),
-        GpuPreset("mi300x", 192 * GiB, 448 * GB),
-    )
+    name: GpuPreset(name, p.device_memory, float(p.intra_node_bandwidth))
+    for name, p in _MANIFEST_GPUS.items()
 }
 
 LINKS: dict[str, LinkPreset] = {
@@ -138,10 +132,7 @@ class HardwareSpec:
 
 def gpu_preset(name: str) -> GpuPreset:
     key = name.strip().lower().replace("_", "-")
-    if key in ("h100", "h100-80gb"):
-        key = "h100-sxm"
-    if key == "a100":
-        key = "a100-80gb"
+    key = GPU_ALIASES.get(key, key)
     if key not in GPUS:
         raise InvalidInputError(
             f"unknown GPU preset {name!r}",
