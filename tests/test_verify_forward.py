@@ -1,0 +1,158 @@
+"""verify's forward level: the sharded checkpoint runs as a sharded model.
+
+- simulation (every rank a thread, collectives through ThreadComm): every architecture at
+  several meshes, and the wrong-but-consistent layouts that only the forward level can catch;
+- real gloo process groups: one world of 4 processes for the whole module (start-up once);
+- GPU: NCCL / one-GPU simulation, skipped without CUDA.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from shardctl.layout.types import Mesh
+from shardctl.verify.api import verify
+from shardctl.verify.launch import ProcessWorld
+from tests._verify_fixtures import Checkpoints
+
+
+@pytest.fixture(scope="module")
+def cks(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("verify-forward"))
+
+
+@pytest.fixture(scope="module")
+def gloo4() -> Iterator[ProcessWorld]:
+    with ProcessWorld(4, backend="gloo") as world:
+        yield world
+
+
+def _forward(result):  # type: ignore[no-untyped-def]
+    return result.level_result("forward")
+
+
+CASES = [
+    ("llama", Mesh(tp=2)),
+    ("llama", Mesh(tp=4)),  # tp > kv heads: replicated K/V
+    ("llama", Mesh(pp=2, tp=2)),
+    ("llama-tied-mha", Mesh(pp=3)),
+    ("llama-bias-headdim", Mesh(tp=2)),
+    ("mistral", Mesh(tp=2)),
+    ("qwen2", Mesh(tp=2)),
+    ("qwen2-tied", Mesh(pp=2, tp=2)),
+    ("gemma", Mesh(tp=2)),
+    ("gemma", Mesh(pp=2, tp=4)),
+    ("phi3", Mesh(tp=2)),
+    ("phi3-mha", Mesh(tp=4)),
+    ("gpt2", Mesh(tp=4)),  # vocab 250 padded to 252
+    ("gpt2", Mesh(pp=2, tp=2)),
+    ("mixtral", Mesh(ep=2, tp=2)),
+    ("mixtral", Mesh(ep=4)),
+]
+
+
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_simulated_forward_matches(cks: Checkpoints, name: str, mesh: Mesh) -> None:
+    result = verify(cks.ckpt(name), cks.resharded(name, mesh), device="cpu", simulate=True)
+    fw = _forward(result)
+    assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+    assert result.environment["simulated"] is True
+    assert result.environment["world_size"] == mesh.model_parallel
+    for m in ("max_abs", "mean_abs", "kl"):
+        assert fw.figures["sharded"][m] <= fw.figures["bounds"][m]
+
+
+def test_float32_checkpoint_uses_the_floor(cks: Checkpoints) -> None:
+    src = cks.ckpt("llama", "float32")
+    result = verify(src, cks.resharded("llama", Mesh(tp=4), "float32"), device="cpu",
+                    simulate=True)
+    assert result.ok
+    fw = _forward(result)
+    assert fw.figures["dtype"] == "float32"
+    assert fw.figures["sharded"]["max_abs"] < 1e-2
+
+
+# -- wrong but self-consistent layouts: structure and bitwise pass, forward fails -----------
+
+NEGATIVE = [
+    ("phi3", Mesh(tp=2), "naive-fused"),  # plain chunk of [Q;K;V] and [gate;up]
+    ("gpt2", Mesh(tp=2), "naive-fused"),  # plain chunk of c_attn [in, 3·out]
+    ("phi3", Mesh(tp=2), "swap-gate-up"),  # each rank holds [up_r; gate_r]
+    ("llama", Mesh(tp=4), "kv-replication"),  # rank r holds kv head r % 2, not r // 2
+    ("llama", Mesh(tp=2), "rowwise-dim0"),  # o_proj split on dim 0
+]
+
+
+@pytest.mark.parametrize("name,mesh,fault", NEGATIVE, ids=[n[2] + "-" + n[0] for n in NEGATIVE])
+def test_consistent_but_wrong_layouts_fail_forward(
+    cks: Checkpoints, name: str, mesh: Mesh, fault: str
+) -> None:
+    result = verify(cks.ckpt(name), cks.hand_split(name, mesh, fault), device="cpu",
+                    simulate=True)
+    statuses = {lv.name: lv.status for lv in result.levels}
+    assert statuses == {"structure": "pass", "bitwise": "pass", "forward": "fail"}, statuses
+    assert not result.ok
+    fw = _forward(result)
+    assert fw.findings
+    if fault == "rowwise-dim0":  # caught while loading, naming the tensor
+        assert fw.findings[0].fqn == "model.layers.0.self_attn.o_proj.weight"
+        assert "[32, 64]" in fw.findings[0].message
+    else:
+        assert fw.figures["sharded"]["mean_abs"] > 4 * fw.figures["unsharded"]["mean_abs"]
+
+
+def test_correct_hand_split_passes_forward(cks: Checkpoints) -> None:
+    # the same splitter without a fault: the negative results above come from the fault
+    assert verify(cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2)), device="cpu",
+                  simulate=True).ok
+
+
+def test_sharded_src_against_hf_dst_runs_src_sharded(cks: Checkpoints) -> None:
+    result = verify(cks.resharded("qwen2", Mesh(tp=2)), cks.ckpt("qwen2"), device="cpu",
+                    simulate=True)
+    assert result.ok and result.environment["world_size"] == 2
+
+
+# -- real process groups ---------------------------------------------------------------------
+
+GLOO = [
+    ("llama", Mesh(tp=4), None),
+    ("gpt2", Mesh(pp=2, tp=2), None),
+    ("mixtral", Mesh(ep=2, tp=2), None),
+    ("gemma", Mesh(pp=2, tp=2), None),
+    ("phi3", Mesh(tp=4), "naive-fused"),
+]
+
+
+@pytest.mark.parametrize("name,mesh,fault", GLOO, ids=[f"{n}-{m}-{f}" for n, m, f in GLOO])
+def test_gloo_processes(
+    cks: Checkpoints, gloo4: ProcessWorld, name: str, mesh: Mesh, fault: str | None
+) -> None:
+    dst = cks.hand_split(name, mesh, fault) if fault else cks.resharded(name, mesh)
+    result = verify(cks.ckpt(name), dst, device="cpu", simulate=False, world=gloo4)
+    assert result.environment["backend"] == "gloo"
+    assert result.environment["simulated"] is False
+    assert result.ok is (fault is None), [str(f) for f in _forward(result).findings]
+
+
+def test_gloo_one_shot_launch(cks: Checkpoints) -> None:
+    """The default path: spawn one process per rank for this run, gloo, then tear down."""
+    result = verify(cks.ckpt("qwen2"), cks.resharded("qwen2", Mesh(tp=2)), device="cpu")
+    assert result.ok and result.environment["backend"] == "gloo"
+
+
+# -- GPU -------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("name,mesh", [("llama", Mesh(tp=2)), ("mixtral", Mesh(ep=2, tp=2))])
+def test_cuda_forward(cks: Checkpoints, name: str, mesh: Mesh) -> None:
+    result = verify(cks.ckpt(name), cks.resharded(name, mesh), device="cuda")
+    assert result.ok
+    gpus = torch.cuda.device_count()
+    assert result.environment["simulated"] is (gpus < mesh.model_parallel)
+    assert result.environment["backend"] == ("threads" if gpus < mesh.model_parallel else "nccl")
