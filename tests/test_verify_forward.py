@@ -156,3 +156,23 @@ def test_cuda_forward(cks: Checkpoints, name: str, mesh: Mesh) -> None:
     gpus = torch.cuda.device_count()
     assert result.environment["simulated"] is (gpus < mesh.model_parallel)
     assert result.environment["backend"] == ("threads" if gpus < mesh.model_parallel else "nccl")
+
+
+@pytest.mark.slow
+def test_torchrun_worker(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The multi-node entry point, on one node: torchrun sets RANK/WORLD_SIZE, rank 0 reports."""
+    import json
+    import subprocess
+    import sys
+
+    report = tmp_path / "verify.json"
+    dst = cks.resharded("qwen2", Mesh(tp=2))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "-m", "shardctl.verify.worker", str(cks.ckpt("qwen2")), str(dst),
+           "--report", str(report)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    data = json.loads(report.read_text())
+    assert data["schema"] == "shardctl.verify/1" and data["ok"] is True
+    assert data["environment"]["launcher"] == "torchrun"
+    assert [lv["status"] for lv in data["levels"]] == ["pass", "pass", "pass"]

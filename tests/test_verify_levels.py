@@ -249,3 +249,18 @@ def test_exit_code_semantics(cks: Checkpoints, tmp_path: Path) -> None:
     if not torch.cuda.is_available():
         with pytest.raises(EnvironmentFailure):  # exit 5: could not verify
             verify(cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2)), device="cuda")
+
+
+def test_render_tables_for_pass_and_fail(cks: Checkpoints) -> None:
+    from rich.console import Console
+
+    from shardctl.verify.render import render
+
+    good = verify(cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2)), level="bitwise")
+    bad = verify(cks.ckpt("mixtral"), cks.hand_split("mixtral", Mesh(ep=2), "drop-expert"))
+    for result, word in ((good, "EQUIVALENT"), (bad, "NOT EQUIVALENT")):
+        console = Console(width=140, record=True)
+        console.print(render(result))
+        text = console.export_text()
+        assert word in text and "structure" in text
+    assert "experts.3.w1.weight" in text

@@ -1,4 +1,4 @@
-"""``verify(src, dst)``: is DST the same model as SRC? In levels, cumulative, stop at the first failure.
+"""``verify(src, dst)``: is DST the same model as SRC? Levels, cumulative, stop at first failure.
 
     structure  headers and the record: tensors, shapes, dtypes, coverage, stages, replicas
     bitwise    every shard equals its region of SRC bit for bit; padding zero; file hashes

@@ -1,0 +1,99 @@
+"""``verify`` as a torchrun job: one process per model-parallel rank, on as many nodes as needed.
+
+See ``worker.py`` for the invocation. Rank 0 runs the structure and bitwise levels first (the
+others wait at a collective), then every rank builds and runs its part of the sharded model from
+its own files; the output rank's logits go to rank 0, which loads SRC's unsharded model,
+compares, and writes the report. Returns the exit code (0 equivalent, 1 not).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+
+from shardctl.errors import EXIT_NEGATIVE, EXIT_OK, EnvironmentFailure
+from shardctl.verify.result import VerifyResult
+
+
+def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) -> int:
+    import torch.distributed as dist
+
+    from shardctl.verify import forward as fw
+    from shardctl.verify.api import sharded_view, verify
+    from shardctl.verify.comm import DistComm, Topology
+    from shardctl.verify.dst import open_destination
+    from shardctl.verify.rank import run_rank
+
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    cuda = torch.cuda.is_available()
+    if cuda:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
+    try:
+        result: VerifyResult | None = None
+        if rank == 0:
+            result = verify(src, dst, level="bitwise", launcher="torchrun")
+        flag = torch.tensor([0 if result is None or result.ok else 1])
+        flag = flag.cuda() if cuda else flag
+        dist.broadcast(flag, 0)
+        if int(flag.item()):
+            return _finish(result, report)
+        ck = sharded_view(open_destination(dst))
+        if ck.world != world:
+            raise EnvironmentFailure(
+                f"torchrun started {world} processes, the layout has {ck.world} model-parallel "
+                "ranks (pp × ep × tp)",
+                hint=f"use --nnodes × --nproc-per-node = {ck.world}",
+            )
+        device = "cuda" if cuda else "cpu"
+        jobs = fw.make_jobs(ck, device=device, simulated=False, seed=seed)
+        job = jobs[rank]
+        if cuda:
+            job = type(job)(**{**job.__dict__, "device": f"cuda:{torch.cuda.current_device()}"})
+        outcome = run_rank(job, DistComm(rank, Topology(*job.topo)))
+        problems: list[list[str] | None] | None = [None] * world if rank == 0 else None
+        dist.gather_object(outcome.problems, problems, dst=0)
+        mesh = ck.layout.mesh
+        out_rank = (mesh.pp - 1) * mesh.ep * mesh.tp
+        logits = outcome.logits
+        shape = (job.batch, job.seq_len, int(ck.config["vocab_size"]))
+        # Either every rank ran its stage (no rank had a problem) or none did (comm.agree).
+        if out_rank != 0:
+            if rank == out_rank and logits is not None:
+                dist.send(logits.to(device), 0)
+            elif rank == 0 and not any(problems or []):
+                logits = torch.empty(shape, dtype=torch.float64, device=device)
+                dist.recv(logits, out_rank)
+        if rank != 0:
+            return EXIT_OK
+        assert result is not None
+        level = result.level_result("forward")
+        for r, ps in enumerate(problems or []):
+            for p in ps or ():
+                level.fail(p, rank=r)
+        if not level.findings and logits is not None:
+            unsharded, reference, dtype = fw.reference_logits(src, jobs[0])
+            level.figures.update(seed=seed, batch=job.batch, seq_len=job.seq_len, dtype=dtype)
+            result.tolerances["forward"] = fw.compare(level, logits.cpu(), unsharded, reference)
+        level.close()
+        result.level = "forward"
+        result.environment.update(
+            fw.plan_run(device, world, False),
+            launcher="torchrun",
+            nodes=os.environ.get("GROUP_WORLD_SIZE", "?"),
+        )
+        return _finish(result, report)
+    finally:
+        dist.destroy_process_group()
+
+
+def _finish(result: VerifyResult | None, report: Path | None) -> int:
+    if result is None:
+        return EXIT_OK
+    if report is not None:
+        report.write_text(json.dumps(result.to_json(), indent=2) + "\n")
+    return EXIT_OK if result.ok else EXIT_NEGATIVE
