@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=${DEMO_OUT:-$(mktemp -d)}
+mkdir -p "$out"
 sc() { echo "+ shardctl $*" >&2; python3 -m shardctl "$@"; }
 
 sc plan manifests/llama-3-70b-tp8.yaml

@@ -267,9 +267,11 @@ def verify(
     if as_json:
         _emit_json(doc)
     else:
-        from shardctl.verify.render import render_verify
+        from rich.console import Console
 
-        render_verify(result)
+        from shardctl.verify.render import render
+
+        Console().print(render(result))
     if not result.ok:
         raise typer.Exit(EXIT_NEGATIVE)
 
