@@ -18,6 +18,7 @@ import math
 import os
 import time
 from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -26,11 +27,11 @@ import numpy as np
 
 from shardctl.layout.types import Piece
 from shardctl.reshard.source import Source, SourceShard
-from shardctl.verify.boxes import read_box, uint_of
+from shardctl.verify.boxes import Scratch, equal, pread_into, read_box, uint_of
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
-CHUNK_BYTES = 64 * 2**20
+CHUNK_BYTES = 2 * 2**20  # small enough to compare and hash while in cache
 
 
 class _Fds:
@@ -69,6 +70,7 @@ class _SourceBoxes:
         self.src = src
         self.fds = fds
         self.bytes_read = 0
+        self.scratch = Scratch()  # SRC boxes
 
     def box(
         self,
@@ -77,6 +79,13 @@ class _SourceBoxes:
         sizes: tuple[int, ...],
         kind: type[np.unsignedinteger],
     ) -> np.ndarray:
+        """The box of SRC: a view into scratch when one SRC piece holds all of it."""
+        shards = self.src.shards[fqn]
+        if len(shards) == 1 and len(shards[0].pieces) == 1:
+            piece = _scalar(shards[0].pieces[0])
+            spans = zip(offsets, sizes, piece.offsets, piece.sizes, strict=True)
+            if all(p <= o and o + s <= p + n for o, s, p, n in spans):
+                return self._read(shards[0], piece, offsets, sizes, kind, self.scratch)
         out = np.zeros(sizes, dtype=kind)
         need = math.prod(sizes)
         filled = 0
@@ -114,6 +123,7 @@ class _SourceBoxes:
         lo: tuple[int, ...],
         sizes: tuple[int, ...],
         kind: type[np.unsignedinteger],
+        scratch: Scratch | None = None,
     ) -> np.ndarray:
         local = tuple(
             lo_ - o + lo_off
@@ -121,12 +131,51 @@ class _SourceBoxes:
         )
         shape = shard.local_shape or (1,)
         path = self.src.files[shard.file].path
-        arr = read_box(self.fds(path), shard.begin, shape, kind, local, sizes)
+        arr = read_box(self.fds(path), shard.begin, shape, kind, local, sizes, scratch)
         self.bytes_read += arr.nbytes
         return arr
 
 
-def check_bitwise(src: Source, dst: Destination) -> LevelResult:
+class _HashFeed:
+    """Hash a file's bytes in order on a second thread while the main thread compares.
+
+    Two DST buffers alternate: a chunk is compared while the previous one is hashed; a buffer
+    is reused only once its hash update has finished. ``name`` None: no hashing.
+    """
+
+    def __init__(self, name: str | None) -> None:
+        from shardctl.reshard.copy import new_hash
+
+        self.hasher = new_hash(name) if name else None
+        self.pool = ThreadPoolExecutor(1) if name else None
+        self.bufs = (Scratch(), Scratch())
+        self.pending: list[Future[None] | None] = [None, None]
+        self.turn = 0
+
+    def buffer(self, nbytes: int) -> tuple[memoryview, int]:
+        i = self.turn
+        self.turn ^= 1
+        done = self.pending[i]
+        if done is not None:
+            done.result()
+        return self.bufs[i].get(nbytes), i
+
+    def feed(self, data: bytes | memoryview, turn: int | None = None) -> None:
+        if self.pool is None:
+            return
+        future = self.pool.submit(self.hasher.update, data)  # type: ignore[union-attr]
+        if turn is not None:
+            self.pending[turn] = future
+
+    def hexdigest(self) -> str | None:
+        if self.pool is None:
+            return None
+        self.pool.shutdown(wait=True)
+        return str(self.hasher.hexdigest())  # type: ignore[union-attr]
+
+
+def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> LevelResult:
+    """Compare every DST shard with SRC; ``hashes``: also check each file's recorded hash."""
     level = LevelResult("bitwise")
     t0 = time.perf_counter()
     by_file: dict[Path, list[DstShard]] = {}
@@ -135,7 +184,7 @@ def check_bitwise(src: Source, dst: Destination) -> LevelResult:
             if s.fqn in src.shards:
                 by_file.setdefault(s.path, []).append(s)
     digests = {f.name: f.digest for f in dst.record.files} if dst.record else {}
-    hash_name = dst.record.hash if dst.record else None
+    hash_name = dst.record.hash if dst.record and hashes else None
     stats: dict[str, int] = {"dst_bytes": 0, "shards": 0, "padded_shards": 0}
     per_tensor: dict[str, dict[str, Any]] = {}
     with _fds() as fds:
@@ -178,14 +227,12 @@ def _stream_file(
     per_tensor: dict[str, dict[str, Any]],
     hash_name: str | None,
 ) -> str | None:
-    from shardctl.reshard.copy import new_hash
-
     fd = fds(path)
-    hasher = new_hash(hash_name) if hash_name else None
+    hasher = _HashFeed(hash_name)
     pos = 0
     for s in shards:
-        if hasher is not None and s.begin > pos:
-            hasher.update(os.pread(fd, s.begin - pos, pos))
+        if hash_name and s.begin > pos:
+            hasher.feed(os.pread(fd, s.begin - pos, pos))
         row = per_tensor.setdefault(s.fqn, {"shards": 0, "bytes": 0, "status": "pass"})
         row["shards"] += 1
         row["bytes"] += s.nbytes
@@ -197,20 +244,18 @@ def _stream_file(
         if sum(p.numel for p in s.pieces) < math.prod(s.local_shape):
             stats["padded_shards"] += 1
         pos = s.begin + s.nbytes
-    if hasher is None:
-        return None
     size = os.fstat(fd).st_size
-    while pos < size:
+    while hash_name and pos < size:
         block = os.pread(fd, min(CHUNK_BYTES, size - pos), pos)
         if not block:
             break
-        hasher.update(block)
+        hasher.feed(block)
         pos += len(block)
-    return str(hasher.hexdigest())
+    return hasher.hexdigest()
 
 
 def _compare_shard(
-    level: LevelResult, s: DstShard, boxes: _SourceBoxes, fd: int, hasher: Any
+    level: LevelResult, s: DstShard, boxes: _SourceBoxes, fd: int, hasher: _HashFeed
 ) -> bool:
     kind = uint_of(s.dtype)
     where = {"fqn": s.fqn, "rank": s.rank, "file": s.path.name}
@@ -225,9 +270,9 @@ def _compare_shard(
     ok = True
     for a in range(0, shape[0], rows_per):
         b = min(shape[0], a + rows_per)
-        raw = os.pread(fd, (b - a) * row_elems * item, s.begin + a * row_elems * item)
-        if hasher is not None:
-            hasher.update(raw)
+        raw, turn = hasher.buffer((b - a) * row_elems * item)
+        pread_into(fd, raw, s.begin + a * row_elems * item)
+        hasher.feed(raw, turn)
         chunk = np.frombuffer(raw, dtype=kind).reshape((b - a, *shape[1:]))
         mask = np.ones(chunk.shape, dtype=bool) if padded else None
         for p in pieces:
@@ -245,7 +290,7 @@ def _compare_shard(
                 continue  # one finding per shard; keep hashing the rest
             expected = boxes.box(s.fqn, offsets, sizes, kind)
             got = chunk[local]
-            if not np.array_equal(got, expected):
+            if not equal(got, expected):
                 ok = False
                 _report(level, got, expected, offsets, kind, where)
         if mask is not None and ok and chunk[mask].any():
@@ -278,13 +323,12 @@ def _compare_raw(
     s: DstShard,
     boxes: _SourceBoxes,
     fd: int,
-    hasher: Any,
+    hasher: _HashFeed,
     where: dict[str, Any],
 ) -> bool:
     """Sub-byte dtypes: only whole, unsharded tensors, compared as bytes."""
     raw = os.pread(fd, s.nbytes, s.begin)
-    if hasher is not None:
-        hasher.update(raw)
+    hasher.feed(raw)
     src = boxes.src.shards[s.fqn]
     whole = len(s.pieces) == 1 and s.pieces[0].sizes == s.local_shape
     if not whole or len(src) != 1 or src[0].local_shape != s.local_shape:
