@@ -64,7 +64,11 @@ def make_staging(dst: Path, run_id: str | None = None) -> Path:
     run_id = run_id or f"{os.getpid()}-{secrets.token_hex(4)}"
     staging = dst.parent / f"{staging_prefix(dst)}{run_id}"
     os.mkdir(staging, 0o777)
-    faults.point("staging_created")
+    try:
+        faults.point("staging_created")
+    except BaseException:
+        _remove(staging)  # an interrupt here must not leave it behind
+        raise
     return staging
 
 

@@ -39,8 +39,10 @@ from shardctl.layout.types import Piece
 from shardctl.reshard.plan_files import OutputFile, TargetTensor
 from shardctl.reshard.source import SourceShard
 
-BLOCK_BYTES = 16 * 2**20
-POOL = 3
+# 1 MiB blocks stay in the CPU cache between pread, hash and pwrite: measured on tmpfs, 16 MiB
+# blocks cost ~1.5× the time of 1 MiB ones (each buffer pass then goes to memory).
+BLOCK_BYTES = 2**20
+POOL = 4
 
 
 def new_hash(name: str) -> Any:
@@ -198,7 +200,6 @@ class _Writer(threading.Thread):
         if item[0] == "data":
             _, out, offset, mv, _buf = item
             assert offset == out.pos, (out.path, offset, out.pos)
-            out.hasher.update(mv)
             done = 0
             while done < len(mv):
                 done += os.pwrite(out.fd, mv[done:], offset + done)
@@ -212,9 +213,8 @@ class _Writer(threading.Thread):
             faults.point("shard_written")
             os.fsync(out.fd)
             faults.point("shard_fsynced")
-            os.close(out.fd)
-            out.fd = -1
-            out.digest = out.hasher.hexdigest()
+            fd, out.fd = out.fd, -1
+            os.close(fd)  # may report a deferred write error (NFS, quotas): still fatal
 
 
 class Executor:
@@ -271,13 +271,14 @@ class Executor:
             self.writer.stop = True
             self.writer.q.put(None)
             self.writer.join()
-        for fd in self.fds.values():
-            os.close(fd)
+        for fd in [*self.fds.values(), *(o.fd for o in self.outs if o.fd >= 0)]:
+            try:
+                os.close(fd)
+            except OSError:
+                pass  # cleanup after a failure: the first error is the one reported
         self.fds.clear()
         for out in self.outs:
-            if out.fd >= 0:
-                os.close(out.fd)
-                out.fd = -1
+            out.fd = -1
 
     # ---- internals -----------------------------------------------------------------------
 
@@ -309,6 +310,7 @@ class Executor:
         order: dict[str, list[tuple[_Out, TargetTensor]]] = {}
         last: dict[int, str] = {}
         for out in outs:
+            out.hasher.update(out.file.header)
             self.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
             for t in out.file.tensors:
                 order.setdefault(t.fqn, []).append((out, t))
@@ -319,15 +321,19 @@ class Executor:
             if id(out) in last:
                 closing.setdefault(last[id(out)], []).append(out)
             else:
-                self.writer.q.put(("close", out))
+                self._close(out)
         rank = self.order or {}
         for fqn, targets in sorted(order.items(), key=lambda kv: rank.get(kv[0], -1)):
             gens = [self._tensor(out, t) for out, t in targets]
             while gens:
                 gens = [g for g in gens if next(g, StopIteration) is not StopIteration]
             for out in closing.get(fqn, []):
-                self.writer.q.put(("close", out))
+                self._close(out)
         self._check()
+
+    def _close(self, out: _Out) -> None:
+        out.digest = out.hasher.hexdigest()
+        self.writer.q.put(("close", out))
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
@@ -423,6 +429,7 @@ class Executor:
                 dst_view[_index(a[dim] - lo[dim], z[dim], a[dim + 1 :], z[dim + 1 :], s)] = (
                     src_view[_index(0, z[dim], src_at[dim + 1 :], z[dim + 1 :], s)]
                 )
+        out.hasher.update(mv)  # the very bytes handed to pwrite, in file order
         self.writer.q.put(("data", out, offset, mv, buf))
         if self.progress is not None:
             self.progress(nbytes)

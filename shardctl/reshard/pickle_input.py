@@ -52,7 +52,7 @@ def _load(torch: Any, path: Path) -> dict[str, Any]:
             # legacy (non-zip) format cannot be mmapped: same weights-only unpickler, in memory
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # UnpicklingError, RuntimeError, EOFError, zip errors, ...
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        first = _reason(exc)
         raise InvalidInputError(
             f"weights-only load failed: {first}",
             where=str(path),
@@ -69,6 +69,18 @@ def _load(torch: Any, path: Path) -> dict[str, Any]:
         if k in ("", "__metadata__"):
             raise InvalidInputError(f"reserved or empty tensor name {k!r}", where=str(path))
     return obj
+
+
+def _reason(exc: BaseException) -> str:
+    """torch's multi-paragraph message -> the line naming the refused global, ANSI stripped."""
+    import re
+
+    text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    for ln in lines:
+        if "Unsupported global" in ln or "Unsupported operand" in ln:
+            return ln.rstrip(".")
+    return lines[0] if lines else type(exc).__name__
 
 
 def convert(files: Sequence[Path], root: Path, out: Path) -> Path:

@@ -65,10 +65,14 @@ def preflight_space(parent: Path, need: int) -> None:
     avail = st.f_bavail * st.f_frsize
     if need > avail:
         raise EnvironmentFailure(
-            f"not enough space: need {need / _GIB:.2f} GiB, {avail / _GIB:.2f} GiB available",
+            f"not enough space: need {_size(need)}, {_size(avail)} available",
             where=str(parent),
             hint="free space or write elsewhere",
         )
+
+
+def _size(n: int) -> str:
+    return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
 
 
 _MESSAGES = {
