@@ -140,10 +140,19 @@ def make_checkpoint(
     cfg = make_config(name, **overrides)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
-    # Random non-trivial norms/biases too, so a swapped or dropped tensor cannot hide.
+    # Random non-trivial norms and biases too, so a swapped or dropped tensor cannot hide; but
+    # matrices scaled by 1/sqrt(fan-in) so activations stay O(1) and the dtype's own noise is
+    # small: a loose reference would let a wrong-but-plausible layout pass verify's forward.
     with torch.no_grad():
-        for p in model.parameters():
-            p.copy_(torch.randn_like(p, dtype=torch.float32).to(p.dtype))
+        for name, p in model.named_parameters():
+            noise = torch.randn_like(p, dtype=torch.float32)
+            if p.ndim >= 2:
+                value = noise * min(p.shape[-2:]) ** -0.5
+            elif "norm" in name or ".ln_" in name or name.endswith("ln_f.weight"):
+                value = 1.0 + 0.2 * noise
+            else:
+                value = 0.2 * noise
+            p.copy_(value.to(p.dtype))
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
