@@ -87,9 +87,7 @@ def normalize_dtype(name: str, *, where: str | None = None) -> str:
     code = _ALIASES.get(key.lower())
     if code is None:
         known = ", ".join(sorted({*_ALIASES, *(k.lower() for k in DTYPE_BITS)}))
-        raise InvalidInputError(
-            f"unknown dtype {name!r}", where=where, hint=f"use one of: {known}"
-        )
+        raise InvalidInputError(f"unknown dtype {name!r}", where=where, hint=f"use one of: {known}")
     return code
 
 

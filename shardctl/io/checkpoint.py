@@ -378,11 +378,15 @@ def read_json_strict(path: Path, *, max_bytes: int, what: str) -> Any:
                 f"{what} is {st.st_size} bytes, above the {max_bytes // 2**20} MiB limit",
                 where=where,
             )
-        raw = os.pread(fd, max_bytes + 1, 0)
+        raw = os.pread(fd, st.st_size + 1, 0)  # +1: a file that grew since fstat shows
     finally:
         os.close(fd)
-    if len(raw) > max_bytes:
-        raise InvalidInputError(f"{what} grew past the {max_bytes} byte limit", where=where)
+    if len(raw) != st.st_size:
+        raise EnvironmentFailure(
+            f"{what} changed while it was read ({st.st_size} bytes, then {len(raw)})",
+            where=where,
+            hint="rerun once nothing is writing to it",
+        )
     try:
         return json.loads(
             raw.decode("utf-8"),

@@ -57,6 +57,7 @@ from typing import Any
 
 from shardctl import __version__
 from shardctl.errors import InvalidInputError
+from shardctl.io.checkpoint import read_json_strict
 from shardctl.layout.types import (
     Layout,
     LayoutOptions,
@@ -189,32 +190,11 @@ def write(directory: Path, record: dict[str, Any]) -> Path:
 # ---- reading -----------------------------------------------------------------------------
 
 
-def _pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in pairs:
-        if k in out:
-            raise ValueError(f"duplicate key {k!r}")
-        out[k] = v
-    return out
-
-
-def _bad_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
-
-
 def load_json(path: Path) -> dict[str, Any]:
-    """Strict JSON: size cap, no duplicate keys, no NaN/Infinity."""
-    where = str(path)
-    try:
-        size = path.stat().st_size
-        if size > MAX_RECORD_BYTES:
-            raise InvalidInputError(f"record larger than {MAX_RECORD_BYTES >> 20} MiB", where=where)
-        text = path.read_bytes().decode("utf-8")
-        obj = json.loads(text, object_pairs_hook=_pairs, parse_constant=_bad_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError) as exc:
-        raise InvalidInputError(f"invalid JSON: {exc}", where=where) from None
+    """Strict JSON (size cap, no duplicate keys, no NaN/Infinity): the one strict reader."""
+    obj = read_json_strict(path, max_bytes=MAX_RECORD_BYTES, what="layout record")
     if not isinstance(obj, dict):
-        raise InvalidInputError("expected a JSON object", where=where)
+        raise InvalidInputError("expected a JSON object", where=str(path))
     return obj
 
 

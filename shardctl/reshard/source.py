@@ -214,9 +214,7 @@ def _from_record(root: Path) -> Source:
 
 def open_checkpoint_ignoring_record(root: Path) -> CheckpointFiles:
     """An ``hf`` output of shardctl: read it as a plain HF directory (the record is metadata)."""
-    from shardctl.io import checkpoint as ckmod
-
-    return ckmod._open_hf(root, False, ckmod.DEFAULT_MAX_HEADER_BYTES)
+    return open_checkpoint(root, ignore_layout_record=True)
 
 
 def source_layout(source: Source) -> Layout | None:
