@@ -172,8 +172,9 @@ def reshard(
                 )
                 preflight_space(dst.parent, _need(source, the_plan))
             mine = list(the_plan.files) if dist is None else dist.mine(list(the_plan.files))
-            if dist is None:
-                digests = _write_data(
+
+            def write_mine() -> dict[str, str]:
+                return _write_data(
                     work,
                     source,
                     mine,
@@ -183,19 +184,12 @@ def reshard(
                     progress,
                     the_plan.data_bytes,
                 )
+
+            if dist is None:
+                digests = write_mine()
             else:
-                digests = dist.run_and_gather(
-                    lambda: _write_data(
-                        work,
-                        source,
-                        mine,
-                        hash_name,
-                        workers,
-                        block_bytes,
-                        progress,
-                        the_plan.data_bytes,
-                    )
-                )
+                # Under torchrun each worker writes its share; rank 0 gathers every digest.
+                digests = dist.run_and_gather(write_mine)
                 if not lead:
                     dist.done()
                     return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, 0)
