@@ -115,10 +115,20 @@ def from_checkpoint(root: Path, *, follow_external_symlinks: bool = False) -> Mo
     tensors = tuple(
         TensorInfo(fqn, loc.entry.shape, loc.entry.dtype) for fqn, loc in ck.locations.items()
     )
-    config_path = (root if root.is_dir() else root.parent) / "config.json"
+    return from_tensors(root if root.is_dir() else root.parent, tensors)
+
+
+def from_tensors(
+    root: Path, tensors: tuple[TensorInfo, ...], *, architecture: str | None = None
+) -> ModelInfo:
+    """An inventory of ``tensors`` (from headers or a layout record), described by
+    ``root/config.json`` when present: its ``model_type`` wins over ``architecture``."""
+    config_path = Path(root) / "config.json"
     config: dict[str, Any] = read_config(config_path) if config_path.exists() else {}
     model_type = config.get("model_type")
-    architecture = model_type if isinstance(model_type, str) and model_type else "unknown"
+    if isinstance(model_type, str) and model_type:
+        architecture = model_type
+    architecture = architecture or "unknown"
     dims = dims_from_config(config, where=str(config_path)) if architecture in SUPPORTED else None
     return ModelInfo(
         architecture=architecture,

@@ -28,7 +28,7 @@ from typing import Any
 
 from shardctl.errors import Interrupted, ShardctlError, UsageError
 from shardctl.io import atomic, faults
-from shardctl.io.checkpoint import PickleInputRefused
+from shardctl.io.checkpoint import INDEX_NAME, PickleInputRefused
 from shardctl.io.lock import OutputLock
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
@@ -197,12 +197,12 @@ def reshard(
             carried = _carry(source, staging)
             extra = 0
             if the_plan.index is not None:
-                extra += _write_small(staging / plan_files.INDEX_NAME, the_plan.index)
+                extra += _write_small(staging / INDEX_NAME, the_plan.index)
                 faults.point("index_written")
             source.check_unchanged()
             files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
             if the_plan.index is not None:
-                files.append(_digest_file(staging / plan_files.INDEX_NAME, hash_name))
+                files.append(_digest_file(staging / INDEX_NAME, hash_name))
             rec = record.build(
                 fmt=the_plan.fmt,
                 architecture=source.model.architecture,

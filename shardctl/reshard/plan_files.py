@@ -24,7 +24,6 @@ from shardctl.reshard.record import SCHEMA, shard_json
 
 DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 SHARDCTL_KEY = "shardctl"
-INDEX_NAME = "model.safetensors.index.json"
 
 
 @dataclass(frozen=True)

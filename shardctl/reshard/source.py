@@ -11,14 +11,13 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from types import MappingProxyType
 from typing import Any
 
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io.checkpoint import CheckpointFiles, open_checkpoint, read_json_strict
+from shardctl.io.checkpoint import CheckpointFiles, open_checkpoint
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import Layout, Piece
-from shardctl.model.archs import SUPPORTED, dims_from_config
+from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
 from shardctl.reshard import record as rec
 
@@ -107,32 +106,6 @@ def _input_file(path: Path) -> InputFile:
     return InputFile(path, st.st_size, st.st_mtime_ns, sha)
 
 
-def _config(root: Path) -> dict[str, Any]:
-    path = root / "config.json"
-    if not path.exists():
-        return {}
-    data = read_json_strict(path, max_bytes=10 * 2**20, what="config")
-    if not isinstance(data, dict):
-        raise InvalidInputError("config is not a JSON object", where=str(path))
-    return data
-
-
-def _model(root: Path, tensors: tuple[TensorInfo, ...], architecture: str | None) -> ModelInfo:
-    config = _config(root)
-    arch = config.get("model_type") if isinstance(config.get("model_type"), str) else None
-    arch = arch or architecture or "unknown"
-    dims = dims_from_config(config, where=str(root / "config.json")) if arch in SUPPORTED else None
-    dtypes = [t.dtype for t in tensors]
-    return ModelInfo(
-        architecture=arch,
-        dims=dims,
-        tensors=tensors,
-        dtype=max(set(dtypes), key=dtypes.count) if dtypes else "BF16",
-        source="checkpoint",
-        config=MappingProxyType(config),
-    )
-
-
 def _from_hf(root: Path, ck: CheckpointFiles) -> Source:
     if root.is_file():
         raise InvalidInputError("expected a checkpoint directory", where=str(root))
@@ -147,7 +120,7 @@ def _from_hf(root: Path, ck: CheckpointFiles) -> Source:
             SourceShard(fqn, e.dtype, e.shape, (whole,), index[loc.path], loc.file_offset),
         )
         tensors.append(TensorInfo(fqn, e.shape, e.dtype))
-    model = _model(root, tuple(tensors), None)
+    model = from_tensors(root, tuple(tensors))
     return Source(root, "hf", model, shards, files, tuple(ck.extra_files))
 
 
@@ -200,7 +173,7 @@ def _from_record(root: Path) -> Source:
         and (root / n).is_file()
         and not (root / n).is_symlink()
     )
-    model = _model(root, record.tensors, record.architecture)
+    model = from_tensors(root, record.tensors, architecture=record.architecture)
     return Source(
         root,
         "shardctl",
