@@ -197,6 +197,13 @@ def reshard(
             "--follow-external-symlinks", help="Accept shard symlinks that point outside SRC."
         ),
     ] = False,
+    no_verify_input: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify-input",
+            help="Skip hashing inputs whose digests are known (layout record, HF-cache blob).",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
 ) -> None:
@@ -222,6 +229,7 @@ def reshard(
         force=force,
         allow_pickle=allow_pickle,
         follow_external_symlinks=follow_external_symlinks,
+        verify_input=not no_verify_input,
         as_json=as_json,
         quiet=quiet,
     )

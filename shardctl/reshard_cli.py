@@ -86,6 +86,7 @@ def run_reshard(
     allow_pickle: bool,
     follow_external_symlinks: bool,
     as_json: bool,
+    verify_input: bool = True,
     quiet: bool,
 ) -> None:
     from shardctl.reshard.api import reshard
@@ -109,6 +110,7 @@ def run_reshard(
             allow_pickle=allow_pickle,
             follow_external_symlinks=follow_external_symlinks,
             progress=progress,
+            verify_input=verify_input,
         )
     peak = peak_rss_bytes()
     rate = result.tensor_bytes / result.seconds if result.seconds > 0 else 0.0

@@ -34,6 +34,7 @@ from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input, plan_files, record
 from shardctl.reshard.copy import BLOCK_BYTES, Executor, default_hash
+from shardctl.reshard.input_check import InputCheck
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
 from shardctl.reshard.source import Source, open_source
 
@@ -113,6 +114,7 @@ def reshard(
     progress: Callable[[int, int], None] | None = None,
     hash_name: str | None = None,
     block_bytes: int = BLOCK_BYTES,
+    verify_input: bool = True,
 ) -> ReshardResult:
     """Write ``src`` re-laid-out as ``mesh`` (``ranks``) or whole (``hf``) to ``dst``."""
     t0 = time.monotonic()
@@ -173,17 +175,28 @@ def reshard(
                 preflight_space(dst.parent, _need(source, the_plan))
             mine = list(the_plan.files) if dist is None else dist.mine(list(the_plan.files))
 
+            expected = source.expected_digests() if verify_input else []
+            if dist is not None:  # each worker hashes its share of the inputs
+                expected = expected[dist.rank :: dist.world]
+
             def write_mine() -> dict[str, str]:
-                return _write_data(
-                    work,
-                    source,
-                    mine,
-                    hash_name,
-                    workers,
-                    block_bytes,
-                    progress,
-                    the_plan.data_bytes,
-                )
+                check = InputCheck(expected).start()
+                try:
+                    digests = _write_data(
+                        work,
+                        source,
+                        mine,
+                        hash_name,
+                        workers,
+                        block_bytes,
+                        progress,
+                        the_plan.data_bytes,
+                    )
+                except BaseException:
+                    check.cancel()
+                    raise
+                check.result()  # a corrupt input never commits (exit 3)
+                return digests
 
             if dist is None:
                 digests = write_mine()

@@ -25,6 +25,7 @@ import math
 import os
 import queue
 import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +44,9 @@ from shardctl.reshard.source import SourceShard
 # blocks cost ~1.5× the time of 1 MiB ones (each buffer pass then goes to memory).
 BLOCK_BYTES = 2**20
 POOL = 4
+# Input files held open at once per executor (least recently used closed first), so that a
+# checkpoint of 10 000 shards runs under ``ulimit -n 256`` (RELIABILITY H2).
+MAX_INPUT_FDS = 32
 
 
 def new_hash(name: str) -> Any:
@@ -162,6 +166,16 @@ def _index(
     return tuple(out)
 
 
+def _output_fd_budget() -> int:
+    """Output files open at once: 128, or fewer under a low ``ulimit -n`` (inputs need theirs)."""
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    if soft == resource.RLIM_INFINITY:
+        return 128
+    return max(4, min(128, (soft - 2 * MAX_INPUT_FDS - 32) // 4))
+
+
 class _Out:
     def __init__(self, path: Path, f: OutputFile, hash_name: str):
         self.path = path
@@ -245,15 +259,16 @@ class Executor:
         self.scratch_buf = bytearray(block_bytes)
         self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
         self.scratch_key: tuple[int, int, int] | None = None
-        self.fds: dict[int, int] = {}
+        self.fds: OrderedDict[int, int] = OrderedDict()  # LRU: inputs may be 10 000 files
         self.writer = _Writer(self.pool)
         self.cancelled = threading.Event()
         self.outs: list[_Out] = []
 
     # ---- public --------------------------------------------------------------------------
 
-    def run(self, files: Sequence[OutputFile], max_open: int = 128) -> dict[str, str]:
-        """Write every file; returns ``name -> digest``."""
+    def run(self, files: Sequence[OutputFile], max_open: int | None = None) -> dict[str, str]:
+        """Write every file, at most ``max_open`` open at once; returns ``name -> digest``."""
+        max_open = max_open or _output_fd_budget()
         self.writer.start()
         try:
             for i in range(0, len(files), max_open):
@@ -337,8 +352,12 @@ class Executor:
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
-        if fd is None:
-            fd = self.fds[file] = os.open(self.input_paths[file], os.O_RDONLY | os.O_CLOEXEC)
+        if fd is not None:
+            self.fds.move_to_end(file)
+            return fd
+        if len(self.fds) >= MAX_INPUT_FDS:
+            os.close(self.fds.popitem(last=False)[1])
+        fd = self.fds[file] = os.open(self.input_paths[file], os.O_RDONLY | os.O_CLOEXEC)
         return fd
 
     def _read(self, file: int, offset: int, mv: memoryview) -> None:

@@ -20,6 +20,7 @@ from shardctl.layout.types import Layout, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
 from shardctl.reshard import record as rec
+from shardctl.reshard.input_check import Expected
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class InputFile:
     size: int
     mtime_ns: int
     sha256: str | None = None  # known for free from an HF-cache blob name
+    recorded: tuple[str, str] | None = None  # (hash name, digest) from a shardctl layout record
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,16 @@ class Source:
             ident["record"] = {"files": self.record.raw.get("files"), "hash": self.record.hash}
         return ident
 
+    def expected_digests(self) -> list[Expected]:
+        """Every input file whose content digest is known (record first, then HF-cache name)."""
+        out: list[Expected] = []
+        for f in self.files:
+            if f.recorded is not None:
+                out.append(Expected(f.path, f.size, *f.recorded, "the layout record"))
+            elif f.sha256 is not None:
+                out.append(Expected(f.path, f.size, "sha256", f.sha256, "the HF-cache blob name"))
+        return out
+
     def check_unchanged(self) -> None:
         """Exit 5 ``input changed during run`` if any input file's size or mtime moved."""
         for f in self.files:
@@ -97,20 +109,24 @@ def open_source(root: Path, *, follow_external_symlinks: bool = False) -> Source
     return _from_hf(Path(root), ck)
 
 
-def _input_file(path: Path) -> InputFile:
+def _input_file(path: Path, record: rec.LayoutRecord | None = None) -> InputFile:
     st = os.stat(path)
+    recorded = None
+    if record is not None:
+        digest = next((f.digest for f in record.files if f.name == path.name), None)
+        recorded = None if digest is None else (record.hash, digest)
     sha = None
     real = Path(os.path.realpath(path))
     if real.parent.name == "blobs" and len(real.name) == 64:
         sha = real.name  # HF cache: LFS blobs are named by their sha256
-    return InputFile(path, st.st_size, st.st_mtime_ns, sha)
+    return InputFile(path, st.st_size, st.st_mtime_ns, sha, recorded)
 
 
-def _from_hf(root: Path, ck: CheckpointFiles) -> Source:
+def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = None) -> Source:
     if root.is_file():
         raise InvalidInputError("expected a checkpoint directory", where=str(root))
     index = {h.path: i for i, h in enumerate(ck.files)}
-    files = tuple(_input_file(h.path) for h in ck.files)
+    files = tuple(_input_file(h.path, record) for h in ck.files)
     shards: dict[str, tuple[SourceShard, ...]] = {}
     tensors: list[TensorInfo] = []
     for fqn, loc in ck.locations.items():
@@ -129,7 +145,7 @@ def _from_record(root: Path) -> Source:
     layout = record.layout
     if layout is None:  # a shardctl hf output is an ordinary HF checkpoint with a record
         ck = open_checkpoint_ignoring_record(root)
-        return _from_hf(root, ck)
+        return _from_hf(root, ck, record)
     names = sorted({f for f in record.shard_files.values()})
     files: list[InputFile] = []
     offsets: dict[str, dict[str, tuple[int, int, tuple[int, ...], str]]] = {}
@@ -138,7 +154,7 @@ def _from_record(root: Path) -> Source:
         if path.is_symlink() or not path.is_file():
             raise InvalidInputError("recorded file missing or not a regular file", where=str(path))
         header = read_header(path)
-        files.append(_input_file(path))
+        files.append(_input_file(path, record))
         offsets[name] = {
             e.name: (header.data_offset + e.begin, e.nbytes, e.shape, e.dtype)
             for e in header.tensors

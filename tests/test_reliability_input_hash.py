@@ -1,0 +1,163 @@
+"""RELIABILITY.md A15/A16: a flipped bit or a zero-filled data region in an *input* whose digest is
+known (a shardctl layout record, an HF-cache blob name) is exit 3 ``input hash mismatch``, with
+nothing written and the input untouched; without a known digest the input is accepted (only a
+hash can catch it — the README says so)."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import random
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from shardctl.errors import InvalidInputError
+from shardctl.layout.types import Mesh
+from shardctl.reshard.api import reshard
+from tests._models import make_checkpoint
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def tp2(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("a15")
+    src = make_checkpoint("llama", root / "llama")
+    out = root / "tp2"
+    reshard(src, out, mesh=Mesh(tp=2))
+    return out
+
+
+def copy_dir(src: Path, dst: Path) -> Path:
+    dst.mkdir()
+    for p in src.iterdir():
+        (dst / p.name).write_bytes(p.read_bytes())
+    return dst
+
+
+def data_offset(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def flip(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x10]))
+
+
+def digests(path: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in sorted(path.iterdir())}
+
+
+def cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardctl", "reshard", *args, "--quiet"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={k: v for k, v in os.environ.items() if k != "SHARDCTL_DEBUG"},
+    )
+
+
+def refused(p: subprocess.CompletedProcess[str], dst: Path, what: str) -> None:
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 3, p.stderr
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    assert "input hash mismatch" in lines[0] and what in lines[0], lines[0]
+    assert not dst.exists()
+    assert not [q for q in dst.parent.iterdir() if q.name.startswith(f".{dst.name}.")]
+
+
+@pytest.mark.parametrize("where", ["data", "header"])
+def test_flipped_bit_in_layout_input_is_exit_3(tp2: Path, tmp_path: Path, where: str) -> None:
+    src = copy_dir(tp2, tmp_path / "src")
+    victim = sorted(src.glob("*.safetensors"))[1]
+    rng = random.Random(15)
+    if where == "data":
+        at = rng.randrange(data_offset(victim), victim.stat().st_size)
+    else:  # a byte inside a header string value: still valid JSON, same shapes and offsets
+        head = victim.read_bytes()[: data_offset(victim)]
+        at = head.index(b'"format":"pt"') + len(b'"format":"p')
+    flip(victim, at)
+    before = digests(src)
+    dst = tmp_path / "out"
+    p = cli(str(src), str(dst), "--format", "hf")
+    refused(p, dst, victim.name)
+    assert "layout record" in p.stderr, f"seed 15, byte {at}"
+    assert digests(src) == before  # the input is read, never written
+
+
+def test_zero_filled_data_region_is_exit_3(tp2: Path, tmp_path: Path) -> None:
+    """A16: header kept, data region a hole of zeros (sparse file of the same size)."""
+    src = copy_dir(tp2, tmp_path / "src")
+    victim = sorted(src.glob("*.safetensors"))[0]
+    size, head = victim.stat().st_size, victim.read_bytes()[: data_offset(victim)]
+    victim.write_bytes(head)
+    os.truncate(victim, size)
+    dst = tmp_path / "out"
+    refused(cli(str(src), str(dst), "--tp", "1"), dst, victim.name)
+
+
+def test_no_verify_input_skips_the_check(tp2: Path, tmp_path: Path) -> None:
+    src = copy_dir(tp2, tmp_path / "src")
+    victim = sorted(src.glob("*.safetensors"))[0]
+    flip(victim, victim.stat().st_size - 1)
+    dst = tmp_path / "out"
+    p = cli(str(src), str(dst), "--format", "hf", "--no-verify-input")
+    assert p.returncode == 0, p.stderr
+    assert (dst / "model.safetensors").exists()
+
+
+def test_intact_layout_input_passes_and_api_raises_invalid_input(tp2: Path, tmp_path: Path) -> None:
+    reshard(tp2, tmp_path / "ok", fmt="hf")  # the fixture itself verifies
+    src = copy_dir(tp2, tmp_path / "src")
+    victim = sorted(src.glob("*.safetensors"))[0]
+    flip(victim, data_offset(victim))
+    with pytest.raises(InvalidInputError, match="input hash mismatch"):
+        reshard(src, tmp_path / "bad", mesh=Mesh(tp=4))
+    assert not (tmp_path / "bad").exists()
+
+
+def hf_cache(hf: Path, cache: Path) -> Path:
+    """An HF hub cache snapshot: LFS files are symlinks to ``blobs/<sha256>``."""
+    blobs = cache / "models--t--tiny" / "blobs"
+    snap = cache / "models--t--tiny" / "snapshots" / ("ab" * 20)
+    blobs.mkdir(parents=True)
+    snap.mkdir(parents=True)
+    for p in sorted(hf.iterdir()):
+        data = p.read_bytes()
+        if p.suffix == ".safetensors":
+            name = hashlib.sha256(data).hexdigest()
+        else:  # small files are git blobs, named by their sha1-based git oid
+            name = hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
+        (blobs / name).write_bytes(data)
+        (snap / p.name).symlink_to(Path("../../blobs") / name)
+    return snap
+
+
+def test_hf_cache_blob_sha256_checked(tmp_path: Path) -> None:
+    hf = make_checkpoint("qwen2", tmp_path / "qwen2")
+    snap = hf_cache(hf, tmp_path / "cache")
+    ok = tmp_path / "ok"
+    assert cli(str(snap), str(ok), "--tp", "2").returncode == 0
+    blob = (snap / "model.safetensors").resolve()
+    flip(blob, blob.stat().st_size // 2)
+    dst = tmp_path / "out"
+    p = cli(str(snap), str(dst), "--tp", "2")
+    refused(p, dst, "model.safetensors")
+    assert "HF-cache blob name" in p.stderr
+
+
+def test_plain_hf_input_without_digest_is_accepted(tmp_path: Path) -> None:
+    """Documented limit: a bit flip in a plain HF directory (no digest anywhere) goes through."""
+    hf = make_checkpoint("llama", tmp_path / "llama")
+    w = hf / "model.safetensors"
+    flip(w, w.stat().st_size - 1)
+    assert cli(str(hf), str(tmp_path / "out"), "--tp", "2").returncode == 0
