@@ -180,7 +180,13 @@ def reshard(
     max_shard_size: Annotated[
         str, typer.Option(help="Split output files above this size (5GB = 5·10⁹ B, 5GiB = 2³⁰).")
     ] = "5GB",
-    workers: Annotated[int, typer.Option(help="Parallel I/O workers.", min=1)] = 1,
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Writer threads (each output file has one); default: usable cores, at most 4.",
+            min=1,
+        ),
+    ] = None,
     force: Annotated[
         bool, typer.Option("--force", help="Replace an existing DST atomically.")
     ] = False,

@@ -81,7 +81,7 @@ def run_reshard(
     manifest: Path | None,
     fmt: str | None,
     max_shard_size: str,
-    workers: int,
+    workers: int | None,
     force: bool,
     allow_pickle: bool,
     follow_external_symlinks: bool,

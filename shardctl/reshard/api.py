@@ -107,7 +107,7 @@ def reshard(
     options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen
     fmt: str | None = None,
     max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-    workers: int = 1,
+    workers: int | None = None,
     force: bool = False,
     allow_pickle: bool = False,
     follow_external_symlinks: bool = False,
@@ -119,6 +119,7 @@ def reshard(
     """Write ``src`` re-laid-out as ``mesh`` (``ranks``) or whole (``hf``) to ``dst``."""
     t0 = time.monotonic()
     src, dst = Path(src), Path(dst)
+    workers = default_workers() if workers is None else workers
     if workers < 1:
         raise UsageError(f"workers must be >= 1, got {workers}")
     pickle_input.refuse_untrusted_formats(src)
@@ -244,6 +245,15 @@ def reshard(
                 lock.release()
 
 
+def default_workers() -> int:
+    """Writer threads: one per usable core, at most 4 (the copies are memory-bound)."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    return max(1, min(4, cores))
+
+
 # ---- pieces --------------------------------------------------------------------------------
 
 
@@ -273,64 +283,16 @@ def _write_data(
 
     paths = [f.path for f in source.files]
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
-    groups = _balance(files, min(workers, max(1, len(files))))
-    execs = [
-        Executor(
-            staging,
-            paths,
-            dict(source.shards),
-            hash_name=hash_name,
-            block_bytes=block_bytes,
-            progress=tick,
-            order=order,
-        )
-        for _ in groups
-    ]
-    if len(execs) == 1:
-        return execs[0].run(groups[0])
-    results: list[dict[str, str] | BaseException] = [{} for _ in groups]
-
-    def work(i: int) -> None:
-        try:
-            results[i] = execs[i].run(groups[i])
-        except BaseException as exc:
-            results[i] = exc
-            for e in execs:
-                e.cancel()
-
-    threads = [threading.Thread(target=work, args=(i,), daemon=True) for i in range(1, len(groups))]
-    for t in threads:
-        t.start()
-    try:
-        work(0)
-    except BaseException:
-        for e in execs:
-            e.cancel()
-        raise
-    finally:
-        for t in threads:
-            while t.is_alive():
-                t.join(0.2)
-    out: dict[str, str] = {}
-    errors = [r for r in results if isinstance(r, BaseException)]
-    real = [e for e in errors if not isinstance(e, InterruptedError)]
-    if real or errors:
-        raise (real or errors)[0]
-    for r in results:
-        assert isinstance(r, dict)
-        out.update(r)
-    return out
-
-
-def _balance(files: list[plan_files.OutputFile], n: int) -> list[list[plan_files.OutputFile]]:
-    """Greedy by size, largest first; each group keeps the files' original order."""
-    loads = [0] * n
-    owner: dict[int, int] = {}
-    for i in sorted(range(len(files)), key=lambda i: -files[i].size):
-        k = loads.index(min(loads))
-        owner[i] = k
-        loads[k] += files[i].size
-    return [[f for i, f in enumerate(files) if owner[i] == k] for k in range(n)]
+    return Executor(
+        staging,
+        paths,
+        dict(source.shards),
+        hash_name=hash_name,
+        block_bytes=block_bytes,
+        progress=tick,
+        order=order,
+        writers=min(workers, max(1, len(files))),
+    ).run(files)
 
 
 def _write_small(path: Path, data: bytes) -> int:

@@ -13,9 +13,10 @@ time (rows ``[r0, r1)`` of some dim ``d``, every dim before ``d`` fixed), each b
   so BF16/FP8 need no numpy dtype. Uncovered bytes are zero padding, written explicitly.
 
 The target shards of one fqn advance in lockstep, block by block, so all ``tp`` targets of an
-``S(1)`` split share one read of the source rows (a one-entry cache). A writer thread hashes
-each buffer and ``pwrite``s it, in file order, so the digest is of the bytes actually written
-and every output file is written sequentially. Memory: ``(pool + 1) × block_bytes`` per worker.
+``S(1)`` split share one read of the source rows (a one-entry cache). Writer threads (each
+output file belongs to one) hash each buffer and ``pwrite`` it, in file order, so the digest is
+of the bytes actually written and every output file is written sequentially. Memory:
+``(POOL × writers + 1) × block_bytes``.
 """
 
 from __future__ import annotations
@@ -177,8 +178,9 @@ def _output_fd_budget() -> int:
 
 
 class _Out:
-    def __init__(self, path: Path, f: OutputFile, hash_name: str):
+    def __init__(self, path: Path, f: OutputFile, hash_name: str, writer: _Writer):
         self.path = path
+        self.writer = writer
         self.file = f
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self.hasher = new_hash(hash_name)
@@ -187,10 +189,15 @@ class _Out:
 
 
 class _Writer(threading.Thread):
-    """Hashes and writes buffers in queue order; fsyncs and closes finished files."""
+    """Hashes and writes buffers in queue order; fsyncs and closes finished files.
 
-    def __init__(self, pool: queue.Queue[bytearray]):
-        super().__init__(name="shardctl-writer", daemon=True)
+    Every output file belongs to one writer, so its bytes are hashed and written in file order;
+    several writers let the kernel's page-cache copies (the cost that ``cp`` pays too) of
+    different files run on different cores.
+    """
+
+    def __init__(self, pool: queue.Queue[bytearray], i: int):
+        super().__init__(name=f"shardctl-writer-{i}", daemon=True)
         self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self.pool = pool
         self.error: BaseException | None = None
@@ -214,6 +221,7 @@ class _Writer(threading.Thread):
         if item[0] == "data":
             _, out, offset, mv, _buf = item
             assert offset == out.pos, (out.path, offset, out.pos)
+            out.hasher.update(mv)  # the very bytes handed to pwrite, in file order
             done = 0
             while done < len(mv):
                 done += os.pwrite(out.fd, mv[done:], offset + done)
@@ -224,6 +232,7 @@ class _Writer(threading.Thread):
             out = item[1]
             if out.pos != out.file.size:
                 raise AssertionError(f"{out.path}: wrote {out.pos} of {out.file.size} bytes")
+            out.digest = out.hasher.hexdigest()
             faults.point("shard_written")
             os.fsync(out.fd)
             faults.point("shard_fsynced")
@@ -244,8 +253,10 @@ class Executor:
         block_bytes: int = BLOCK_BYTES,
         progress: Callable[[int], None] | None = None,
         order: dict[str, int] | None = None,
+        writers: int = 1,
     ):
-        """``order``: the global fqn order every output file's tensors follow."""
+        """``order``: the global fqn order every output file's tensors follow; ``writers``:
+        threads that hash and write (output files are dealt to them round-robin)."""
         self.order = order
         self.directory = directory
         self.input_paths = list(input_paths)
@@ -254,13 +265,13 @@ class Executor:
         self.block = block_bytes
         self.progress = progress
         self.pool: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(POOL):
+        for _ in range(POOL * max(1, writers)):
             self.pool.put(bytearray(block_bytes))
         self.scratch_buf = bytearray(block_bytes)
         self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
         self.scratch_key: tuple[int, int, int] | None = None
         self.fds: OrderedDict[int, int] = OrderedDict()  # LRU: inputs may be 10 000 files
-        self.writer = _Writer(self.pool)
+        self.writers = [_Writer(self.pool, i) for i in range(max(1, writers))]
         self.cancelled = threading.Event()
         self.outs: list[_Out] = []
 
@@ -269,7 +280,8 @@ class Executor:
     def run(self, files: Sequence[OutputFile], max_open: int | None = None) -> dict[str, str]:
         """Write every file, at most ``max_open`` open at once; returns ``name -> digest``."""
         max_open = max_open or _output_fd_budget()
-        self.writer.start()
+        for w in self.writers:
+            w.start()
         try:
             for i in range(0, len(files), max_open):
                 self._batch(files[i : i + max_open])
@@ -282,10 +294,12 @@ class Executor:
         self.cancelled.set()
 
     def close(self) -> None:
-        if self.writer.is_alive():
-            self.writer.stop = True
-            self.writer.q.put(None)
-            self.writer.join()
+        for w in self.writers:
+            if w.is_alive():
+                w.stop = True
+                w.q.put(None)
+        for w in self.writers:
+            w.join()
         for fd in [*self.fds.values(), *(o.fd for o in self.outs if o.fd >= 0)]:
             try:
                 os.close(fd)
@@ -298,15 +312,18 @@ class Executor:
     # ---- internals -----------------------------------------------------------------------
 
     def _finish(self) -> None:
-        self.writer.q.put(None)
-        self.writer.join()
-        if self.writer.error is not None:
-            raise self.writer.error
+        for w in self.writers:
+            w.q.put(None)
+        for w in self.writers:
+            w.join()
+        for w in self.writers:
+            if w.error is not None:
+                raise w.error
 
     def _check(self) -> None:
         if self.cancelled.is_set():
             raise InterruptedError("cancelled")
-        if self.writer.error is not None:
+        if any(w.error is not None for w in self.writers):
             self._finish()
 
     def _buffer(self) -> bytearray:
@@ -320,13 +337,13 @@ class Executor:
     def _batch(self, files: Sequence[OutputFile]) -> None:
         outs: list[_Out] = []
         for f in files:
-            outs.append(_Out(self.directory / f.name, f, self.hash_name))
+            w = self.writers[len(self.outs) % len(self.writers)]
+            outs.append(_Out(self.directory / f.name, f, self.hash_name, w))
             self.outs.append(outs[-1])
         order: dict[str, list[tuple[_Out, TargetTensor]]] = {}
         last: dict[int, str] = {}
         for out in outs:
-            out.hasher.update(out.file.header)
-            self.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
+            out.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
             for t in out.file.tensors:
                 order.setdefault(t.fqn, []).append((out, t))
             if out.file.tensors:
@@ -347,8 +364,7 @@ class Executor:
         self._check()
 
     def _close(self, out: _Out) -> None:
-        out.digest = out.hasher.hexdigest()
-        self.writer.q.put(("close", out))
+        out.writer.q.put(("close", out))
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
@@ -448,8 +464,7 @@ class Executor:
                 dst_view[_index(a[dim] - lo[dim], z[dim], a[dim + 1 :], z[dim + 1 :], s)] = (
                     src_view[_index(0, z[dim], src_at[dim + 1 :], z[dim + 1 :], s)]
                 )
-        out.hasher.update(mv)  # the very bytes handed to pwrite, in file order
-        self.writer.q.put(("data", out, offset, mv, buf))
+        out.writer.q.put(("data", out, offset, mv, buf))
         if self.progress is not None:
             self.progress(nbytes)
 
