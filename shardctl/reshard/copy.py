@@ -36,7 +36,8 @@ import numpy as np
 
 from shardctl.dtypes import itemsize
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io import faults
+from shardctl.io import faults, writeback
+from shardctl.io.writeback import start_writeback
 from shardctl.layout.types import Piece
 from shardctl.reshard.plan_files import OutputFile, TargetTensor
 from shardctl.reshard.source import SourceShard
@@ -185,6 +186,7 @@ class _Out:
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
         self.hasher = new_hash(hash_name)
         self.pos = 0
+        self.flushed = 0  # bytes handed to writeback so far
         self.digest = ""
 
 
@@ -226,6 +228,9 @@ class _Writer(threading.Thread):
             while done < len(mv):
                 done += os.pwrite(out.fd, mv[done:], offset + done)
             out.pos += len(mv)
+            if start_writeback is not None and out.pos - out.flushed >= writeback.EVERY:
+                start_writeback(out.fd, out.flushed, out.pos - out.flushed)
+                out.flushed = out.pos
             if offset == 0:
                 faults.point("shard_started")
         else:
