@@ -11,9 +11,10 @@ lookup. The *n*-th time (default 1) the configured point is reached, the action 
 
 Several specs may be given, comma-separated. ``SHARDCTL_FAULT_LOG=<path>`` appends each reached
 configured point (``point:n``) to that file *before* acting, so a test can assert its point was
-reached even after ``kill``. Points (reshard): ``staging_created``, ``shard_started``,
-``shard_written``, ``shard_fsynced``, ``index_written``, ``record_written``, ``before_rename``,
-``after_rename``. Example::
+reached even after ``kill``. ``SHARDCTL_FAULT_RANK=<r>`` arms the specs only in the process
+whose ``RANK`` (torchrun's global rank) is ``r``, so a scale-out test can kill one worker.
+Points (reshard): ``staging_created``, ``shard_started``, ``shard_written``, ``shard_fsynced``,
+``index_written``, ``record_written``, ``before_rename``, ``after_rename``. Example::
 
     SHARDCTL_FAULT=shard_written:2:kill shardctl reshard SRC DST --tp 2
 """
@@ -95,6 +96,9 @@ def reset() -> None:
 def _specs() -> list[FaultSpec]:
     global _cache
     text = os.environ.get("SHARDCTL_FAULT", "")
+    only = os.environ.get("SHARDCTL_FAULT_RANK")
+    if only is not None and only.strip() != os.environ.get("RANK", "0").strip():
+        text = ""  # armed on another worker only
     if text != _cache[0]:
         _cache = (text, parse(text))
     return _cache[1]
