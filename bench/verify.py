@@ -1,18 +1,32 @@
 """Bench: the bitwise level against a plain read of the same bytes (``cat SRC DST > /dev/null``).
 
-    python bench/verify.py [--size-mb 500] [--tp 4] [--runs 3] [--work DIR]
+    python bench/verify.py [--size-mb 500] [--tp 4] [--rounds 5] [--work DIR]
+    python bench/verify.py --src bench/_work/big --dst /dev/shm/v/big-tp4 --rounds 7
 
-Builds a llama-shaped checkpoint with transformers' ``save_pretrained`` (random bf16 weights),
-reshards it to ``tp`` ranks with shardctl, then alternates, warm cache: ``cat`` of every SRC
-and DST safetensors file, and ``verify --level bitwise`` (structure + bitwise; the bitwise
-level's own time is what is compared). Prints wall times, bytes and the ratio
-``cat / bitwise`` — the goal is >= 0.8 (bitwise at least 80 % of the speed of reading).
+Without ``--src``/``--dst`` it builds a llama-shaped checkpoint with transformers'
+``save_pretrained`` (random bf16 weights) and reshards it to ``tp`` ranks with shardctl.
+
+Warm cache (one untimed pass first). Each round alternates, so a noisy neighbour hits both
+sides alike:
+
+    cat SRC/*.safetensors DST/*.safetensors > /dev/null
+    bitwise level, record hashes off  (fresh process; only the level is timed)
+    cat ...
+    bitwise level, record hashes on   (the default of ``shardctl verify``)
+
+Prints per-round walls, then medians: wall, CPU (user+sys, all threads), peak RSS of the
+verify process (and its RSS before the level: imports), bytes read, and the read-speed ratio
+``cat wall / verify wall`` of each pair — the goal is >= 0.8.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import resource
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -43,53 +57,127 @@ def _checkpoint(work: Path, size_mb: int) -> Path:
     return src
 
 
+def _child(src: Path, dst: Path, hashes: bool) -> int:
+    """One timed bitwise level in this (fresh) process; prints a JSON line."""
+    from shardctl.reshard.source import open_source
+    from shardctl.verify.bitwise import check_bitwise
+    from shardctl.verify.dst import open_destination
+
+    source, dest = open_source(src), open_destination(dst)
+    rss_before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    r0 = resource.getrusage(resource.RUSAGE_SELF)
+    t0 = time.perf_counter()
+    level = check_bitwise(source, dest, hashes=hashes)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_SELF)
+    cpu = (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)
+    print(
+        json.dumps(
+            {
+                "ok": level.ok,
+                "findings": [str(f) for f in level.findings[:3]],
+                "wall": wall,
+                "cpu": cpu,
+                "rss_before_kb": rss_before,
+                "rss_peak_kb": r1.ru_maxrss,
+                "bytes": level.figures["src_bytes"] + level.figures["dst_bytes"],
+                "threads": level.figures["threads"],
+                "rehashed_files": level.figures["rehashed_files"],
+            }
+        )
+    )
+    return 0
+
+
+def _verify(src: Path, dst: Path, hashes: bool) -> dict[str, float]:
+    cmd = [sys.executable, __file__, "--child", str(src), str(dst), "--hashes", str(int(hashes))]
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    data: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    if not data["ok"]:
+        raise SystemExit(f"verify failed: {data['findings']}")
+    return data
+
+
+def _cat(files: list[Path]) -> dict[str, float]:
+    cat = shutil.which("cat") or "cat"
+    r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t0 = time.perf_counter()
+    subprocess.run([cat, *map(str, files)], stdout=subprocess.DEVNULL, check=True)
+    wall = time.perf_counter() - t0
+    r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return {"wall": wall, "cpu": (r1.ru_utime - r0.ru_utime) + (r1.ru_stime - r0.ru_stime)}
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size-mb", type=int, default=500)
     ap.add_argument("--tp", type=int, default=4)
-    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--work", type=Path, default=ROOT / "bench" / "_work")
+    ap.add_argument("--src", type=Path)
+    ap.add_argument("--dst", type=Path)
+    ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
+    ap.add_argument("--hashes", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
-    from shardctl.layout.types import Mesh
-    from shardctl.reshard.api import reshard
-    from shardctl.verify.api import verify
+    if args.child:
+        return _child(*args.child, bool(args.hashes))
+    if args.src and args.dst:
+        src, dst = args.src, args.dst
+    else:
+        from shardctl.layout.types import Mesh
+        from shardctl.reshard.api import reshard
 
-    args.work.mkdir(parents=True, exist_ok=True)
-    src = _checkpoint(args.work, args.size_mb)
-    dst = args.work / f"llama-{args.size_mb}mb-tp{args.tp}"
-    if not dst.exists():
-        reshard(src, dst, mesh=Mesh(tp=args.tp))
+        args.work.mkdir(parents=True, exist_ok=True)
+        src = _checkpoint(args.work, args.size_mb)
+        dst = args.work / f"llama-{args.size_mb}mb-tp{args.tp}"
+        if not dst.exists():
+            reshard(src, dst, mesh=Mesh(tp=args.tp))
     files = sorted(src.glob("*.safetensors")) + sorted(dst.glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)
-    cat = shutil.which("cat") or "cat"
-    rows = []
-    for _ in range(args.runs):
-        t0 = time.perf_counter()
-        subprocess.run([cat, *map(str, files)], stdout=subprocess.DEVNULL, check=True)
-        t_cat = time.perf_counter() - t0
-        result = verify(src, dst, level="bitwise", hashes=False)
-        assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
-        bw = result.level_result("bitwise")
-        hashed = verify(src, dst, level="bitwise").level_result("bitwise").seconds
-        rows.append((t_cat, bw.seconds, bw.figures["src_bytes"] + bw.figures["dst_bytes"], hashed))
     print(
-        f"{'run':>3} {'cat s':>7} {'bitwise s':>9} {'+hash s':>8} {'MB':>7} "
-        f"{'cat MB/s':>8} {'bitwise MB/s':>12} {'ratio':>5} {'w/ hash':>7}"
+        f"SRC {src}  DST {dst}: {len(files)} files, {total / 1e9:.2f} GB; "
+        f"{os.cpu_count()} CPUs; {args.rounds} rounds"
     )
-    for i, (tc, tb, nb, th) in enumerate(rows):
+    _cat(files)  # warm the page cache
+    _verify(src, dst, False)
+    rows: list[tuple[dict[str, float], ...]] = []
+    print(
+        f"{'round':>5} {'cat s':>6} {'bitwise s':>9} {'ratio':>5} "
+        f"{'cat s':>6} {'+hash s':>7} {'ratio':>5}"
+    )
+    for i in range(args.rounds):
+        c1 = _cat(files)
+        v1 = _verify(src, dst, False)
+        c2 = _cat(files)
+        v2 = _verify(src, dst, True)
+        rows.append((c1, v1, c2, v2))
         print(
-            f"{i:>3} {tc:7.3f} {tb:9.3f} {th:8.3f} {nb / 1e6:7.1f} {total / tc / 1e6:8.0f} "
-            f"{nb / tb / 1e6:12.0f} {tc / tb * nb / total:5.2f} {tc / th * nb / total:7.2f}"
+            f"{i:>5} {c1['wall']:6.3f} {v1['wall']:9.3f} {c1['wall'] / v1['wall']:5.2f} "
+            f"{c2['wall']:6.3f} {v2['wall']:7.3f} {c2['wall'] / v2['wall']:5.2f}"
         )
-    best_cat = min(r[0] for r in rows)
-    best_bw = min(r[1] for r in rows)
-    best_h = min(r[3] for r in rows)
-    scale = rows[0][2] / total  # bytes bitwise reads / bytes cat reads (1.0: same bytes)
+
+    def med(j: int, key: str) -> float:
+        return statistics.median(r[j][key] for r in rows)
+
+    def ratio(c: int, v: int) -> float:
+        return statistics.median(r[c]["wall"] / r[v]["wall"] for r in rows)
+
+    print(f"medians over {args.rounds} rounds ({total / 1e9:.2f} GB through cat):")
+    cat_wall = statistics.median([r[0]["wall"] for r in rows] + [r[2]["wall"] for r in rows])
+    cat_cpu = statistics.median([r[0]["cpu"] for r in rows] + [r[2]["cpu"] for r in rows])
     print(
-        f"best: cat {best_cat:.3f} s for {total / 1e6:.0f} MB; bitwise {best_bw:.3f} s "
-        f"(speed ratio {best_cat / best_bw * scale:.2f}, goal >= 0.8); with record hashes "
-        f"{best_h:.3f} s (ratio {best_cat / best_h * scale:.2f})"
+        f"  cat              wall {cat_wall:6.3f} s  cpu {cat_cpu:6.3f} s  "
+        f"{total / cat_wall / 1e9:5.2f} GB/s"
     )
+    for j, name, c in ((1, "bitwise", 0), (3, "bitwise+hashes", 2)):
+        print(
+            f"  {name:<16} wall {med(j, 'wall'):6.3f} s  cpu {med(j, 'cpu'):6.3f} s  "
+            f"{med(j, 'bytes') / med(j, 'wall') / 1e9:5.2f} GB/s  "
+            f"peak RSS {med(j, 'rss_peak_kb') / 1024:.0f} MiB "
+            f"({med(j, 'rss_before_kb') / 1024:.0f} before the level)  "
+            f"threads {rows[0][j]['threads']:.0f}  "
+            f"read-speed ratio {ratio(c, j):.2f} (goal >= 0.8)"
+        )
     return 0
 
 

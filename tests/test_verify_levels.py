@@ -62,7 +62,13 @@ def test_resharded_llama_passes_structure_and_bitwise(cks: Checkpoints) -> None:
     assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
     assert _statuses(result) == {"structure": "pass", "bitwise": "pass", "forward": "not-run"}
     bw = result.level_result("bitwise").figures
-    assert bw["src_bytes"] == bw["dst_bytes"] > 0
+    # each byte read once: SRC's tensors once (norms are replicated in DST, read once in SRC),
+    # every DST shard once
+    src_tensors = sum(
+        e.nbytes for p in cks.ckpt("llama").glob("*.safetensors") for e in read_header(p).tensors
+    )
+    dst_shards = sum(r["bytes"] for r in result.level_result("bitwise").rows)
+    assert bw["src_bytes"] == src_tensors and bw["dst_bytes"] == dst_shards > src_tensors
     assert bw["hash"] in ("blake3", "sha256")
     data = result.to_json()
     assert data["schema"] == SCHEMA and data["ok"] is True
@@ -264,3 +270,105 @@ def test_render_tables_for_pass_and_fail(cks: Checkpoints) -> None:
         text = console.export_text()
         assert word in text and "structure" in text
     assert "experts.3.w1.weight" in text
+
+
+# -- the block engine: every path, with blocks small enough to cut every row ----------------
+
+
+@pytest.fixture
+def tiny_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blocks of 48 bytes: one row of the tiny models no longer fits, so blocks run along the
+    last dim (a leading index fixed), tensors span hundreds of blocks, DST rows are capped."""
+    from shardctl.verify import bitwise
+
+    monkeypatch.setattr(bitwise, "BLOCK_BYTES", 48)
+    monkeypatch.setattr(bitwise, "DST_CAP_BYTES", 80)
+
+
+TINY = [("llama", Mesh(pp=2, tp=4)), ("mixtral", Mesh(ep=2, tp=2)), ("gpt2", Mesh(tp=4)),
+        ("phi3", Mesh(tp=2))]
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("name,mesh", TINY, ids=[f"{n}-{m}" for n, m in TINY])
+def test_tiny_blocks_and_threads_read_each_byte_once(
+    cks: Checkpoints, tiny_blocks: None, monkeypatch: pytest.MonkeyPatch, name: str, mesh: Mesh,
+    threads: int,
+) -> None:
+    from shardctl.verify.bitwise import THREADS_ENV
+
+    monkeypatch.setenv(THREADS_ENV, str(threads))
+    src, dst = cks.ckpt(name), cks.resharded(name, mesh)
+    result = verify(src, dst, level="bitwise")
+    assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+    bw = result.level_result("bitwise")
+    assert bw.figures["threads"] == threads
+    assert bw.figures["rehashed_files"] == 0  # reshard's files come in order: one read each
+    tensor_bytes = sum(e.nbytes for p in src.glob("*.safetensors") for e in read_header(p).tensors)
+    assert bw.figures["src_bytes"] == tensor_bytes
+    assert bw.figures["dst_bytes"] == sum(r["bytes"] for r in bw.rows)
+
+
+def test_tiny_blocks_count_every_difference_of_a_shard(
+    cks: Checkpoints, tiny_blocks: None
+) -> None:
+    # Three bit flips in one shard, far apart (different blocks): one finding, all three
+    # counted, the first located; the same message as with the default 1 MiB blocks.
+    dst = cks.resharded("llama", Mesh(tp=2))
+    path = dst / "rank-00001-of-00002.safetensors"
+    fqn = "model.layers.1.mlp.down_proj.weight"  # [64, 160] -> [64, 80] per rank, S(1)
+    for byte in (2 * 81, 2 * 1000 + 1, 2 * 5000):  # elements [1, 1], [12, 40], [62, 40]
+        _flip_bit(path, fqn, seed=byte, byte=byte)
+    result = verify(cks.ckpt("llama"), dst, level="bitwise")
+    hits = [f for f in result.level_result("bitwise").findings if f.fqn == fqn]
+    assert len(hits) == 1 and hits[0].rank == 1
+    assert hits[0].message.startswith("3 of 5120 elements differ from the source (first at [1, 81]")
+
+
+def test_out_of_order_files_are_hashed_again(cks: Checkpoints, tiny_blocks: None) -> None:
+    # swap-gate-up: each rank holds [up_r; gate_r], so the blocks (in SRC's order: gate, then
+    # up) read each file's rows backwards; the hash restarts from the file's start and passes.
+    result = verify(cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2), "swap-gate-up"),
+                    level="bitwise")
+    assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+    assert result.level_result("bitwise").figures["rehashed_files"] == 2
+
+
+@pytest.mark.parametrize("blocks", ["default", "tiny"])
+def test_three_dim_tensors_and_scalars(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: str
+) -> None:
+    from shardctl.verify import bitwise
+
+    if blocks == "tiny":
+        monkeypatch.setattr(bitwise, "BLOCK_BYTES", 24)  # one [5, 7] slice does not fit
+    src, dst = tmp_path / "src", tmp_path / "dst"
+    src.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({"experts": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
+               "scale": torch.tensor(2.5), "empty": torch.zeros(0, 4)},
+              str(src / "model.safetensors"))
+    shutil.copytree(src, dst)
+    assert verify(src, dst, level="bitwise").ok
+    _flip_bit(dst / "model.safetensors", "experts", byte=2 * (2 * 35 + 3 * 7 + 4))  # [2, 3, 4]
+    _flip_bit(dst / "model.safetensors", "scale", byte=3)
+    result = verify(src, dst, level="bitwise")
+    found = {f.fqn: f.message for f in result.level_result("bitwise").findings}
+    assert found["experts"].startswith(
+        "1 of 105 elements differ from the source (first at [2, 3, 4]"
+    )
+    assert found["scale"].startswith("1 of 1 elements differ")
+
+
+def test_a_file_truncated_during_the_run_is_an_io_error(cks: Checkpoints) -> None:
+    from shardctl.reshard.source import open_source
+    from shardctl.verify.bitwise import check_bitwise
+    from shardctl.verify.dst import open_destination
+
+    dst = cks.resharded("llama", Mesh(tp=2))
+    source, dest = open_source(cks.ckpt("llama")), open_destination(dst)
+    path = dst / "rank-00001-of-00002.safetensors"
+    os.truncate(path, path.stat().st_size // 2)  # after the headers were read
+    with pytest.raises(OSError, match="short read") as info:  # exit 5 at the CLI
+        check_bitwise(source, dest)
+    assert info.value.filename == str(path)
