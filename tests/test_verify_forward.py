@@ -116,6 +116,97 @@ def test_sharded_src_against_hf_dst_runs_src_sharded(cks: Checkpoints) -> None:
     assert result.ok and result.environment["world_size"] == 2
 
 
+# -- both sides sharded: the reference is SRC reassembled from its shards ------------------
+
+BOTH = [
+    ("llama", Mesh(tp=2), Mesh(tp=4)),  # SRC's K/V split, DST's replicated
+    ("mixtral", Mesh(ep=2), Mesh(ep=2, tp=2)),
+    ("gpt2", Mesh(tp=4), Mesh(pp=2, tp=2)),  # SRC's vocab padded (250 -> 252)
+]
+
+
+@pytest.mark.parametrize("name,a,b", BOTH, ids=[f"{n}-{a}-to-{b}" for n, a, b in BOTH])
+def test_both_sides_sharded(cks: Checkpoints, name: str, a: Mesh, b: Mesh) -> None:
+    result = verify(cks.resharded(name, a), cks.resharded(name, b), device="cpu", simulate=True)
+    assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+    fw = _forward(result)
+    assert fw.figures["reference"] == "merged from SRC's shards"
+    assert result.environment["world_size"] == b.model_parallel  # DST is the side that runs
+    for m in ("max_abs", "mean_abs", "kl"):
+        assert fw.figures["sharded"][m] <= fw.figures["bounds"][m]
+
+
+def test_both_sides_sharded_wrong_dst_fails_forward(cks: Checkpoints) -> None:
+    # DST self-consistent (structure and bitwise pass against the TP2 SRC) but rank r holds
+    # kv head r % 2 instead of r // 2: only a forward against SRC's model can tell.
+    src = cks.resharded("llama", Mesh(tp=2))
+    result = verify(src, cks.hand_split("llama", Mesh(tp=4), "kv-replication"), device="cpu",
+                    simulate=True)
+    statuses = {lv.name: lv.status for lv in result.levels}
+    assert statuses == {"structure": "pass", "bitwise": "pass", "forward": "fail"}, statuses
+    fw = _forward(result)
+    assert fw.figures["reference"] == "merged from SRC's shards"
+    assert fw.figures["sharded"]["mean_abs"] > 4 * fw.figures["unsharded"]["mean_abs"]
+
+
+@pytest.mark.parametrize("name,mesh", [("llama", Mesh(tp=4)), ("mixtral", Mesh(ep=2, tp=2)),
+                                       ("gpt2", Mesh(tp=4)), ("qwen2-tied", Mesh(pp=2, tp=2))])
+def test_reference_merge_is_the_original_bit_for_bit(
+    cks: Checkpoints, name: str, mesh: Mesh
+) -> None:
+    from safetensors import safe_open
+
+    from shardctl.verify.reference import hf_reference
+
+    original = cks.ckpt(name)
+    expected: dict[str, torch.Tensor] = {}
+    for path in original.glob("*.safetensors"):
+        with safe_open(path, "pt") as f:
+            expected.update({k: f.get_tensor(k) for k in f.keys()})
+    figures: dict[str, object] = {}
+    with hf_reference(cks.resharded(name, mesh), figures) as merged:
+        with safe_open(merged / "model.safetensors", "pt") as f:
+            got = {k: f.get_tensor(k) for k in f.keys()}
+        assert (merged / "config.json").read_bytes() == (original / "config.json").read_bytes()
+        where = merged
+    assert not where.exists()  # the temporary copy is gone
+    assert sorted(got) == sorted(expected)
+    for k, t in expected.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].view(torch.int16), t.view(torch.int16)), k
+    assert figures["reference_merge_bytes"] == sum(t.nbytes for t in expected.values())
+    # an HF checkpoint is its own reference: nothing written
+    with hf_reference(original) as same:
+        assert same == original
+
+
+@pytest.mark.slow
+def test_cli_both_sides_sharded_gloo(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """``shardctl verify TP2 TP4 --level forward`` as a user runs it: real gloo processes."""
+    import json
+    import subprocess
+    import sys
+
+    src = cks.resharded("llama", Mesh(tp=2))
+    cases = [(cks.resharded("llama", Mesh(tp=4)), 0),
+             (cks.hand_split("llama", Mesh(tp=4), "kv-replication"), 1)]
+    for dst, code in cases:
+        cmd = [sys.executable, "-m", "shardctl", "verify", str(src), str(dst), "--level",
+               "forward", "--device", "cpu", "--json"]
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+        assert done.returncode == code, done.stderr[-2000:]
+        assert "Traceback" not in done.stderr
+        data = json.loads(done.stdout)
+        assert data["ok"] is (code == 0)
+        levels = {lv["name"]: lv for lv in data["levels"]}
+        assert [lv["status"] for lv in data["levels"]] == (
+            ["pass", "pass", "pass"] if code == 0 else ["pass", "pass", "fail"]
+        )
+        assert levels["forward"]["figures"]["reference"] == "merged from SRC's shards"
+        assert data["environment"]["backend"] == "gloo"
+        assert data["environment"]["world_size"] == 4
+
+
 # -- real process groups ---------------------------------------------------------------------
 
 GLOO = [
@@ -176,3 +267,4 @@ def test_torchrun_worker(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no
     assert data["schema"] == "shardctl.verify/1" and data["ok"] is True
     assert data["environment"]["launcher"] == "torchrun"
     assert [lv["status"] for lv in data["levels"]] == ["pass", "pass", "pass"]
+

@@ -22,7 +22,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from shardctl.errors import EnvironmentFailure, UsageError
+from shardctl.errors import UsageError
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.reshard.source import Source, open_source
 from shardctl.verify.bitwise import check_bitwise
@@ -105,15 +105,16 @@ def _check_options(level: str, device: str, launcher: str) -> None:
 def _forward_sides(
     src: Path, source: Source, dst: Path, dest: Destination
 ) -> tuple[Path, ShardedCheckpoint]:
-    """(HF checkpoint to load as the reference, sharded checkpoint to run)."""
-    if source.kind == "hf":
-        return src, sharded_view(dest)
-    if dest.kind == "hf":  # equivalence is symmetric: run SRC sharded, DST as the reference
+    """(checkpoint to load as the reference, sharded checkpoint to run).
+
+    Both sharded (``verify TP2 TP4``): DST runs sharded, and the reference is SRC reassembled
+    into a temporary HF directory (``reference.hf_reference``) — bitwise has just shown that
+    DST holds SRC's bytes, so this is the model both must compute.
+    """
+    if source.kind != "hf" and dest.kind == "hf":
+        # equivalence is symmetric: run SRC sharded, load DST as the reference
         return dst, sharded_view(open_destination(src))
-    raise EnvironmentFailure(
-        "could not verify the forward level: both sides are sharded layouts",
-        hint="merge one with `shardctl reshard SRC OUT --format hf` and verify against that",
-    )
+    return src, sharded_view(dest)
 
 
 def sharded_view(dest: Destination) -> ShardedCheckpoint:

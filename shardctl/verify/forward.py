@@ -8,7 +8,8 @@ Where the ranks run::
 
 The reference is transformers' own model class loaded from SRC: once in the checkpoint's dtype
 (the *unsharded* model, whose error is the dtype's own noise) and once upcast to float64 (the
-*reference*). The tolerance is a multiple of that noise (see ``metrics``).
+*reference*). The tolerance is a multiple of that noise (see ``metrics``). A SRC that is itself
+a shardctl layout is first reassembled into a temporary HF directory (``reference``).
 """
 
 from __future__ import annotations
@@ -100,18 +101,24 @@ def run_sharded(
     return run_processes(jobs, backend=env["backend"])
 
 
-def reference_logits(src: Path, job: RankJob) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(unsharded logits in the checkpoint dtype, float64 logits, dtype name), from SRC."""
+def reference_logits(
+    src: Path, job: RankJob, figures: dict[str, Any] | None = None
+) -> tuple[torch.Tensor, torch.Tensor, str]:
+    """(unsharded logits in the checkpoint dtype, float64 logits, dtype name), from SRC (an HF
+    checkpoint, or a shardctl layout merged first; ``figures`` gets how and how long)."""
     from transformers import AutoModelForCausalLM
 
-    try:
-        model = AutoModelForCausalLM.from_pretrained(
-            src, dtype="auto", **implementations(job.config)
-        )
-    except (OSError, ValueError) as exc:
-        raise EnvironmentFailure(
-            f"could not load the reference model: {exc}", where=str(src)
-        ) from exc
+    from shardctl.verify.reference import hf_reference
+
+    with hf_reference(src, figures) as path:
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype="auto", **implementations(job.config)
+            )
+        except (OSError, ValueError) as exc:
+            raise EnvironmentFailure(
+                f"could not load the reference model: {exc}", where=str(src)
+            ) from exc
     device = torch.device(job.device)
     model = model.to(device).eval()  # type: ignore[arg-type]
     dtype = next(model.parameters()).dtype
@@ -203,7 +210,7 @@ def check_forward(
         if logits is None:
             raise EnvironmentFailure("no rank returned logits (internal: output rank missing)")
         t1 = time.perf_counter()
-        unsharded, reference, dtype = reference_logits(src, jobs[0])
+        unsharded, reference, dtype = reference_logits(src, jobs[0], level.figures)
         level.figures.update(dtype=dtype, reference_s=time.perf_counter() - t1)
         tolerances = compare(level, logits, unsharded, reference)
     level.seconds = time.perf_counter() - t0
