@@ -268,3 +268,73 @@ def test_torchrun_worker(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no
     assert data["environment"]["launcher"] == "torchrun"
     assert [lv["status"] for lv in data["levels"]] == ["pass", "pass", "pass"]
 
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@pytest.mark.slow
+def test_torchrun_two_nodes_on_localhost(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """Two torchrun agents started as two nodes would start them (README, multi-node): one rank
+    each, c10d rendezvous at one endpoint. SRC is itself sharded (TP4) and DST is TP2, so the
+    rank 0 the rendezvous picks also rebuilds SRC's model from its shards for the reference."""
+    import json
+    import subprocess
+    import sys
+
+    src, dst = cks.resharded("llama", Mesh(tp=4)), cks.resharded("llama", Mesh(tp=2))
+    report = tmp_path / "verify.json"
+    port = _free_port()
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
+               "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
+               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "verify-two-nodes",
+               "--rdzv-conf", "join_timeout=60", "-m", "shardctl.verify.worker", str(src),
+               str(dst), "--report", str(report)]
+        log = open(tmp_path / f"node{node}.log", "wb")  # closed below
+        procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+    codes = []
+    try:
+        for p, _ in procs:
+            codes.append(p.wait(timeout=180))
+    finally:
+        for p, log in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            log.close()
+    logs = [(tmp_path / f"node{n}.log").read_text(errors="replace")[-1500:] for n in (0, 1)]
+    assert codes == [0, 0], logs
+    data = json.loads(report.read_text())
+    assert data["ok"] is True, data
+    assert [lv["status"] for lv in data["levels"]] == ["pass", "pass", "pass"]
+    assert data["environment"]["launcher"] == "torchrun"
+    assert data["environment"]["nodes"] == "2" and data["environment"]["world_size"] == 2
+    forward = data["levels"][2]["figures"]
+    assert forward["reference"] == "merged from SRC's shards"
+    assert all("Traceback" not in text for text in logs)
+
+
+def test_torchrun_device_is_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun a rank's GPU is LOCAL_RANK: global rank 9 of 2 nodes × 8 is cuda:1."""
+    from shardctl.errors import EnvironmentFailure
+    from shardctl.verify import distributed
+
+    chosen: list[int] = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "set_device", chosen.append)
+    monkeypatch.setenv("RANK", "9")
+    monkeypatch.setenv("WORLD_SIZE", "16")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert distributed.local_device() == "cuda:1" and chosen == [1]
+    monkeypatch.setenv("LOCAL_RANK", "8")  # more processes than GPUs on the node
+    with pytest.raises(EnvironmentFailure, match="LOCAL_RANK 8"):
+        distributed.local_device()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert distributed.local_device() == "cpu"

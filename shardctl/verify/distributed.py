@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 
@@ -29,18 +30,24 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
     from shardctl.verify.rank import run_rank
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    cuda = torch.cuda.is_available()
-    if cuda:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    device = local_device()
+    cuda = device != "cpu"
     dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
     try:
         result: VerifyResult | None = None
+        failure: Exception | None = None
         if rank == 0:
-            result = verify(src, dst, level="bitwise", launcher="torchrun")
-        flag = torch.tensor([0 if result is None or result.ok else 1])
+            try:
+                result = verify(src, dst, level="bitwise", launcher="torchrun")
+            except Exception as exc:  # the others wait at the broadcast: tell them first
+                failure = exc
+        state = 2 if failure is not None else (0 if result is None or result.ok else 1)
+        flag = torch.tensor([state])
         flag = flag.cuda() if cuda else flag
         dist.broadcast(flag, 0)
-        if int(flag.item()):
+        if failure is not None:
+            raise failure
+        if int(flag.item()):  # not equivalent (rank 0 reports), or rank 0 could not verify
             return _finish(result, report)
         ck = sharded_view(open_destination(dst))
         if ck.world != world:
@@ -49,11 +56,8 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
                 "ranks (pp × ep × tp)",
                 hint=f"use --nnodes × --nproc-per-node = {ck.world}",
             )
-        device = "cuda" if cuda else "cpu"
-        jobs = fw.make_jobs(ck, device=device, simulated=False, seed=seed)
-        job = jobs[rank]
-        if cuda:
-            job = type(job)(**{**job.__dict__, "device": f"cuda:{torch.cuda.current_device()}"})
+        jobs = fw.make_jobs(ck, device="cuda" if cuda else "cpu", simulated=False, seed=seed)
+        job = replace(jobs[rank], device=device)  # make_jobs numbers GPUs by global rank
         outcome = run_rank(job, DistComm(rank, Topology(*job.topo)))
         problems: list[list[str] | None] | None = [None] * world if rank == 0 else None
         dist.gather_object(outcome.problems, problems, dst=0)
@@ -76,19 +80,39 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
             for p in ps or ():
                 level.fail(p, rank=r)
         if not level.findings and logits is not None:
-            unsharded, reference, dtype = fw.reference_logits(src, jobs[0])
+            # ``job`` is rank 0's, on the device LOCAL_RANK chose (jobs[0] says cuda:0)
+            unsharded, reference, dtype = fw.reference_logits(src, job, level.figures)
             level.figures.update(seed=seed, batch=job.batch, seq_len=job.seq_len, dtype=dtype)
             result.tolerances["forward"] = fw.compare(level, logits.cpu(), unsharded, reference)
         level.close()
         result.level = "forward"
         result.environment.update(
-            fw.plan_run(device, world, False),
+            fw.plan_run("cuda" if cuda else "cpu", world, False),
             launcher="torchrun",
             nodes=os.environ.get("GROUP_WORLD_SIZE", "?"),
         )
         return _finish(result, report)
     finally:
         dist.destroy_process_group()
+
+
+def local_device() -> str:
+    """This process's device under torchrun: ``cuda:LOCAL_RANK`` when CUDA is there, else cpu.
+
+    LOCAL_RANK, not RANK: with ``--nnodes 2 --nproc-per-node 8`` global rank 9 is the second
+    GPU of the second node, ``cuda:1``.
+    """
+    if not torch.cuda.is_available():
+        return "cpu"
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    count = torch.cuda.device_count()
+    if not 0 <= local < count:
+        raise EnvironmentFailure(
+            f"LOCAL_RANK {local}, but this node has {count} CUDA devices",
+            hint="start at most one process per GPU on each node (--nproc-per-node)",
+        )
+    torch.cuda.set_device(local)
+    return f"cuda:{local}"
 
 
 def _finish(result: VerifyResult | None, report: Path | None) -> int:

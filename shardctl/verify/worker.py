@@ -5,17 +5,20 @@ Two ways in, both reading ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER
 
 1. spawned by ``shardctl verify`` (``--serve``): take jobs from the parent's TCP store, run
    each, put the outcome (problems, timings, logits on the output rank) back;
-2. multi-node, under torchrun — one process per model-parallel rank (``pp × ep × tp``)::
+2. multi-node, under torchrun — one process per model-parallel rank (``pp × ep × tp``), the
+   same command on every node (README: static or c10d rendezvous)::
 
-       torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE \\
-           --rdzv-backend c10d --rdzv-endpoint $HEAD:29500 \\
+       torchrun --nnodes 2 --nproc-per-node 4 --node-rank $NODE_RANK \\
+           --master-addr $HEAD --master-port 29500 \\
            -m shardctl.verify.worker SRC DST --seed 0 --report verify.json
 
-   Every rank loads only its own files from DST (shared storage or a copy per node). Rank 0
-   first runs the structure and bitwise levels, then every rank runs the forward; the output
-   rank sends its logits to rank 0, which compares them with SRC's unsharded model and writes
-   the report (schema ``shardctl.verify/1``). Exit: 0 equivalent, 1 not, 3 invalid, 5 could
-   not verify — on rank 0; other ranks exit 0 unless their run broke.
+   Every rank loads only its own files from DST (same path on every node: shared storage).
+   Global rank 0 first runs the structure and bitwise levels, then every rank runs the
+   forward on ``cuda:$LOCAL_RANK`` (or the CPU, gloo); the output rank sends its logits to
+   rank 0, which compares them with SRC's unsharded model (SRC merged first if it is itself
+   sharded) and writes the report (schema ``shardctl.verify/1``). Exit: 0 equivalent, 1 not,
+   3 invalid, 5 could not verify — on rank 0; other ranks exit 0 unless their run broke.
+   Errors are one line on stderr, as for the CLI.
 """
 
 from __future__ import annotations
@@ -110,4 +113,6 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from shardctl.console import run_cli
+
+    run_cli(lambda: sys.exit(main()))  # errors: one line on stderr and the documented code
