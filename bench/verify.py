@@ -81,8 +81,8 @@ def _child(src: Path, dst: Path, hashes: bool) -> int:
                 "rss_before_kb": rss_before,
                 "rss_peak_kb": r1.ru_maxrss,
                 "bytes": level.figures["src_bytes"] + level.figures["dst_bytes"],
-                "threads": level.figures["threads"],
-                "rehashed_files": level.figures["rehashed_files"],
+                "threads": level.figures.get("threads", 1),
+                "rehashed_files": level.figures.get("rehashed_files", 0),
             }
         )
     )
