@@ -372,3 +372,22 @@ def test_a_file_truncated_during_the_run_is_an_io_error(cks: Checkpoints) -> Non
     with pytest.raises(OSError, match="short read") as info:  # exit 5 at the CLI
         check_bitwise(source, dest)
     assert info.value.filename == str(path)
+
+
+def test_launcher_torchrun_refused_before_any_level(cks: Checkpoints, tmp_path: Path) -> None:
+    """``shardctl verify --launcher torchrun`` cannot start the ranks itself: exit 2 at once,
+    one line naming the torchrun command — not after minutes of bitwise on a large model."""
+    import subprocess
+    import sys
+
+    dst = cks.resharded("llama", Mesh(tp=2))
+    _flip_bit(dst / "rank-00000-of-00002.safetensors", "model.norm.weight", seed=0)
+    cmd = [sys.executable, "-m", "shardctl", "verify", str(cks.ckpt("llama")), str(dst),
+           "--launcher", "torchrun"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    (line,) = done.stderr.strip().splitlines()
+    assert "-m shardctl.verify.worker SRC DST" in line and "--nnodes" in line
+    # the structure and bitwise levels alone still run with it (and find the flipped bit)
+    result = verify(cks.ckpt("llama"), dst, level="bitwise", launcher="torchrun")
+    assert _statuses(result)["bitwise"] == "fail"

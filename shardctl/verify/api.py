@@ -18,7 +18,6 @@ Example::
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Any
 
@@ -34,8 +33,9 @@ from shardctl.verify.structure import check_structure
 DEVICES = ("auto", "cpu", "cuda")
 LAUNCHERS = ("local", "torchrun")
 TORCHRUN_HINT = (
-    "run every rank under torchrun: torchrun --nnodes N --nproc-per-node M "
-    "-m shardctl.verify.worker SRC DST --report verify.json"
+    "start one process per rank with torchrun instead, the same command on every node: "
+    "torchrun --nnodes N --nproc-per-node M --node-rank I --master-addr HEAD --master-port 29500 "
+    "-m shardctl.verify.worker SRC DST --report verify.json (README: multi-node)"
 )
 
 
@@ -77,8 +77,6 @@ def verify(
     result.levels[1] = bitwise
     if not bitwise.ok or "forward" not in wanted:
         return result
-    if launcher == "torchrun":
-        raise UsageError("--launcher torchrun cannot be started from here", hint=TORCHRUN_HINT)
     from shardctl.verify.forward import check_forward
 
     reference, sharded = _forward_sides(src, source, dst, dest)
@@ -98,8 +96,12 @@ def _check_options(level: str, device: str, launcher: str) -> None:
         raise UsageError(f"device: expected one of {', '.join(DEVICES)}, got {device!r}")
     if launcher not in LAUNCHERS:
         raise UsageError(f"launcher: expected one of {', '.join(LAUNCHERS)}, got {launcher!r}")
-    if launcher == "torchrun" and "WORLD_SIZE" in os.environ:
-        return  # the worker calls the levels itself (distributed.py)
+    if launcher == "torchrun" and level == "forward":
+        # before any level runs: the bitwise level of a large checkpoint takes minutes
+        raise UsageError(
+            "--launcher torchrun: the forward level's ranks cannot be started from here",
+            hint=TORCHRUN_HINT,
+        )
 
 
 def _forward_sides(
