@@ -183,28 +183,46 @@ def test_read_only_output(llama: Path, tmp_path: Path) -> None:
 
 @root_only
 def test_permission_denied_as_nobody(tmp_path: Path) -> None:
+    """E7 as an unprivileged user, whatever the checkout's own permissions.
+
+    The checkout (a ``mktemp -d`` clone is 0700), its virtualenv and pyenv under ``/root`` may be
+    unreachable for ``nobody``; inside a private mount namespace the package, the environment's
+    site-packages and the interpreter's prefix are bind-mounted into a world-readable directory,
+    so nothing outside the test's own directory changes.
+    """
+    import sysconfig
+
     base = Path(os.path.realpath("/tmp")) / f"shardctl-e7-{os.getpid()}"
     shutil.rmtree(base, ignore_errors=True)
     try:
         src = synthetic(base / "src", 1)
         os.chmod(base, 0o755)
         (base / "locked").mkdir(mode=0o755)  # root-owned: nobody cannot create entries in it
-        save = base / "pyenv"
-        save.mkdir()
+        for d in ("py/shardctl", "site", "pyenv"):
+            (base / d).mkdir(parents=True, mode=0o755)
+        python = Path(os.path.realpath(sys.executable))
         prefix = Path(sys.base_prefix).parents[1]  # e.g. /root/.pyenv, under /root (0700)
-        mounts = ""
+        mounts = [
+            f"mount --bind {REPO / 'shardctl'} {base}/py/shardctl",
+            f"mount --bind {sysconfig.get_paths()['purelib']} {base}/site",
+        ]
         if str(prefix).startswith("/root/"):  # reach the interpreter as nobody; /root untouched
-            mounts = (
-                f"mount --bind {prefix} {save} && mount -t tmpfs -o mode=0755 tmpfs /root && "
-                f"mkdir -p {prefix} && mount --bind {save} {prefix} && "
-            )
-        script = mounts + (
-            "setpriv --reuid=65534 --regid=65534 --clear-groups "
-            f"{sys.executable} -m shardctl.reshard._runner {src} {base}/locked/out"
+            mounts += [
+                f"mount --bind {prefix} {base}/pyenv",
+                "mount -t tmpfs -o mode=0755 tmpfs /root",
+                f"mkdir -p {prefix}",
+                f"mount --bind {base}/pyenv {prefix}",
+            ]
+        script = " && ".join(
+            [
+                *mounts,
+                f"PYTHONPATH={base}/py:{base}/site setpriv --reuid=65534 --regid=65534 "
+                f"--clear-groups {python} -m shardctl.reshard._runner {src} {base}/locked/out",
+            ]
         )
         p = subprocess.run(
             ["unshare", "-m", "sh", "-c", script],
-            cwd=REPO,
+            cwd=base,
             capture_output=True,
             text=True,
             timeout=60,
