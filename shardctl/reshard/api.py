@@ -237,6 +237,12 @@ def reshard(
             if dist is not None:
                 dist.done()
             return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, extra)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            # torchrun SIGTERMs the survivors as soon as one worker dies, wherever they are:
+            # a lost peer explains the interrupt (exit 5 naming it), not the signal (143).
+            if dist is None:
+                raise
+            raise dist.explain(exc) from None
         except OSError as exc:
             raise os_failure(exc) from None
         finally:

@@ -152,7 +152,8 @@ class Group:
         self.left = False
         self.phase = "while joining"  # for messages: what the run was doing
         self.stop = threading.Event()
-        me = {"pid": os.getpid(), "host": socket.gethostname(), "where": _where()}
+        self.where = _where()
+        me = {"pid": os.getpid(), "host": socket.gethostname(), "where": self.where}
         self._guard(self._publish, me)
         self.prev_term: Any = None
         if self.interruptible:  # torchrun's SIGTERM, once a peer is known lost, changes nothing
@@ -184,6 +185,7 @@ class Group:
         return Path(value.decode())
 
     def mine(self, files: list[OutputFile]) -> list[OutputFile]:
+        self.phase = "before writing"
         loads = [0] * self.world
         owner: dict[int, int] = {}
         for i in sorted(range(len(files)), key=lambda i: (-files[i].size, i)):
@@ -201,7 +203,7 @@ class Group:
             with self._working():
                 digests = fn()
         except BaseException as exc:
-            error = self._explain(exc)
+            error = self.explain(exc)
             if self.lost is not None:  # nobody to share it with: stop now
                 self._leave(str(self.lost))
                 raise error from None
@@ -215,7 +217,7 @@ class Group:
                 got[r] = json.loads(self._guard(self._wait, f"result/{r}", r))
         except BaseException as exc:
             self._leave("failed while gathering")
-            raise (error or self._explain(exc)) from None
+            raise (error or self.explain(exc)) from None
         if error is not None:
             self._leave("failed while writing")
             raise error
@@ -271,6 +273,9 @@ class Group:
                     f"workers {missing} did not join within {join_s:.0f} s", where=self.addr
                 )
             time.sleep(POLL_S)
+        self._know_peers(where)
+
+    def _know_peers(self, where: str) -> None:
         for r, p in self.peers.items():
             who = json.loads(self._call(self.store.get, f"who/{r}"))
             p.pid, p.host, p.local = int(who["pid"]), str(who["host"]), who["where"] == where
@@ -356,12 +361,16 @@ class Group:
             with self.lock:
                 self.working = False
 
-    def _explain(self, exc: BaseException) -> BaseException:
+    def explain(self, exc: BaseException) -> BaseException:
         """An interrupt that a lost peer explains (ours, or torchrun's SIGTERM) -> exit 5."""
         if not isinstance(exc, (Interrupted, KeyboardInterrupt)):
             return exc
-        if self.lost is None and self.joined:
+        if self.lost is None:
             try:
+                if not self.joined:  # interrupted while joining: every peer may have come
+                    if not self._call(self.store.check, [f"who/{r}" for r in self.peers]):
+                        return exc
+                    self._know_peers(self.where)
                 self._check(list(self.peers))
             except _PeerLost as found:
                 self._set_lost(found)
@@ -394,7 +403,7 @@ class Group:
                 self._lost_line(f"lost the rendezvous store at {self.addr} ({exc})")
             ) from None
         except (Interrupted, KeyboardInterrupt) as exc:
-            err = self._explain(exc)
+            err = self.explain(exc)
             self._leave(str(self.lost) if self.lost else "interrupted")
             raise err from None
         except EnvironmentFailure:
