@@ -45,15 +45,28 @@ class Rule:
 def _dims(cfg: dict[str, Any]) -> dict[str, int]:
     if cfg["model_type"] == "gpt2":
         h = cfg["n_embd"]
-        return dict(hidden=h, heads=cfg["n_head"], kv=cfg["n_head"], hd=h // cfg["n_head"],
-                    inter=cfg.get("n_inner") or 4 * h, layers=cfg["n_layer"],
-                    experts=0, vocab=cfg["vocab_size"])
+        return dict(
+            hidden=h,
+            heads=cfg["n_head"],
+            kv=cfg["n_head"],
+            hd=h // cfg["n_head"],
+            inter=cfg.get("n_inner") or 4 * h,
+            layers=cfg["n_layer"],
+            experts=0,
+            vocab=cfg["vocab_size"],
+        )
     h = cfg["hidden_size"]
     heads = cfg["num_attention_heads"]
-    return dict(hidden=h, heads=heads, kv=cfg.get("num_key_value_heads") or heads,
-                hd=cfg.get("head_dim") or h // heads, inter=cfg["intermediate_size"],
-                layers=cfg["num_hidden_layers"], experts=cfg.get("num_local_experts") or 0,
-                vocab=cfg["vocab_size"])
+    return dict(
+        hidden=h,
+        heads=heads,
+        kv=cfg.get("num_key_value_heads") or heads,
+        hd=cfg.get("head_dim") or h // heads,
+        inter=cfg["intermediate_size"],
+        layers=cfg["num_hidden_layers"],
+        experts=cfg.get("num_local_experts") or 0,
+        vocab=cfg["vocab_size"],
+    )
 
 
 def rule_for(fqn: str, shape: tuple[int, ...], d: dict[str, int], fault: str | None) -> Rule | None:
@@ -89,7 +102,12 @@ def rule_for(fqn: str, shape: tuple[int, ...], d: dict[str, int], fault: str | N
 
 
 def shard_tensor(
-    fqn: str, t: torch.Tensor, rule: Rule | None, tp: int, r: int, d: dict[str, int],
+    fqn: str,
+    t: torch.Tensor,
+    rule: Rule | None,
+    tp: int,
+    r: int,
+    d: dict[str, int],
     fault: str | None,
 ) -> tuple[torch.Tensor, list[Piece], tuple[int, ...], str]:
     """(local tensor, pieces, padded global shape, placement) of rank ``r`` of ``tp``."""
@@ -136,8 +154,9 @@ def shard_tensor(
     return local, pieces, padded, placement
 
 
-def split_checkpoint(src: Path, out: Path, mesh: Mesh, *, fault: str | None = None
-                     ) -> tuple[Layout, dict[int, list[Path]]]:
+def split_checkpoint(
+    src: Path, out: Path, mesh: Mesh, *, fault: str | None = None
+) -> tuple[Layout, dict[int, list[Path]]]:
     cfg = json.loads((src / "config.json").read_text())
     d = _dims(cfg)
     with safe_open(src / "model.safetensors", "pt") as f:
@@ -160,24 +179,40 @@ def split_checkpoint(src: Path, out: Path, mesh: Mesh, *, fault: str | None = No
                         continue
                     rule = rule_for(fqn, tuple(t.shape), d, fault)
                     lt, pieces, padded, placement = shard_tensor(
-                        fqn, t, rule, mesh.tp, tp, d, fault)
+                        fqn, t, rule, mesh.tp, tp, d, fault
+                    )
                     if padded != tuple(t.shape):
                         padded_shapes[fqn] = padded
                     local[fqn] = lt.contiguous()
-                    shards.append(Shard(fqn, _CODES[t.dtype], tuple(t.shape), tuple(lt.shape),
-                                        tuple(pieces), placement))
+                    shards.append(
+                        Shard(
+                            fqn,
+                            _CODES[t.dtype],
+                            tuple(t.shape),
+                            tuple(lt.shape),
+                            tuple(pieces),
+                            placement,
+                        )
+                    )
                 rank = mesh.rank(pp=pp, ep=ep, tp=tp)
                 path = out / f"rank{rank:05d}.safetensors"
                 save_file(local, str(path))
                 files[rank] = [path]
                 ranks.append(RankLayout(pp, ep, tp, tuple(shards)))
-    layout = Layout(cfg["model_type"], mesh, LayoutOptions(), stages, tuple(ranks),
-                    padded_shapes)
+    layout = Layout(cfg["model_type"], mesh, LayoutOptions(), stages, tuple(ranks), padded_shapes)
     return layout, files
 
 
-def _on_rank(fqn: str, d: dict[str, int], mesh: Mesh, stage: Stage, pp: int, ep: int,
-             tied: bool, fault: str | None) -> bool:
+def _on_rank(
+    fqn: str,
+    d: dict[str, int],
+    mesh: Mesh,
+    stage: Stage,
+    pp: int,
+    ep: int,
+    tied: bool,
+    fault: str | None,
+) -> bool:
     m = re.match(r"^(?:model\.layers|transformer\.h)\.(\d+)\.", fqn)
     if m:
         assert stage.layers is not None
@@ -208,16 +243,25 @@ def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Pat
 
     source = open_source(src)
     tensors = tuple(TensorInfo(t.fqn, t.shape, t.dtype) for t in source.model.tensors)
-    shard_files = {(r, s.fqn): files[r][0].name for r, rl in enumerate(layout.ranks)
-                   for s in rl.shards}
+    shard_files = {
+        (r, s.fqn): files[r][0].name for r, rl in enumerate(layout.ranks) for s in rl.shards
+    }
     digests = []
     for r in sorted(files):
         path = files[r][0]
         h = new_hash("blake3")
         h.update(path.read_bytes())
         digests.append(rec.FileDigest(path.name, path.stat().st_size, h.hexdigest()))
-    data = rec.build(fmt="ranks", architecture=layout.architecture, layout=layout,
-                     tensors=tensors, padded_shapes=layout.padded_shapes,
-                     shard_files=shard_files, source=source.identity(), hash_name="blake3",
-                     files=digests, carried=["config.json"])
+    data = rec.build(
+        fmt="ranks",
+        architecture=layout.architecture,
+        layout=layout,
+        tensors=tensors,
+        padded_shapes=layout.padded_shapes,
+        shard_files=shard_files,
+        source=source.identity(),
+        hash_name="blake3",
+        files=digests,
+        carried=["config.json"],
+    )
     return rec.write(out, data)

@@ -67,8 +67,7 @@ def test_simulated_forward_matches(cks: Checkpoints, name: str, mesh: Mesh) -> N
 
 def test_float32_checkpoint_uses_the_floor(cks: Checkpoints) -> None:
     src = cks.ckpt("llama", "float32")
-    result = verify(src, cks.resharded("llama", Mesh(tp=4), "float32"), device="cpu",
-                    simulate=True)
+    result = verify(src, cks.resharded("llama", Mesh(tp=4), "float32"), device="cpu", simulate=True)
     assert result.ok
     fw = _forward(result)
     assert fw.figures["dtype"] == "float32"
@@ -90,8 +89,7 @@ NEGATIVE = [
 def test_consistent_but_wrong_layouts_fail_forward(
     cks: Checkpoints, name: str, mesh: Mesh, fault: str
 ) -> None:
-    result = verify(cks.ckpt(name), cks.hand_split(name, mesh, fault), device="cpu",
-                    simulate=True)
+    result = verify(cks.ckpt(name), cks.hand_split(name, mesh, fault), device="cpu", simulate=True)
     statuses = {lv.name: lv.status for lv in result.levels}
     assert statuses == {"structure": "pass", "bitwise": "pass", "forward": "fail"}, statuses
     assert not result.ok
@@ -106,13 +104,15 @@ def test_consistent_but_wrong_layouts_fail_forward(
 
 def test_correct_hand_split_passes_forward(cks: Checkpoints) -> None:
     # the same splitter without a fault: the negative results above come from the fault
-    assert verify(cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2)), device="cpu",
-                  simulate=True).ok
+    assert verify(
+        cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2)), device="cpu", simulate=True
+    ).ok
 
 
 def test_sharded_src_against_hf_dst_runs_src_sharded(cks: Checkpoints) -> None:
-    result = verify(cks.resharded("qwen2", Mesh(tp=2)), cks.ckpt("qwen2"), device="cpu",
-                    simulate=True)
+    result = verify(
+        cks.resharded("qwen2", Mesh(tp=2)), cks.ckpt("qwen2"), device="cpu", simulate=True
+    )
     assert result.ok and result.environment["world_size"] == 2
 
 
@@ -140,8 +140,9 @@ def test_both_sides_sharded_wrong_dst_fails_forward(cks: Checkpoints) -> None:
     # DST self-consistent (structure and bitwise pass against the TP2 SRC) but rank r holds
     # kv head r % 2 instead of r // 2: only a forward against SRC's model can tell.
     src = cks.resharded("llama", Mesh(tp=2))
-    result = verify(src, cks.hand_split("llama", Mesh(tp=4), "kv-replication"), device="cpu",
-                    simulate=True)
+    result = verify(
+        src, cks.hand_split("llama", Mesh(tp=4), "kv-replication"), device="cpu", simulate=True
+    )
     statuses = {lv.name: lv.status for lv in result.levels}
     assert statuses == {"structure": "pass", "bitwise": "pass", "forward": "fail"}, statuses
     fw = _forward(result)
@@ -149,8 +150,15 @@ def test_both_sides_sharded_wrong_dst_fails_forward(cks: Checkpoints) -> None:
     assert fw.figures["sharded"]["mean_abs"] > 4 * fw.figures["unsharded"]["mean_abs"]
 
 
-@pytest.mark.parametrize("name,mesh", [("llama", Mesh(tp=4)), ("mixtral", Mesh(ep=2, tp=2)),
-                                       ("gpt2", Mesh(tp=4)), ("qwen2-tied", Mesh(pp=2, tp=2))])
+@pytest.mark.parametrize(
+    "name,mesh",
+    [
+        ("llama", Mesh(tp=4)),
+        ("mixtral", Mesh(ep=2, tp=2)),
+        ("gpt2", Mesh(tp=4)),
+        ("qwen2-tied", Mesh(pp=2, tp=2)),
+    ],
+)
 def test_reference_merge_is_the_original_bit_for_bit(
     cks: Checkpoints, name: str, mesh: Mesh
 ) -> None:
@@ -188,11 +196,24 @@ def test_cli_both_sides_sharded_gloo(cks: Checkpoints, tmp_path) -> None:  # typ
     import sys
 
     src = cks.resharded("llama", Mesh(tp=2))
-    cases = [(cks.resharded("llama", Mesh(tp=4)), 0),
-             (cks.hand_split("llama", Mesh(tp=4), "kv-replication"), 1)]
+    cases = [
+        (cks.resharded("llama", Mesh(tp=4)), 0),
+        (cks.hand_split("llama", Mesh(tp=4), "kv-replication"), 1),
+    ]
     for dst, code in cases:
-        cmd = [sys.executable, "-m", "shardctl", "verify", str(src), str(dst), "--level",
-               "forward", "--device", "cpu", "--json"]
+        cmd = [
+            sys.executable,
+            "-m",
+            "shardctl",
+            "verify",
+            str(src),
+            str(dst),
+            "--level",
+            "forward",
+            "--device",
+            "cpu",
+            "--json",
+        ]
         done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
         assert done.returncode == code, done.stderr[-2000:]
         assert "Traceback" not in done.stderr
@@ -258,9 +279,19 @@ def test_torchrun_worker(cks: Checkpoints, tmp_path) -> None:  # type: ignore[no
 
     report = tmp_path / "verify.json"
     dst = cks.resharded("qwen2", Mesh(tp=2))
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "-m", "shardctl.verify.worker", str(cks.ckpt("qwen2")), str(dst),
-           "--report", str(report)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "-m",
+        "shardctl.verify.worker",
+        str(cks.ckpt("qwen2")),
+        str(dst),
+        "--report",
+        str(report),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     data = json.loads(report.read_text())
@@ -291,11 +322,31 @@ def test_torchrun_two_nodes_on_localhost(cks: Checkpoints, tmp_path) -> None:  #
     port = _free_port()
     procs = []
     for node in (0, 1):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2",
-               "--nproc-per-node", "1", "--node-rank", str(node), "--rdzv-backend", "c10d",
-               "--rdzv-endpoint", f"127.0.0.1:{port}", "--rdzv-id", "verify-two-nodes",
-               "--rdzv-conf", "join_timeout=60", "-m", "shardctl.verify.worker", str(src),
-               str(dst), "--report", str(report)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            "2",
+            "--nproc-per-node",
+            "1",
+            "--node-rank",
+            str(node),
+            "--rdzv-backend",
+            "c10d",
+            "--rdzv-endpoint",
+            f"127.0.0.1:{port}",
+            "--rdzv-id",
+            "verify-two-nodes",
+            "--rdzv-conf",
+            "join_timeout=60",
+            "-m",
+            "shardctl.verify.worker",
+            str(src),
+            str(dst),
+            "--report",
+            str(report),
+        ]
         log = open(tmp_path / f"node{node}.log", "wb")  # closed below
         procs.append((subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
     codes = []

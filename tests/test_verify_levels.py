@@ -75,8 +75,15 @@ def test_resharded_llama_passes_structure_and_bitwise(cks: Checkpoints) -> None:
     json.dumps(data)  # serializable
 
 
-@pytest.mark.parametrize("name,mesh", [("gpt2", Mesh(tp=4)), ("mixtral", Mesh(ep=2, tp=2)),
-                                       ("phi3", Mesh(tp=4)), ("qwen2-tied", Mesh(pp=2, tp=2))])
+@pytest.mark.parametrize(
+    "name,mesh",
+    [
+        ("gpt2", Mesh(tp=4)),
+        ("mixtral", Mesh(ep=2, tp=2)),
+        ("phi3", Mesh(tp=4)),
+        ("qwen2-tied", Mesh(pp=2, tp=2)),
+    ],
+)
 def test_bitwise_passes_across_architectures(cks: Checkpoints, name: str, mesh: Mesh) -> None:
     result = verify(cks.ckpt(name), cks.resharded(name, mesh), level="bitwise")
     assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
@@ -285,14 +292,22 @@ def tiny_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(bitwise, "DST_CAP_BYTES", 80)
 
 
-TINY = [("llama", Mesh(pp=2, tp=4)), ("mixtral", Mesh(ep=2, tp=2)), ("gpt2", Mesh(tp=4)),
-        ("phi3", Mesh(tp=2))]
+TINY = [
+    ("llama", Mesh(pp=2, tp=4)),
+    ("mixtral", Mesh(ep=2, tp=2)),
+    ("gpt2", Mesh(tp=4)),
+    ("phi3", Mesh(tp=2)),
+]
 
 
 @pytest.mark.parametrize("threads", [1, 3])
 @pytest.mark.parametrize("name,mesh", TINY, ids=[f"{n}-{m}" for n, m in TINY])
 def test_tiny_blocks_and_threads_read_each_byte_once(
-    cks: Checkpoints, tiny_blocks: None, monkeypatch: pytest.MonkeyPatch, name: str, mesh: Mesh,
+    cks: Checkpoints,
+    tiny_blocks: None,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    mesh: Mesh,
     threads: int,
 ) -> None:
     from shardctl.verify.bitwise import THREADS_ENV
@@ -309,9 +324,7 @@ def test_tiny_blocks_and_threads_read_each_byte_once(
     assert bw.figures["dst_bytes"] == sum(r["bytes"] for r in bw.rows)
 
 
-def test_tiny_blocks_count_every_difference_of_a_shard(
-    cks: Checkpoints, tiny_blocks: None
-) -> None:
+def test_tiny_blocks_count_every_difference_of_a_shard(cks: Checkpoints, tiny_blocks: None) -> None:
     # Three bit flips in one shard, far apart (different blocks): one finding, all three
     # counted, the first located; the same message as with the default 1 MiB blocks.
     dst = cks.resharded("llama", Mesh(tp=2))
@@ -328,8 +341,9 @@ def test_tiny_blocks_count_every_difference_of_a_shard(
 def test_out_of_order_files_are_hashed_again(cks: Checkpoints, tiny_blocks: None) -> None:
     # swap-gate-up: each rank holds [up_r; gate_r], so the blocks (in SRC's order: gate, then
     # up) read each file's rows backwards; the hash restarts from the file's start and passes.
-    result = verify(cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2), "swap-gate-up"),
-                    level="bitwise")
+    result = verify(
+        cks.ckpt("phi3"), cks.hand_split("phi3", Mesh(tp=2), "swap-gate-up"), level="bitwise"
+    )
     assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
     assert result.level_result("bitwise").figures["rehashed_files"] == 2
 
@@ -345,9 +359,14 @@ def test_three_dim_tensors_and_scalars(
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     g = torch.Generator().manual_seed(0)
-    save_file({"experts": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
-               "scale": torch.tensor(2.5), "empty": torch.zeros(0, 4)},
-              str(src / "model.safetensors"))
+    save_file(
+        {
+            "experts": torch.randn(3, 5, 7, generator=g).to(torch.bfloat16),
+            "scale": torch.tensor(2.5),
+            "empty": torch.zeros(0, 4),
+        },
+        str(src / "model.safetensors"),
+    )
     shutil.copytree(src, dst)
     assert verify(src, dst, level="bitwise").ok
     _flip_bit(dst / "model.safetensors", "experts", byte=2 * (2 * 35 + 3 * 7 + 4))  # [2, 3, 4]
@@ -382,8 +401,16 @@ def test_launcher_torchrun_refused_before_any_level(cks: Checkpoints, tmp_path: 
 
     dst = cks.resharded("llama", Mesh(tp=2))
     _flip_bit(dst / "rank-00000-of-00002.safetensors", "model.norm.weight", seed=0)
-    cmd = [sys.executable, "-m", "shardctl", "verify", str(cks.ckpt("llama")), str(dst),
-           "--launcher", "torchrun"]
+    cmd = [
+        sys.executable,
+        "-m",
+        "shardctl",
+        "verify",
+        str(cks.ckpt("llama")),
+        str(dst),
+        "--launcher",
+        "torchrun",
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert done.returncode == 2, done.stderr
     (line,) = done.stderr.strip().splitlines()
