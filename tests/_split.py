@@ -236,9 +236,9 @@ def _on_rank(
 
 def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Path]]) -> Path:
     """Record ``layout`` as reshard would (``shardctl.layout.json``), so ``verify`` can open it."""
+    from shardctl.io.checksum import new_hash
     from shardctl.model.types import TensorInfo
     from shardctl.reshard import record as rec
-    from shardctl.reshard.copy import new_hash
     from shardctl.reshard.source import open_source
 
     source = open_source(src)

@@ -17,6 +17,7 @@ import pytest
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
+from shardctl.reshard.input_check import Expected, InputCheck
 from tests._models import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -125,6 +126,47 @@ def test_intact_layout_input_passes_and_api_raises_invalid_input(tp2: Path, tmp_
     assert not (tmp_path / "bad").exists()
 
 
+def _rewrite_record(src: Path, hash_name: str, rehash: bool) -> None:
+    import json
+
+    from shardctl.io.checksum import new_hash
+
+    path = src / "shardctl.layout.json"
+    rec = json.loads(path.read_text())
+    rec["hash"] = hash_name
+    if rehash:
+        for f in rec["files"]:
+            h = new_hash(hash_name)
+            h.update((src / f["name"]).read_bytes())
+            f["digest"] = h.hexdigest()
+    path.write_text(json.dumps(rec))
+
+
+@pytest.mark.parametrize("algo", ["blake3", "sha256"])
+def test_layouts_with_other_recorded_hashes_are_checked(
+    tp2: Path, tmp_path: Path, algo: str
+) -> None:
+    """Layouts written with BLAKE3 (before XXH3-128 was the default) or sha256 are checked too."""
+    src = copy_dir(tp2, tmp_path / "src")
+    _rewrite_record(src, algo, rehash=True)
+    assert cli(str(src), str(tmp_path / "ok"), "--format", "hf").returncode == 0
+    victim = sorted(src.glob("*.safetensors"))[0]
+    flip(victim, data_offset(victim) + 1)
+    dst = tmp_path / "bad"
+    refused(cli(str(src), str(dst), "--format", "hf"), dst, victim.name)
+
+
+def test_unknown_recorded_hash_is_exit_3(tp2: Path, tmp_path: Path) -> None:
+    src = copy_dir(tp2, tmp_path / "src")
+    _rewrite_record(src, "md4", rehash=False)
+    dst = tmp_path / "out"
+    p = cli(str(src), str(dst), "--format", "hf")
+    lines = [ln for ln in p.stderr.splitlines() if ln.strip()]
+    assert p.returncode == 3 and len(lines) == 1, p.stderr
+    assert "unknown checksum algorithm 'md4'" in lines[0] and "xxh3-128" in lines[0], lines[0]
+    assert not dst.exists()
+
+
 def hf_cache(hf: Path, cache: Path) -> Path:
     """An HF hub cache snapshot: LFS files are symlinks to ``blobs/<sha256>``."""
     blobs = cache / "models--t--tiny" / "blobs"
@@ -161,3 +203,80 @@ def test_plain_hf_input_without_digest_is_accepted(tmp_path: Path) -> None:
     w = hf / "model.safetensors"
     flip(w, w.stat().st_size - 1)
     assert cli(str(hf), str(tmp_path / "out"), "--tp", "2").returncode == 0
+
+
+# -- the input hashes fed from the copy's own reads ------------------------------------------------
+
+
+def _expected(path: Path) -> Expected:
+    return Expected(path, path.stat().st_size, "xxh3-128", _xxh(path.read_bytes()), "the test")
+
+
+def _xxh(data: bytes) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128_hexdigest(data)
+
+
+def _reads(check: InputCheck, path: Path, spans: list[tuple[int, int]]) -> None:
+    data = path.read_bytes()
+    for lo, hi in spans:
+        check.take(path, lo, memoryview(data)[lo:hi])
+
+
+def test_in_order_reads_feed_the_hash_without_a_second_read(
+    tp2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardctl.reshard import input_check
+
+    whole: list[Path] = []
+    real = input_check.hash_file
+    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    path = sorted(tp2.glob("*.safetensors"))[0]
+    size, start = path.stat().st_size, data_offset(path)
+    check = InputCheck([_expected(path)]).start()
+    # the header (a gap, read on the spot), a read twice, an overlap, and a tail left unread
+    third = start + (size - start) // 3
+    _reads(check, path, [(start, third), (start, third), (third - 7, size - 5)])
+    check.result()
+    assert path in check.feeds and whole == []
+
+
+def test_out_of_order_reads_hand_the_file_to_the_thread(
+    tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from shardctl.reshard import input_check
+
+    monkeypatch.setattr(input_check, "GAP_MAX", 16)
+    src = copy_dir(tp2, tmp_path / "src")
+    good, bad = sorted(src.glob("*.safetensors"))[:2]
+    unread = src / "config.json"
+    files = [_expected(good), _expected(bad), _expected(unread)]
+    flip(bad, bad.stat().st_size - 3)  # after the digests were taken
+    check = InputCheck(files).start()
+    for path in (good, bad):
+        size, start = path.stat().st_size, data_offset(path)
+        half = (start + size) // 2
+        _reads(check, path, [(half, size), (start, half)])  # second half first: a big gap
+    assert list(check.feeds) == [unread]  # both handed off; the unread one goes at result()
+    with pytest.raises(InvalidInputError, match="input hash mismatch") as err:
+        check.result()
+    assert bad.name in str(err.value.where)
+
+
+def test_reshard_merge_reads_its_input_once(
+    tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge (and a flipped bit it must still catch) without a second read of any input."""
+    from shardctl.reshard import input_check
+
+    whole: list[Path] = []
+    real = input_check.hash_file
+    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    reshard(tp2, tmp_path / "ok", fmt="hf")
+    src = copy_dir(tp2, tmp_path / "src")
+    victim = sorted(src.glob("*.safetensors"))[1]
+    flip(victim, victim.stat().st_size - 1)  # the last byte: the last read of the file
+    with pytest.raises(InvalidInputError, match="input hash mismatch"):
+        reshard(src, tmp_path / "bad", fmt="hf")
+    assert whole == [] and not (tmp_path / "bad").exists()

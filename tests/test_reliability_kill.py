@@ -24,10 +24,10 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.io.checksum import new_hash
 from shardctl.layout.types import Mesh
 from shardctl.reshard import record
 from shardctl.reshard.api import reshard
-from shardctl.reshard.copy import new_hash
 from tests._models import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -21,12 +21,12 @@ import pytest
 
 from shardctl.errors import EnvironmentFailure, OutputConflictError
 from shardctl.io import faults
+from shardctl.io.checksum import new_hash
 from shardctl.io.lock import OutputLock
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Mesh
 from shardctl.reshard import record
 from shardctl.reshard.api import reshard
-from shardctl.reshard.copy import new_hash
 from tests._models import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]

@@ -14,10 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardctl.errors import InvalidInputError
+from shardctl.io.checksum import new_hash
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Piece, Shard
 from shardctl.reshard import plan_files
-from shardctl.reshard.copy import Executor, new_hash, plan_boxes
+from shardctl.reshard.copy import Executor, plan_boxes
 from shardctl.reshard.source import SourceShard
 
 DTYPES = {"U8": 1, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}

@@ -29,11 +29,12 @@ from typing import Any
 from shardctl.errors import Interrupted, ShardctlError, UsageError
 from shardctl.io import atomic, faults
 from shardctl.io.checkpoint import INDEX_NAME, PickleInputRefused
+from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input, plan_files, record
-from shardctl.reshard.copy import BLOCK_BYTES, Executor, default_hash
+from shardctl.reshard.copy import BLOCK_BYTES, Executor
 from shardctl.reshard.input_check import InputCheck
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
 from shardctl.reshard.source import Source, open_source
@@ -192,6 +193,7 @@ def reshard(
                         block_bytes,
                         progress,
                         the_plan.data_bytes,
+                        check,
                     )
                 except BaseException:
                     check.cancel()
@@ -277,6 +279,7 @@ def _write_data(
     block_bytes: int,
     progress: Callable[[int, int], None] | None,
     total: int,
+    check: InputCheck | None = None,
 ) -> dict[str, str]:
     done = [0]
     lock = threading.Lock()
@@ -289,6 +292,11 @@ def _write_data(
 
     paths = [f.path for f in source.files]
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+
+    def on_read(file: int, offset: int, data: memoryview) -> None:
+        assert check is not None
+        check.take(paths[file], offset, data)
+
     return Executor(
         staging,
         paths,
@@ -298,6 +306,7 @@ def _write_data(
         progress=tick,
         order=order,
         writers=min(workers, max(1, len(files))),
+        on_read=on_read if check is not None and check.feeds else None,
     ).run(files)
 
 
@@ -326,7 +335,7 @@ def _carry(source: Source, staging: Path) -> list[str]:
 
 
 def _digest_file(path: Path, hash_name: str) -> record.FileDigest:
-    from shardctl.reshard.copy import new_hash
+    from shardctl.io.checksum import new_hash
 
     h = new_hash(hash_name)
     data = path.read_bytes()

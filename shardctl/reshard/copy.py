@@ -37,6 +37,7 @@ import numpy as np
 from shardctl.dtypes import itemsize
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import faults, writeback
+from shardctl.io.checksum import new_hash
 from shardctl.io.writeback import start_writeback
 from shardctl.layout.types import Piece
 from shardctl.reshard.plan_files import OutputFile, TargetTensor
@@ -49,25 +50,6 @@ POOL = 4
 # Input files held open at once per executor (least recently used closed first), so that a
 # checkpoint of 10 000 shards runs under ``ulimit -n 256`` (RELIABILITY H2).
 MAX_INPUT_FDS = 32
-
-
-def new_hash(name: str) -> Any:
-    if name == "blake3":
-        import blake3
-
-        return blake3.blake3()
-    import hashlib
-
-    return hashlib.new(name)
-
-
-def default_hash() -> str:
-    """BLAKE3 when installed (≈2× sha256 here, and it can run on a second core), else sha256."""
-    try:
-        import blake3  # noqa: F401
-    except ImportError:
-        return "sha256"
-    return "blake3"
 
 
 @dataclass(frozen=True)
@@ -259,10 +241,13 @@ class Executor:
         progress: Callable[[int], None] | None = None,
         order: dict[str, int] | None = None,
         writers: int = 1,
+        on_read: Callable[[int, int, memoryview], None] | None = None,
     ):
         """``order``: the global fqn order every output file's tensors follow; ``writers``:
-        threads that hash and write (output files are dealt to them round-robin)."""
+        threads that hash and write (output files are dealt to them round-robin); ``on_read``:
+        called with ``(input file, offset, bytes)`` after every read (the input checksums)."""
         self.order = order
+        self.on_read = on_read
         self.directory = directory
         self.input_paths = list(input_paths)
         self.sources = sources
@@ -393,6 +378,8 @@ class Executor:
                     hint="rerun once the input is stable",
                 )
             done += n
+        if self.on_read is not None:
+            self.on_read(file, offset, mv)
 
     def _tensor(self, out: _Out, t: TargetTensor) -> Iterator[None]:
         """Produce ``t`` block by block (a generator: one block per ``next``)."""

@@ -17,7 +17,7 @@ output needs only this record, never the rules that made it. Schema ``"shardctl.
                  "files": [{"name": "model-00001-of-00002.safetensors", "size": 4998…,
                             "mtime_ns": 17…, "sha256": null}],  # sha256 known from an HF-cache
                                                               # blob name, else null
-                 "record": null},                # a shardctl source: {"name", "blake3"|"sha256"}
+                 "record": null},                # a shardctl source: {"files", "hash"}
       "tensors": [                               # the original checkpoint's tensors, file order
         {"fqn": "model.embed_tokens.weight", "dtype": "BF16",
          "global_shape": [32000, 4096], "padded_shape": [32000, 4096]}, ...],
@@ -29,7 +29,7 @@ output needs only this record, never the rules that made it. Schema ``"shardctl.
             "placement": "S(0)", "local_shape": [1024, 4096],
             "pieces": [{"offsets": [0, 0], "sizes": [1024, 4096], "local_offsets": [0, 0]}]},
            ...]}],
-      "hash": "blake3",                          # algorithm of every "files[].digest"
+      "hash": "xxh3-128",                        # algorithm of every "files[].digest"
       "files": [{"name": "rank-00000-of-00008.safetensors", "size": 123, "digest": "ab…"}],
       "carried": ["config.json", "tokenizer.json"]
     }
@@ -309,12 +309,25 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
         tensors=tuple(tensors),
         padded_shapes=padded,
         shard_files=shard_files,
-        hash=_str(obj["hash"], "hash", where),
+        hash=_hash_name(obj["hash"], where),
         files=files,
         carried=tuple(str(c) for c in obj.get("carried", [])),
         source=dict(obj.get("source") or {}),
         raw=obj,
     )
+
+
+def _hash_name(value: Any, where: str) -> str:
+    from shardctl.io.checksum import HASHES
+
+    name = _str(value, "hash", where)
+    if name not in HASHES:
+        raise InvalidInputError(
+            f"layout record: unknown checksum algorithm {name!r}",
+            where=where,
+            hint=f"expected one of {', '.join(HASHES)}; was it written by a newer shardctl?",
+        )
+    return name
 
 
 def _shard(s: dict[str, Any], t: TensorInfo, w: str, where: str) -> Shard:
