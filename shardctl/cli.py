@@ -210,6 +210,13 @@ def reshard(
             help="Skip hashing inputs whose digests are known (layout record, HF-cache blob).",
         ),
     ] = False,
+    no_resume: Annotated[
+        bool,
+        typer.Option(
+            "--no-resume",
+            help="Start clean: do not reuse the finished files of an identical killed run.",
+        ),
+    ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
 ) -> None:
@@ -236,6 +243,7 @@ def reshard(
         allow_pickle=allow_pickle,
         follow_external_symlinks=follow_external_symlinks,
         verify_input=not no_verify_input,
+        resume=not no_resume,
         as_json=as_json,
         quiet=quiet,
     )

@@ -87,6 +87,7 @@ def run_reshard(
     follow_external_symlinks: bool,
     as_json: bool,
     verify_input: bool = True,
+    resume: bool = True,
     quiet: bool,
 ) -> None:
     from shardctl.reshard.api import reshard
@@ -111,6 +112,7 @@ def run_reshard(
             follow_external_symlinks=follow_external_symlinks,
             progress=progress,
             verify_input=verify_input,
+            resume=resume,
         )
     peak = peak_rss_bytes()
     rate = result.tensor_bytes / result.seconds if result.seconds > 0 else 0.0
@@ -131,6 +133,7 @@ def run_reshard(
             "bytes_per_second": round(rate),
             "peak_rss_bytes": peak,
             "workers": result.workers,
+            "resumed": list(result.resumed),
         }
         sys.stdout.write(json.dumps(doc, indent=2) + "\n")
         return
@@ -146,4 +149,9 @@ def run_reshard(
         f"{len(result.files)} files, {fmt_bytes(result.total_bytes)} in {result.seconds:.2f} s "
         f"({fmt_bytes(rate)}/s), peak memory {fmt_bytes(peak)}"
         + (f", carried {', '.join(result.carried)}" if result.carried else "")
+        + (
+            f"; resumed a killed run: {len(result.resumed)} finished files reused"
+            if result.resumed
+            else ""
+        )
     )

@@ -14,7 +14,7 @@ at the path (RELIABILITY B8); the old one, now at the staging name, is then remo
 file system lacks ``RENAME_EXCHANGE`` the old output is first renamed aside to
 ``.out.shardctl-old-*`` (a crash in that window leaves it there, and the next run under the lock
 puts it back). Stale staging directories of crashed runs are removed by the next run, under the
-lock (E3).
+lock (E3) — except one an identical run can resume (``shardctl.reshard.resume``).
 """
 
 from __future__ import annotations
@@ -48,15 +48,17 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def recover(dst: Path) -> None:
-    """Under the lock: remove stale staging of crashed runs; restore a set-aside old output."""
+def recover(dst: Path, keep: Path | None = None) -> None:
+    """Under the lock: remove stale staging of crashed runs (but ``keep``, being resumed);
+    restore a set-aside old output."""
     parent = dst.parent
     olds = sorted(parent.glob(old_prefix(dst) + "*"))
     if olds and not os.path.lexists(dst):
         os.rename(olds[-1], dst)  # a crash between the two fallback renames
         olds = olds[:-1]
     for stale in [*parent.glob(staging_prefix(dst) + "*"), *olds]:
-        _remove(stale)
+        if stale != keep:
+            _remove(stale)
 
 
 def make_staging(dst: Path, run_id: str | None = None) -> Path:

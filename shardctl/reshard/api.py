@@ -34,6 +34,7 @@ from shardctl.io.lock import OutputLock
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input, plan_files, record
+from shardctl.reshard import resume as resume_run
 from shardctl.reshard.copy import BLOCK_BYTES, Executor
 from shardctl.reshard.input_check import InputCheck
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
@@ -55,6 +56,7 @@ class ReshardResult:
     hash: str
     carried: tuple[str, ...]
     workers: int
+    resumed: tuple[str, ...] = ()  # files reused from a killed identical run (not rewritten)
 
 
 @dataclass(frozen=True)
@@ -116,8 +118,12 @@ def reshard(
     hash_name: str | None = None,
     block_bytes: int = BLOCK_BYTES,
     verify_input: bool = True,
+    resume: bool = True,
 ) -> ReshardResult:
-    """Write ``src`` re-laid-out as ``mesh`` (``ranks``) or whole (``hf``) to ``dst``."""
+    """Write ``src`` re-laid-out as ``mesh`` (``ranks``) or whole (``hf``) to ``dst``.
+
+    ``resume``: reuse the finished files of an identical run that was killed hard
+    (:mod:`shardctl.reshard.resume`); False always starts clean."""
     t0 = time.monotonic()
     src, dst = Path(src), Path(dst)
     workers = default_workers() if workers is None else workers
@@ -146,15 +152,26 @@ def reshard(
     with _signals():
         lock: OutputLock | None = None
         staging: Path | None = None
+        journal: resume_run.Journal | None = None
+        reused: dict[str, str] = {}  # files of a killed identical run: name -> digest
         try:
             if lead:
                 try:
                     lock = OutputLock(dst)
                     lock.acquire()
-                    atomic.recover(dst)
+                    ident = None
+                    if resume and dist is None and source is not None:
+                        ident = resume_run.run_id(source, the_plan, hash_name)
+                        staging, reused = resume_run.adopt(dst, ident, hash_name)
+                    atomic.recover(dst, keep=staging)
                     if os.path.lexists(dst) and not force:
                         check_output(src, dst, force=False)
-                    staging = atomic.make_staging(dst)
+                    if staging is None:
+                        staging = atomic.make_staging(dst)
+                        if ident is not None:
+                            resume_run.start(staging, ident)
+                    if ident is not None:
+                        journal = resume_run.Journal(staging)
                 except BaseException:
                     if dist is not None:
                         dist.share(None)
@@ -176,6 +193,7 @@ def reshard(
                 )
                 preflight_space(dst.parent, _need(source, the_plan))
             mine = list(the_plan.files) if dist is None else dist.mine(list(the_plan.files))
+            mine = [f for f in mine if f.name not in reused]
 
             expected = source.expected_digests() if verify_input else []
             if dist is not None:  # each worker hashes its share of the inputs
@@ -194,12 +212,14 @@ def reshard(
                         progress,
                         the_plan.data_bytes,
                         check,
+                        journal,
+                        sum(f.size for f in the_plan.files if f.name in reused),
                     )
                 except BaseException:
                     check.cancel()
                     raise
                 check.result()  # a corrupt input never commits (exit 3)
-                return digests
+                return {**reused, **digests}
 
             if dist is None:
                 digests = write_mine()
@@ -210,6 +230,9 @@ def reshard(
                     dist.done()
                     return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, 0)
             assert staging is not None
+            if journal is not None:
+                journal.close()
+                resume_run.finish(staging)
             carried = _carry(source, staging)
             extra = 0
             if the_plan.index is not None:
@@ -238,7 +261,9 @@ def reshard(
             staging = None
             if dist is not None:
                 dist.done()
-            return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, extra)
+            return _result(
+                dst, the_plan, source, kind, digests, hash_name, t0, workers, extra, reused
+            )
         except (Interrupted, KeyboardInterrupt) as exc:
             # torchrun SIGTERMs the survivors as soon as one worker dies, wherever they are:
             # a lost peer explains the interrupt (exit 5 naming it), not the signal (143).
@@ -248,6 +273,8 @@ def reshard(
         except OSError as exc:
             raise os_failure(exc) from None
         finally:
+            if journal is not None:
+                journal.close()
             atomic.discard(staging)
             if lock is not None:
                 lock.release()
@@ -280,8 +307,10 @@ def _write_data(
     progress: Callable[[int, int], None] | None,
     total: int,
     check: InputCheck | None = None,
+    journal: resume_run.Journal | None = None,
+    reused_bytes: int = 0,
 ) -> dict[str, str]:
-    done = [0]
+    done = [reused_bytes]
     lock = threading.Lock()
 
     def tick(n: int) -> None:
@@ -307,6 +336,7 @@ def _write_data(
         order=order,
         writers=min(workers, max(1, len(files))),
         on_read=on_read if check is not None and check.feeds else None,
+        on_done=journal.done if journal is not None else None,
     ).run(files)
 
 
@@ -379,6 +409,7 @@ def _result(
     t0: float,
     workers: int,
     extra: int,
+    reused: dict[str, str] | None = None,
 ) -> ReshardResult:
     files = tuple(
         record.FileDigest(f.name, f.size, digests.get(f.name, "")) for f in the_plan.files
@@ -396,6 +427,7 @@ def _result(
         hash=hash_name,
         carried=tuple(p.name for p in source.carried),
         workers=workers,
+        resumed=tuple(sorted(reused or {})),
     )
 
 

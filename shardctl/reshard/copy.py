@@ -180,8 +180,14 @@ class _Writer(threading.Thread):
     different files run on different cores.
     """
 
-    def __init__(self, pool: queue.Queue[bytearray], i: int):
+    def __init__(
+        self,
+        pool: queue.Queue[bytearray],
+        i: int,
+        on_done: Callable[[str, int, str], None] | None = None,
+    ):
         super().__init__(name=f"shardctl-writer-{i}", daemon=True)
+        self.on_done = on_done
         self.q: queue.Queue[tuple[Any, ...] | None] = queue.Queue()
         self.pool = pool
         self.error: BaseException | None = None
@@ -225,6 +231,8 @@ class _Writer(threading.Thread):
             faults.point("shard_fsynced")
             fd, out.fd = out.fd, -1
             os.close(fd)  # may report a deferred write error (NFS, quotas): still fatal
+            if self.on_done is not None:
+                self.on_done(out.file.name, out.file.size, out.digest)
 
 
 class Executor:
@@ -242,10 +250,13 @@ class Executor:
         order: dict[str, int] | None = None,
         writers: int = 1,
         on_read: Callable[[int, int, memoryview], None] | None = None,
+        on_done: Callable[[str, int, str], None] | None = None,
     ):
         """``order``: the global fqn order every output file's tensors follow; ``writers``:
         threads that hash and write (output files are dealt to them round-robin); ``on_read``:
-        called with ``(input file, offset, bytes)`` after every read (the input checksums)."""
+        called with ``(input file, offset, bytes)`` after every read (the input checksums);
+        ``on_done``: called with ``(name, size, digest)`` once a file is fsynced and closed, from
+        its writer thread (the resume journal)."""
         self.order = order
         self.on_read = on_read
         self.directory = directory
@@ -261,7 +272,7 @@ class Executor:
         self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
         self.scratch_key: tuple[int, int, int] | None = None
         self.fds: OrderedDict[int, int] = OrderedDict()  # LRU: inputs may be 10 000 files
-        self.writers = [_Writer(self.pool, i) for i in range(max(1, writers))]
+        self.writers = [_Writer(self.pool, i, on_done) for i in range(max(1, writers))]
         self.cancelled = threading.Event()
         self.outs: list[_Out] = []
 

@@ -1,0 +1,162 @@
+"""Resuming a run that was killed hard (``kill -9``, the OOM killer, preemption, power loss).
+
+A run that fails or is interrupted cleanly (an error, Ctrl-C, SIGTERM) removes its staging
+directory. One that dies without cleaning up leaves it behind, and the next run for the same
+output (under the lock) finds it. If that directory was written by an identical run — same
+tool version, same input files (names, sizes, mtimes), same output files with the same headers,
+same checksum algorithm — its finished files are kept and only the rest is written::
+
+    .out.shardctl-staging-<pid>-<rand>/
+      .shardctl-run.json     {"id": ...}: the run's identity, written and fsynced first
+      .shardctl-journal      one JSON line per finished file {"name", "size", "digest"}, appended
+                             and fsynced after the file itself was fsynced and closed
+      rank-00000-of-00004.safetensors ...
+
+A journaled file is reused only if its size matches and it hashes to its journaled digest again
+(one read, no write); everything else in the directory (a half-written file, carried files) is
+removed and rewritten. Any other stale staging directory is removed as before (RELIABILITY E3).
+Input checksums are still checked in full: inputs the reused files came from are hashed on the
+side. Under ``torchrun`` a restart is always clean (the workers' shares may differ).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from shardctl import __version__
+from shardctl.io import atomic
+from shardctl.reshard.input_check import hash_file
+
+if TYPE_CHECKING:
+    from shardctl.reshard.api import Plan
+    from shardctl.reshard.source import Source
+
+IDENT = ".shardctl-run.json"
+JOURNAL = ".shardctl-journal"
+
+
+def run_id(source: Source, the_plan: Plan, hash_name: str) -> str:
+    """What makes two runs write the same bytes: inputs, output files and headers, hash."""
+    files = [[f.name, f.size, hashlib.sha256(f.header).hexdigest()] for f in the_plan.files]
+    what = {
+        "version": __version__,
+        "source": source.identity(),
+        "fmt": the_plan.fmt,
+        "files": files,
+        "hash": hash_name,
+    }
+    return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def start(staging: Path, ident: str) -> None:
+    """Mark a fresh staging directory as resumable by an identical run."""
+    _write_synced(staging / IDENT, json.dumps({"id": ident}).encode())
+    atomic.fsync_dir(staging)
+
+
+def finish(staging: Path) -> None:
+    """Before the commit: the bookkeeping is not part of the output."""
+    for name in (IDENT, JOURNAL):
+        (staging / name).unlink(missing_ok=True)
+
+
+def adopt(dst: Path, ident: str, hash_name: str) -> tuple[Path | None, dict[str, str]]:
+    """Under the lock: a stale staging directory of an identical run, and its finished files
+    (``name -> digest``) that still hash to their digests; ``(None, {})`` if there is none."""
+    found = [p for p in dst.parent.glob(atomic.staging_prefix(dst) + "*") if p.is_dir()]
+    for cand in sorted(found, key=_mtime, reverse=True):
+        if _ident(cand) != ident:
+            continue
+        done = _journal(cand)
+        keep: dict[str, str] = {}
+        for name, (size, digest) in done.items():
+            path = cand / name
+            try:
+                ok = path.is_file() and path.stat().st_size == size
+                if ok and hash_file(path, size, hash_name) == digest:
+                    keep[name] = digest
+            except OSError:
+                continue  # unreadable: written again
+        for p in cand.iterdir():
+            if p.name not in keep and p.name not in (IDENT, JOURNAL):
+                atomic.discard(p)
+        lines = b"".join(
+            json.dumps({"name": n, "size": done[n][0], "digest": d}).encode() + b"\n"
+            for n, d in keep.items()
+        )
+        _write_synced(cand / JOURNAL, lines, replace=True)
+        atomic.fsync_dir(cand)
+        return cand, keep
+    return None, {}
+
+
+class Journal:
+    """Appends one line per finished file (thread-safe: writer threads finish files)."""
+
+    def __init__(self, staging: Path):
+        self.fd = os.open(
+            staging / JOURNAL, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o666
+        )
+        self.lock = threading.Lock()
+
+    def done(self, name: str, size: int, digest: str) -> None:
+        line = json.dumps({"name": name, "size": size, "digest": digest}).encode() + b"\n"
+        with self.lock:
+            os.write(self.fd, line)
+            os.fsync(self.fd)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+
+def _ident(staging: Path) -> str | None:
+    try:
+        data: Any = json.loads((staging / IDENT).read_bytes())
+    except (OSError, ValueError):
+        return None
+    return data.get("id") if isinstance(data, dict) else None
+
+
+def _journal(staging: Path) -> dict[str, tuple[int, str]]:
+    out: dict[str, tuple[int, str]] = {}
+    try:
+        lines = (staging / JOURNAL).read_bytes().splitlines()
+    except OSError:
+        return out
+    for line in lines:  # a torn last line (killed mid-append) does not parse: skipped
+        try:
+            entry = json.loads(line)
+            name, size, digest = str(entry["name"]), int(entry["size"]), str(entry["digest"])
+        except (ValueError, KeyError, TypeError):
+            continue
+        if "/" not in name and name not in ("", ".", "..", IDENT, JOURNAL):
+            out[name] = (size, digest)
+    return out
+
+
+def _mtime(path: Path) -> float:
+    try:
+        return path.stat().st_mtime
+    except OSError:
+        return 0.0
+
+
+def _write_synced(path: Path, data: bytes, *, replace: bool = False) -> None:
+    tmp = path.with_name(path.name + ".tmp") if replace else path
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if replace:
+        os.replace(tmp, path)
