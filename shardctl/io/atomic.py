@@ -48,6 +48,24 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def write_file(path: Path, data: bytes, *, exclusive: bool = True) -> int:
+    """Write ``data`` to ``path`` and fsync it; returns its size. ``exclusive``: the file must
+    not exist (``O_EXCL``); else it is replaced whole, through a temporary sibling."""
+    tmp = path if exclusive else path.with_name(path.name + ".tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | (os.O_EXCL if exclusive else os.O_TRUNC)
+    fd = os.open(tmp, flags, 0o666)
+    try:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    if not exclusive:
+        os.replace(tmp, path)
+    return len(data)
+
+
 def recover(dst: Path, keep: Path | None = None) -> None:
     """Under the lock: remove stale staging of crashed runs (but ``keep``, being resumed);
     restore a set-aside old output."""

@@ -236,7 +236,7 @@ def reshard(
             carried = _carry(source, staging)
             extra = 0
             if the_plan.index is not None:
-                extra += _write_small(staging / INDEX_NAME, the_plan.index)
+                extra += atomic.write_file(staging / INDEX_NAME, the_plan.index)
                 faults.point("index_written")
             source.check_unchanged()
             files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
@@ -340,18 +340,6 @@ def _write_data(
     ).run(files)
 
 
-def _write_small(path: Path, data: bytes) -> int:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return len(data)
-
-
 def _carry(source: Source, staging: Path) -> list[str]:
     """config.json, tokenizer and generation files, byte for byte (fsynced)."""
     names: list[str] = []
@@ -359,7 +347,7 @@ def _carry(source: Source, staging: Path) -> list[str]:
         if rel.name == record.RECORD_NAME:
             continue
         with open(source.root / rel, "rb") as f:
-            _write_small(staging / rel.name, f.read())
+            atomic.write_file(staging / rel.name, f.read())
         names.append(rel.name)
     return names
 

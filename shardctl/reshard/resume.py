@@ -55,7 +55,7 @@ def run_id(source: Source, the_plan: Plan, hash_name: str) -> str:
 
 def start(staging: Path, ident: str) -> None:
     """Mark a fresh staging directory as resumable by an identical run."""
-    _write_synced(staging / IDENT, json.dumps({"id": ident}).encode())
+    atomic.write_file(staging / IDENT, json.dumps({"id": ident}).encode())
     atomic.fsync_dir(staging)
 
 
@@ -89,7 +89,7 @@ def adopt(dst: Path, ident: str, hash_name: str) -> tuple[Path | None, dict[str,
             json.dumps({"name": n, "size": done[n][0], "digest": d}).encode() + b"\n"
             for n, d in keep.items()
         )
-        _write_synced(cand / JOURNAL, lines, replace=True)
+        atomic.write_file(cand / JOURNAL, lines, exclusive=False)
         atomic.fsync_dir(cand)
         return cand, keep
     return None, {}
@@ -146,17 +146,3 @@ def _mtime(path: Path) -> float:
         return path.stat().st_mtime
     except OSError:
         return 0.0
-
-
-def _write_synced(path: Path, data: bytes, *, replace: bool = False) -> None:
-    tmp = path.with_name(path.name + ".tmp") if replace else path
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o666)
-    try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    if replace:
-        os.replace(tmp, path)
