@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardctl import __version__
+from shardctl.errors import EnvironmentFailure
 from shardctl.io import atomic
 from shardctl.reshard.input_check import hash_file
 
@@ -80,8 +81,8 @@ def adopt(dst: Path, ident: str, hash_name: str) -> tuple[Path | None, dict[str,
                 ok = path.is_file() and path.stat().st_size == size
                 if ok and hash_file(path, size, hash_name) == digest:
                     keep[name] = digest
-            except OSError:
-                continue  # unreadable: written again
+            except (OSError, EnvironmentFailure):
+                continue  # unreadable or shrinking: written again
         for p in cand.iterdir():
             if p.name not in keep and p.name not in (IDENT, JOURNAL):
                 atomic.discard(p)
