@@ -115,7 +115,9 @@ def run_reshard(
             resume=resume,
         )
     peak = peak_rss_bytes()
-    rate = result.tensor_bytes / result.seconds if result.seconds > 0 else 0.0
+    reused = sum(f.size for f in result.files if f.name in result.resumed)
+    written = max(0, result.tensor_bytes - reused)  # a resumed run's rate: what it wrote
+    rate = written / result.seconds if result.seconds > 0 else 0.0
     if as_json:
         doc = {
             "schema": "shardctl.reshard/1",
@@ -150,7 +152,8 @@ def run_reshard(
         f"({fmt_bytes(rate)}/s), peak memory {fmt_bytes(peak)}"
         + (f", carried {', '.join(result.carried)}" if result.carried else "")
         + (
-            f"; resumed a killed run: {len(result.resumed)} finished files reused"
+            f"; resumed a killed run: reused {len(result.resumed)} finished "
+            f"file{'s' if len(result.resumed) != 1 else ''} ({fmt_bytes(reused)})"
             if result.resumed
             else ""
         )
