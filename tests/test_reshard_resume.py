@@ -163,3 +163,17 @@ def test_resumed_run_still_checks_every_input_digest(llama: Path, tmp_path: Path
     p = run(layout, dst, "--tp", "4")
     assert p.returncode == 3, p.stdout + p.stderr
     assert "input hash mismatch" in p.stderr and not dst.exists()
+
+
+def test_summary_names_what_was_reused(llama: Path, tmp_path: Path) -> None:
+    dst = tmp_path / "tp4"
+    killed(llama, dst, "--tp", "4")
+    p = subprocess.run(
+        [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "4"],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert p.returncode == 0, p.stderr
+    assert "resumed a killed run: reused 2 finished files" in " ".join(p.stdout.split())
