@@ -98,7 +98,6 @@ class InputCheck:
         self._stop = threading.Event()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="shardctl-input-hash", daemon=True)
-        self.bytes = sum(f.size for f in self.files)
 
     def start(self) -> InputCheck:
         if self.files:

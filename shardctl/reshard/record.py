@@ -58,6 +58,7 @@ from typing import Any
 from shardctl import __version__
 from shardctl.errors import InvalidInputError
 from shardctl.io.checkpoint import read_json_strict
+from shardctl.io.checksum import HASHES
 from shardctl.layout.types import (
     Layout,
     LayoutOptions,
@@ -318,8 +319,6 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
 
 
 def _hash_name(value: Any, where: str) -> str:
-    from shardctl.io.checksum import HASHES
-
     name = _str(value, "hash", where)
     if name not in HASHES:
         raise InvalidInputError(
