@@ -33,20 +33,24 @@ def clean_tp4(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def run(
-    src: Path, dst: Path, *args: str, fault: str | None = None
-) -> subprocess.CompletedProcess[str]:
+def shardctl(*args: str | Path, fault: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if k not in ("SHARDCTL_FAULT", "SHARDCTL_DEBUG")}
     if fault:
         env["SHARDCTL_FAULT"] = fault
     return subprocess.run(
-        [sys.executable, "-m", "shardctl", "reshard", str(src), str(dst), *args, "--json"],
+        [sys.executable, "-m", "shardctl", *map(str, args)],
         cwd=REPO,
         capture_output=True,
         text=True,
         timeout=300,
         env=env,
     )
+
+
+def run(
+    src: Path, dst: Path, *args: str, fault: str | None = None
+) -> subprocess.CompletedProcess[str]:
+    return shardctl("reshard", src, dst, *args, "--json", fault=fault)
 
 
 def killed(src: Path, dst: Path, *args: str, at: str = "shard_fsynced:3:kill") -> Path:
@@ -84,13 +88,7 @@ def test_killed_run_resumes_reusing_its_finished_files(
     assert rec["files"] == clean["files"]  # digests of reused files carried into the record
     assert not (dst / ".shardctl-journal").exists() and not (dst / ".shardctl-run.json").exists()
     assert leftovers(dst) == []
-    verify = subprocess.run(
-        [sys.executable, "-m", "shardctl", "verify", str(llama), str(dst), "--level", "bitwise"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    verify = shardctl("verify", llama, dst, "--level", "bitwise")
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
 
@@ -147,9 +145,16 @@ def test_changed_input_is_not_resumed(llama: Path, tmp_path: Path) -> None:
     assert json.loads(p.stdout)["resumed"] == []
 
 
-def test_resumed_run_still_checks_every_input_digest(llama: Path, tmp_path: Path) -> None:
+def test_resumed_run_still_checks_every_input_digest(
+    llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """Inputs with known digests are hashed in full even when the outputs they feed are reused:
-    a bit flipped (mtime kept, so the run is 'identical') in the input is exit 3."""
+    a bit flipped (mtime kept, so the run is 'identical' and resumes) in the input is exit 3."""
+    from shardctl.errors import InvalidInputError
+    from shardctl.layout.types import Mesh
+    from shardctl.reshard import resume
+    from shardctl.reshard.api import reshard
+
     layout = tmp_path / "tp2"
     assert run(llama, layout, "--tp", "2").returncode == 0
     dst = tmp_path / "tp4"
@@ -160,6 +165,20 @@ def test_resumed_run_still_checks_every_input_digest(llama: Path, tmp_path: Path
     data[-2] ^= 0x10
     victim.write_bytes(bytes(data))
     os.utime(victim, ns=(st.st_atime_ns, st.st_mtime_ns))
+    adopted: list[dict[str, str]] = []
+    real = resume.adopt
+
+    def adopt(*args: object) -> tuple[Path | None, dict[str, str]]:
+        found = real(*args)  # type: ignore[arg-type]
+        adopted.append(found[1])
+        return found
+
+    monkeypatch.setattr(resume, "adopt", adopt)
+    with pytest.raises(InvalidInputError, match="input hash mismatch"):
+        reshard(layout, dst, mesh=Mesh(tp=4))  # in process, to see that it resumed
+    assert len(adopted) == 1 and len(adopted[0]) == 2, adopted  # two finished files reused
+    assert not dst.exists() and leftovers(dst) == []
+    killed(layout, dst, "--tp", "4")  # again, for the CLI: exit 3, one line
     p = run(layout, dst, "--tp", "4")
     assert p.returncode == 3, p.stdout + p.stderr
     assert "input hash mismatch" in p.stderr and not dst.exists()
@@ -168,12 +187,6 @@ def test_resumed_run_still_checks_every_input_digest(llama: Path, tmp_path: Path
 def test_summary_names_what_was_reused(llama: Path, tmp_path: Path) -> None:
     dst = tmp_path / "tp4"
     killed(llama, dst, "--tp", "4")
-    p = subprocess.run(
-        [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "4"],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    p = shardctl("reshard", llama, dst, "--tp", "4")
     assert p.returncode == 0, p.stderr
     assert "resumed a killed run: reused 2 finished files" in " ".join(p.stdout.split())
