@@ -35,7 +35,7 @@ from shardctl.io import atomic
 
 if TYPE_CHECKING:
     from shardctl.checkpoint.source import Source
-    from shardctl.reshard.api import Plan
+    from shardctl.reshard.target import Plan
 
 IDENT = ".shardctl-run.json"
 JOURNAL = ".shardctl-journal"
