@@ -3,15 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
 
 from shardctl.cli._common import emit_json
-from shardctl.inspect import InspectResult
-from shardctl.plan.render import fmt_bytes
+from shardctl.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from shardctl.checkpoint.summary import InspectResult
 
 
 def inspect(
@@ -27,9 +29,9 @@ def inspect(
 
     Example: [bold]shardctl inspect ./Llama-3-8B[/bold]
     """
-    from shardctl.inspect import inspect_path
+    from shardctl.api import inspect as run_inspect
 
-    info = inspect_path(path)
+    info = run_inspect(path)
     if as_json:
         emit_json(info.to_json())
     else:

@@ -1,4 +1,4 @@
-"""``shardctl verify``: levels → one :func:`shardctl.verify.api.verify` call → report."""
+"""``shardctl verify``: levels → one :func:`shardctl.api.verify` call → report."""
 
 from __future__ import annotations
 
@@ -46,7 +46,7 @@ def verify(
 
     Example: [bold]shardctl verify ./Llama-3-8B ./llama-tp4 --level forward --json[/bold]
     """
-    from shardctl.verify.api import verify as run_verify
+    from shardctl.api import verify as run_verify
 
     result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
     doc = result.to_json()

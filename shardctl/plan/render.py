@@ -7,22 +7,12 @@ from typing import TYPE_CHECKING, Any
 from rich.console import Console
 from rich.table import Table
 
+from shardctl.units import fmt_bytes
+
 if TYPE_CHECKING:
     from shardctl.plan.api import PlanResult
 
 MEMORY_COLUMNS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
-
-
-def fmt_bytes(n: int | float | None) -> str:
-    """``16060522496`` -> ``"14.96 GiB"`` (binary units, as GPU memory is sold in GiB)."""
-    if n is None:
-        return "—"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
 
 
 def _rank_rows(result: PlanResult) -> list[tuple[str, str, Any]]:
