@@ -19,68 +19,84 @@ if TYPE_CHECKING:
     from shardctl.reshard.result import ReshardResult
 
 
+Src = Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")]
+Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
+Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1)]
+Pp = Annotated[int | None, typer.Option(help="Target pipeline-parallel degree.", min=1)]
+Ep = Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1)]
+ManifestOpt = Annotated[
+    Path | None,
+    typer.Option(
+        help="Take mesh, rules and layout options from this manifest (flags override its mesh)."
+    ),
+]
+Format = Annotated[
+    str | None,
+    typer.Option(
+        "--format",
+        help="ranks (per-rank files) or hf (whole tensors). Default: "
+        "ranks when the target has more than one rank, else hf.",
+    ),
+]
+MaxShardSize = Annotated[
+    str, typer.Option(help="Split output files above this size (5GB = 5·10⁹ B, 5GiB = 2³⁰).")
+]
+Workers = Annotated[
+    int | None,
+    typer.Option(
+        help="Writer threads (each output file has one); default: usable cores, at most 4.",
+        min=1,
+    ),
+]
+Force = Annotated[bool, typer.Option("--force", help="Replace an existing DST atomically.")]
+AllowPickle = Annotated[
+    bool,
+    typer.Option(
+        "--allow-pickle",
+        help="Accept .bin/.pt input, loaded only with torch.load(weights_only=True).",
+    ),
+]
+FollowSymlinks = Annotated[
+    bool,
+    typer.Option(
+        "--follow-external-symlinks", help="Accept shard symlinks that point outside SRC."
+    ),
+]
+NoVerifyInput = Annotated[
+    bool,
+    typer.Option(
+        "--no-verify-input",
+        help="Skip hashing inputs whose digests are known (layout record, HF-cache blob).",
+    ),
+]
+NoResume = Annotated[
+    bool,
+    typer.Option(
+        "--no-resume",
+        help="Start clean: do not reuse the finished files of an identical killed run.",
+    ),
+]
+AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
+Quiet = Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")]
+
+
 def reshard(
-    src: Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")],
-    dst: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")],
-    tp: Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1)] = None,
-    pp: Annotated[int | None, typer.Option(help="Target pipeline-parallel degree.", min=1)] = None,
-    ep: Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1)] = None,
-    manifest: Annotated[
-        Path | None,
-        typer.Option(
-            help="Take mesh, rules and layout options from this manifest (flags override its mesh)."
-        ),
-    ] = None,
-    fmt: Annotated[
-        str | None,
-        typer.Option(
-            "--format",
-            help="ranks (per-rank files) or hf (whole tensors). Default: "
-            "ranks when the target has more than one rank, else hf.",
-        ),
-    ] = None,
-    max_shard_size: Annotated[
-        str, typer.Option(help="Split output files above this size (5GB = 5·10⁹ B, 5GiB = 2³⁰).")
-    ] = "5GB",
-    workers: Annotated[
-        int | None,
-        typer.Option(
-            help="Writer threads (each output file has one); default: usable cores, at most 4.",
-            min=1,
-        ),
-    ] = None,
-    force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing DST atomically.")
-    ] = False,
-    allow_pickle: Annotated[
-        bool,
-        typer.Option(
-            "--allow-pickle",
-            help="Accept .bin/.pt input, loaded only with torch.load(weights_only=True).",
-        ),
-    ] = False,
-    follow_external_symlinks: Annotated[
-        bool,
-        typer.Option(
-            "--follow-external-symlinks", help="Accept shard symlinks that point outside SRC."
-        ),
-    ] = False,
-    no_verify_input: Annotated[
-        bool,
-        typer.Option(
-            "--no-verify-input",
-            help="Skip hashing inputs whose digests are known (layout record, HF-cache blob).",
-        ),
-    ] = False,
-    no_resume: Annotated[
-        bool,
-        typer.Option(
-            "--no-resume",
-            help="Start clean: do not reuse the finished files of an identical killed run.",
-        ),
-    ] = False,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
-    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
+    src: Src,
+    dst: Dst,
+    tp: Tp = None,
+    pp: Pp = None,
+    ep: Ep = None,
+    manifest: ManifestOpt = None,
+    fmt: Format = None,
+    max_shard_size: MaxShardSize = "5GB",
+    workers: Workers = None,
+    force: Force = False,
+    allow_pickle: AllowPickle = False,
+    follow_external_symlinks: FollowSymlinks = False,
+    no_verify_input: NoVerifyInput = False,
+    no_resume: NoResume = False,
+    as_json: AsJson = False,
+    quiet: Quiet = False,
 ) -> None:
     """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
 
