@@ -28,15 +28,17 @@ def readme_example() -> str:
     return m.group(1)
 
 
-def test_readme_example_runs_as_written() -> None:
+def python_c(code: str) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` from the repository root (a fresh interpreter: import costs show)."""
     done = subprocess.run(
-        [sys.executable, "-c", readme_example()],
-        cwd=REPO,
-        capture_output=True,
-        text=True,
-        timeout=300,
+        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-3000:]
+    return done
+
+
+def test_readme_example_runs_as_written() -> None:
+    done = python_c(readme_example())
     lines = done.stdout.splitlines()
     assert lines[0].startswith("True PP1×DP1×EP1×TP4")
     assert "{'pp': 1, 'dp': 1, 'tp': 2, 'ep': 1}" in done.stdout
@@ -56,11 +58,7 @@ def test_import_is_cheap_and_names_stay_functions() -> None:
         "assert shardctl.inspect is inspect and shardctl.search is search\n"
         "print(','.join(m for m in ('torch', 'numpy') if m in sys.modules))\n"
     )
-    done = subprocess.run(
-        [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip() == ""
+    assert python_c(code).stdout.strip() == ""
 
 
 def test_api_docstrings_and_exceptions() -> None:
