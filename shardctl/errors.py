@@ -3,7 +3,7 @@
 Library code raises a subclass of :class:`ShardctlError`; the CLI renders it as one line on
 stderr and exits with its ``exit_code``. Nothing below the CLI prints.
 
-Exit codes (every command; DESIGN.md):
+Exit codes (every command; README "Exit codes"):
 
 ====  =====================================================================================
 0     ok

@@ -1,4 +1,4 @@
-"""RELIABILITY.md groups E and F (and B7–B9) for ``reshard``: kills at every named point,
+"""Reliability groups E and F (and B7–B9) for ``reshard``: kills at every named point,
 disk full, read-only, permission denied, EFBIG, fsync/close errors, signals, two concurrent
 runs, torchrun scale-out. Subprocess cases run ``python -m shardctl reshard`` (what
 the CLI does); the rest run in-process. Invariants: exit code, one line on stderr, the input's

@@ -1,4 +1,4 @@
-"""verify's structure and bitwise levels; RELIABILITY group G; the negative tests and their level.
+"""verify's structure and bitwise levels; reliability group G; the negative tests and their level.
 
 Each negative case asserts *which* level catches it (and that the earlier levels pass where the
 layout is self-consistent): a layout that splits and merges consistently but computes wrongly

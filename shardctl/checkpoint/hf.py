@@ -4,7 +4,7 @@
 (:class:`~shardctl.errors.InvalidInputError`, exit 3) before opening anything outside ``root``:
 
 - an index (``model.safetensors.index.json``) above 10 MiB, not strict JSON (duplicate keys,
-  ``NaN``, ``1e400``), or whose ``weight_map`` is not a string → string map (RELIABILITY B5);
+  ``NaN``, ``1e400``), or whose ``weight_map`` is not a string → string map (reliability case B5);
 - a ``weight_map`` path that is empty, absolute, has a drive (``C:x``), a backslash, a NUL, or a
   ``.`` / ``..`` / empty component, or that resolves outside ``root`` (B1–B3); one that is not
   ``*.safetensors`` (B4: ``index references non-safetensors file``);

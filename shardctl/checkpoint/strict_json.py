@@ -1,5 +1,6 @@
 """Strict JSON from untrusted files: size-capped, regular files only, no duplicate keys, no
-``NaN``/``Infinity``/``1e400`` (RELIABILITY B5). Used for indexes, configs and layout records."""
+``NaN``/``Infinity``/``1e400`` (reliability case B5).
+Used for indexes, configs and layout records."""
 
 from __future__ import annotations
 

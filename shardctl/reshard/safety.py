@@ -1,6 +1,6 @@
 """Checks made before any write: output location, overlap with the input, free space.
 
-RELIABILITY B7–B9 and E4 (preflight): DST equal to SRC, inside it, containing it, a symlink to
+Reliability cases B7–B9 and E4 (preflight): DST equal to SRC, inside it, containing it, a symlink to
 it, or a hard link to an input file → exit 4; DST existing without ``force`` → exit 4; DST's
 parent missing → exit 5; not enough free space → exit 5 ``need X GiB, Y available``.
 """
