@@ -28,7 +28,7 @@ from shardctl.checkpoint import plan_files, record
 from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
-from shardctl.errors import Interrupted, ShardctlError, UsageError
+from shardctl.errors import Interrupted, UsageError
 from shardctl.io import atomic, faults
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
@@ -399,4 +399,4 @@ def _distributed() -> Any:
     return Group()
 
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "Plan", "ReshardResult", "ShardctlError", "plan", "reshard"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "Plan", "ReshardResult", "plan", "reshard"]

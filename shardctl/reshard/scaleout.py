@@ -44,7 +44,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.checkpoint.plan_files import OutputFile
-from shardctl.errors import EnvironmentFailure, Interrupted, ShardctlError
+from shardctl.errors import EnvironmentFailure, Interrupted
 from shardctl.reshard.peers import (
     DEFAULT_TIMEOUT_S,
     POLL_S,
@@ -328,4 +328,4 @@ class Group:
         self._stop()
 
 
-__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Group", "ShardctlError", "dist_timeout"]
+__all__ = ["DEFAULT_TIMEOUT_S", "TIMEOUT_ENV", "Group", "dist_timeout"]
