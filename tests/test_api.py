@@ -167,3 +167,20 @@ def test_cli_plan_verify_inspect_make_one_api_call(monkeypatch: pytest.MonkeyPat
         )
     ]
     assert recs["inspect"].calls == [((Path("p"),), {})]
+
+
+def test_inspect_renderer_prints_names_literally(tmp_path: Path) -> None:
+    """File names, paths and architectures come from the checkpoint: never rich markup."""
+    import shutil
+
+    from rich.console import Console
+
+    from shardctl.cli.inspect import render_inspect
+
+    src = tmp_path / "[bold]ckpt"
+    shutil.copytree(REPO / "examples" / "tiny-llama", src)
+    (src / "[red]notes.txt").write_text("x")
+    console = Console(width=200, record=True)
+    render_inspect(shardctl.inspect(src), console)
+    text = console.export_text()
+    assert "[bold]ckpt" in text and "[red]notes.txt" in text
