@@ -14,7 +14,10 @@ Validity rules (first failing rule is the reason counted):
 - ``dp_above_batch`` (inference: a replica would serve no sequence);
   ``batch_not_divisible`` (training: ``global_batch ∤ micro_batch × dp``);
 - ``bare_parameter_count``: a bare count has no layers or heads: only ``dp`` is searched;
-- ``does_not_fit``: priced, some rank above the budget.
+- ``layout_refused``: the layout engine refuses the mesh (e.g. an uneven split of a tensor,
+  ``layout.uneven: error``); ``plan`` on that mesh exits 3 with the engine's message;
+- ``does_not_fit``: priced, some rank above the budget (the same budget and weights as
+  ``plan``: :mod:`shardctl.plan.memory.budget`, :mod:`shardctl.plan.weights`).
 
 Objective (default ``gpus,headroom,comm``): fewest GPUs, then the most headroom (budget
 minus the fullest rank), then the least communication time per token / step.
@@ -24,19 +27,22 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from functools import cache
 from typing import Any
 
-from shardctl.errors import InvalidInputError
-from shardctl.layout.pipeline import assign_layers
-from shardctl.layout.types import Mesh, Stage
+from shardctl.errors import InvalidInputError, LayoutError
+from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.budget import fits as fits_budget
+from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.estimate import _Context
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
 from shardctl.plan.memory.spec import RECOMPUTE, QuantSpec, TrainingSpec, Workload
+from shardctl.plan.weights import options_for, weights_per_coord
 
 OBJECTIVES = ("gpus,headroom,comm", "gpus,comm,headroom", "comm,gpus,headroom")
 
@@ -75,7 +81,7 @@ class Candidate:
     headroom: int | None
     comm_time: float  # seconds per token (inference) or per step (training), slowest stage
     comm_bytes: int
-    stage_peaks: tuple[int, ...]  # the stages priced (first, heaviest, last)
+    stage_peaks: tuple[int, ...]  # the fullest rank of every stage
 
     @property
     def world(self) -> int:
@@ -152,19 +158,26 @@ def search(
     quant: QuantSpec | None = None,
     hardware: HardwareSpec | None = None,
     overhead: OverheadSpec | None = None,
+    rules: Sequence[RuleSpec] = (),
+    layout: LayoutOptions | None = None,
 ) -> SearchResult:
-    """Price every valid layout on at most ``options.gpus`` GPUs; keep those that fit."""
+    """Price every valid layout on at most ``options.gpus`` GPUs; keep those that fit.
+
+    Weights come from the layout engine (``rules`` and ``layout`` as ``plan`` uses them), and
+    every rank is judged against the same budget as ``plan`` (:mod:`.memory.budget`): for any
+    mesh it prices, the search's verdict is ``plan``'s.
+    """
     t0 = time.perf_counter()
     workload = workload or Workload()
     quant = quant or QuantSpec()
     hw = hardware or HardwareSpec()
     ovh = overhead or OverheadSpec()
+    base = layout or LayoutOptions(pipeline=options.pipeline, vocab_padding=options.vocab_padding)
     n = options.gpus
     rej: Counter[str] = Counter()
     fits: list[Candidate] = []
     priced = 0
-    shape = shape_from_model(model, vocab_padding=options.vocab_padding) if model.dims else None
-    d = model.dims
+    shape = shape_from_model(model, vocab_padding=base.vocab_padding) if model.dims else None
     combos = _state_choices(training, options)
     term_cache: dict[Any, Any] = {}
     count_cache: dict[Any, Any] = {}
@@ -175,7 +188,7 @@ def search(
             rej[reason] += _triples(n // tp)
             continue
         for pp in range(1, n // tp + 1):
-            reason, stages = _pp_reason(model, pp, options)
+            reason = _pp_reason(model, pp, base)
             if reason:
                 rej[reason] += _pairs(n // (tp * pp))
                 continue
@@ -183,6 +196,13 @@ def search(
                 reason = _ep_reason(model, ep)
                 if reason:
                     rej[reason] += n // (tp * pp * ep)
+                    continue
+                try:
+                    stages, per_stage = _stage_weights(
+                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, base
+                    )
+                except LayoutError:
+                    rej["layout_refused"] += n // (tp * pp * ep)
                     continue
                 for dp in range(1, n // (tp * pp * ep) + 1):
                     reason = _dp_reason(dp, workload, training)
@@ -198,7 +218,7 @@ def search(
                             {},
                         )
                         ctx._counts = count_cache.setdefault((tp, pp, ep), {})
-                        cand = _price(ctx, mesh, stages, tr)
+                        cand = _price(ctx, mesh, stages, per_stage, tr)
                         if cand.headroom is not None and cand.headroom < 0:
                             rej["does_not_fit"] += 1
                         else:
@@ -207,17 +227,15 @@ def search(
     notes = []
     if hw.device_memory is None:
         notes.append("hardware.device_memory is not set: every valid layout is kept")
-    if d is None:
+    if model.dims is None:
         notes.append("bare parameter count: model states only, dp searched alone")
     return SearchResult(
         mode="training" if training else "inference",
         gpus=n,
-        budget=None
-        if hw.device_memory is None
-        else (
-            hw.device_memory
-            if training
-            else int(hw.device_memory * workload.gpu_memory_utilization)
+        budget=memory_budget(
+            hw.device_memory,
+            training=training is not None,
+            gpu_memory_utilization=workload.gpu_memory_utilization,
         ),
         objective=options.objective,
         candidates=tuple(fits),
@@ -227,6 +245,22 @@ def search(
         unit="step" if training else "token",
         notes=tuple(notes),
     )
+
+
+def _stage_weights(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], layout: LayoutOptions
+) -> tuple[tuple[Stage, ...], list[tuple[int | None, ...]]]:
+    """The stages of ``mesh`` and, per stage, the distinct weight bytes of its ranks (from the
+    layout engine, as ``plan`` has them); ``(None,)`` where the closed form prices weights."""
+    stages, weights = weights_per_coord(
+        model, mesh, rules=rules, options=options_for(layout, mesh.pp)
+    )
+    if weights is None:
+        return stages, [(None,)] * len(stages)
+    per_stage: list[set[int]] = [set() for _ in stages]
+    for (p, _e, _t), w in weights.items():
+        per_stage[p].add(w)
+    return stages, [tuple(sorted(ws)) for ws in per_stage]
 
 
 def _state_choices(
@@ -257,15 +291,16 @@ def _tp_reason(model: ModelInfo, tp: int, hw: HardwareSpec, o: SearchOptions) ->
     return None
 
 
-def _pp_reason(model: ModelInfo, pp: int, o: SearchOptions) -> tuple[str | None, tuple[Stage, ...]]:
+def _pp_reason(model: ModelInfo, pp: int, layout: LayoutOptions) -> str | None:
     d = model.dims
     if d is None:
-        return ("bare_parameter_count", ()) if pp > 1 else (None, (Stage(0, None),))
+        return "bare_parameter_count" if pp > 1 else None
     if pp > d.num_layers:
-        return "pp_above_layers", ()
-    if d.num_layers % pp and o.pipeline in ("even", "megatron"):
-        return "layers_not_divisible", ()
-    return None, assign_layers(d.num_layers, pp, o.pipeline)
+        return "pp_above_layers"
+    explicit = options_for(layout, pp).layers_per_stage is not None
+    if d.num_layers % pp and layout.pipeline in ("even", "megatron") and not explicit:
+        return "layers_not_divisible"
+    return None
 
 
 def _ep_reason(model: ModelInfo, ep: int) -> str | None:
@@ -290,8 +325,9 @@ def _dp_reason(dp: int, w: Workload, tr: TrainingSpec | None) -> str | None:
 
 
 def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
-    """The stages that can hold the fullest rank: the first (embedding, most micro-batches in
-    flight), the first with the most layers, the last (head, logits)."""
+    """The stages whose communication is priced: the first (embedding), the first with the most
+    layers, the last (head, logits), and a middle one (the most PP traffic). Memory is priced
+    on every stage: with uneven conventions an early short stage can hold the most in flight."""
     most = max(stages, key=lambda s: s.num_layers)
     picks = {stages[0].index: stages[0], most.index: most, stages[-1].index: stages[-1]}
     if len(stages) > 2:  # a middle stage sends and receives: the most PP traffic
@@ -301,15 +337,23 @@ def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
 
 
 def _price(
-    ctx: _Context, mesh: Mesh, stages: tuple[Stage, ...], tr: TrainingSpec | None
+    ctx: _Context,
+    mesh: Mesh,
+    stages: tuple[Stage, ...],
+    per_stage: list[tuple[int | None, ...]],
+    tr: TrainingSpec | None,
 ) -> Candidate:
-    probes = _probe_stages(stages)
-    peaks = tuple(ctx.rank(st, None).total for st in probes)
+    """Every stage's fullest rank (ranks of a stage differ only in their weight bytes), the
+    verdict from the one budget, and the communication of the probed stages."""
+    peaks = tuple(
+        max(ctx.rank(st, w).total for w in weights)
+        for st, weights in zip(stages, per_stage, strict=True)
+    )
     peak = max(peaks)
     headroom = None if ctx.budget is None else ctx.budget - peak
     times, sent = [0.0], [0]
-    if headroom is None or headroom >= 0:  # communication is priced for the ones kept
-        comm = [ctx.comm(st) for st in probes]
+    if fits_budget(peak, ctx.budget) is not False:  # communication is priced for the ones kept
+        comm = [ctx.comm(st) for st in _probe_stages(stages)]
         times = [sum(c.time(mesh, ctx.hw).values()) for c in comm]
         sent = [int(sum(c.bytes.values())) for c in comm]
     return Candidate(

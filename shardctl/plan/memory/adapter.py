@@ -1,7 +1,7 @@
 """From a validated :class:`~shardctl.manifest.Manifest` to the memory model's own inputs.
 
-The CLI's bridge calls :func:`memory_per_rank` and :func:`search_layouts`; everything else in
-this package takes plain arguments.
+``plan`` calls :func:`plan_memory`, ``plan --search`` :func:`search_layouts`; everything else
+in this package takes plain arguments.
 """
 
 from __future__ import annotations
@@ -42,17 +42,24 @@ def workload_of(manifest: Manifest) -> Workload:
 
 
 def training_of(manifest: Manifest) -> TrainingSpec | None:
+    """The training step; its global batch is pinned to the manifest's own mesh
+    (``micro_batch × accumulation × mesh.dp`` sequences), so another ``dp`` — a ``--dp``
+    override or a searched layout — keeps the batch and changes the accumulation (which
+    ``dp`` must divide)."""
     t, w = manifest.training, manifest.workload
     if t is None:
         return None
+    micro = w.micro_batch_size or w.batch_size
+    accumulation = t.num_microbatches or w.gradient_accumulation_steps
     return TrainingSpec(
         optimizer=t.optimizer,
         zero=t.zero,
         recompute=t.recompute,
         sequence_parallel=t.sequence_parallel,
         flash_attention=w.flash_attention,
-        micro_batch_size=w.micro_batch_size or w.batch_size,
-        grad_accumulation_steps=t.num_microbatches or w.gradient_accumulation_steps,
+        micro_batch_size=micro,
+        grad_accumulation_steps=accumulation,
+        global_batch_size=micro * accumulation * manifest.mesh.dp,
         sequence_length=w.sequence_length,
         grad_dtype=t.grad_dtype,
         offload_optimizer=t.offload_optimizer,
@@ -131,8 +138,7 @@ def memory_per_rank(
     """Per global rank the plan JSON's ``memory`` object, plus the sections added beside
     ``ranks`` (``kv_cache``, ``communication``, ``memory_model``, ``moe``)."""
     plan = plan_memory(manifest, model, mesh, stages, weights)
-    per_rank = dict(enumerate(plan.memory_per_rank()))
-    return per_rank, plan.to_json()
+    return dict(enumerate(plan.memory_per_rank())), plan.to_json()
 
 
 def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) -> SearchResult:
@@ -144,10 +150,6 @@ def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) ->
     from shardctl.plan.search import SearchOptions, search
 
     hw = hardware_of(manifest)
-    tr = training_of(manifest)
-    if tr is not None:
-        per = tr.micro_batch_size * tr.grad_accumulation_steps * manifest.mesh.dp
-        tr = replace(tr, global_batch_size=per)
     options = SearchOptions(
         gpus=gpus or hw.gpus,
         allow_tp_across_nodes=manifest.hardware.allow_tp_across_nodes,
@@ -158,8 +160,10 @@ def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) ->
         model,
         options=options,
         workload=workload_of(manifest),
-        training=tr,
+        training=training_of(manifest),
         quant=quant_of(manifest),
         hardware=hw,
         overhead=overhead_of(manifest),
+        rules=manifest.rules,
+        layout=manifest.layout,
     )

@@ -16,6 +16,7 @@ from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory import activations as act
+from shardctl.plan.memory.budget import fits, memory_budget
 from shardctl.plan.memory.comm import CommTally, inference_comm, training_comm
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv import KvCapacity, kv_bytes_per_token, kv_capacity
@@ -126,7 +127,7 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
-        return None if self.budget is None else self.peak <= self.budget
+        return fits(self.peak, self.budget)
 
     @property
     def headroom(self) -> int | None:
@@ -272,13 +273,11 @@ class _Context:
         self.kv_dtype = workload.kv_cache_dtype or self.dtype
         self.batch = -(-workload.batch_size // mesh.dp)  # per dp replica
         self.microbatches = training.grad_accumulation(mesh.dp) if training else 1
-        dm = hardware.device_memory
-        if dm is None:
-            self.budget: int | None = None
-        elif training is None:
-            self.budget = int(dm * workload.gpu_memory_utilization)
-        else:
-            self.budget = dm
+        self.budget = memory_budget(
+            hardware.device_memory,
+            training=training is not None,
+            gpu_memory_utilization=workload.gpu_memory_utilization,
+        )
         # Per stage index; the search shares them between meshes that agree on what they key.
         self._cache: dict[int, tuple[int, int, dict[str, int]]] = {}
         self._counts: dict[int, Counts] = {}

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.model.types import ModelDims
+from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.shapes import kv_heads_per_rank
 
 VLLM_BLOCK_SIZE = 16  # tokens per paged KV block (vLLM default ``block_size``)
@@ -74,7 +75,8 @@ def kv_capacity(
     ...             batch=2, sequence_length=8, block_size=1).tokens
     32
     """
-    budget = int(device_memory * utilization)
+    budget = memory_budget(device_memory, training=False, gpu_memory_utilization=utilization)
+    assert budget is not None
     available = budget - non_kv_bytes
     if per_token <= 0:
         return KvCapacity(budget, available, 0, 0, 0)
