@@ -276,6 +276,34 @@ def _state_choices(
     return out
 
 
+def invalid_reason(
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    options: SearchOptions,
+    hardware: HardwareSpec,
+    workload: Workload,
+    training: TrainingSpec | None = None,
+    rules: Sequence[RuleSpec] = (),
+    layout: LayoutOptions | None = None,
+) -> str | None:
+    """Why :func:`search` does not price ``mesh`` (its rejection reason), or ``None`` when it
+    prices it: then its verdict is ``plan``'s for the same mesh."""
+    base = layout or LayoutOptions(pipeline=options.pipeline, vocab_padding=options.vocab_padding)
+    reason = (
+        _tp_reason(model, mesh.tp, hardware, options)
+        or _pp_reason(model, mesh.pp, base)
+        or _ep_reason(model, mesh.ep)
+    )
+    if reason:
+        return reason
+    try:
+        _stage_weights(model, replace(mesh, dp=1), rules, base)
+    except LayoutError:
+        return "layout_refused"
+    return _dp_reason(mesh.dp, workload, training)
+
+
 def _tp_reason(model: ModelInfo, tp: int, hw: HardwareSpec, o: SearchOptions) -> str | None:
     d = model.dims
     if d is None:

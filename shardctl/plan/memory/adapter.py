@@ -141,26 +141,34 @@ def memory_per_rank(
     return dict(enumerate(plan.memory_per_rank())), plan.to_json()
 
 
-def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) -> SearchResult:
+def search_layouts(
+    manifest: Manifest, model: ModelInfo, *, gpus: int | None, fixed_states: bool = False
+) -> SearchResult:
     """``shardctl plan --search``: every layout on ``gpus`` (default: all the hardware's).
 
     Training keeps the manifest's global batch fixed: ``micro_batch × accumulation × mesh.dp``
-    sequences, so ``dp`` must divide it (reason ``batch_not_divisible``).
+    sequences, so ``dp`` must divide it (reason ``batch_not_divisible``). ZeRO stage and
+    recompute are searched too, unless ``fixed_states`` keeps the manifest's.
     """
     from shardctl.plan.search import SearchOptions, search
 
     hw = hardware_of(manifest)
+    tr = training_of(manifest)
+    states: dict[str, Any] = {}
+    if fixed_states and tr is not None:
+        states = {"zero_stages": (tr.zero,), "recompute": (tr.recompute,)}
     options = SearchOptions(
         gpus=gpus or hw.gpus,
         allow_tp_across_nodes=manifest.hardware.allow_tp_across_nodes,
         pipeline=manifest.layout.pipeline,
         vocab_padding=manifest.layout.vocab_padding,
+        **states,
     )
     return search(
         model,
         options=options,
         workload=workload_of(manifest),
-        training=training_of(manifest),
+        training=tr,
         quant=quant_of(manifest),
         hardware=hw,
         overhead=overhead_of(manifest),
