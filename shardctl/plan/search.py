@@ -408,10 +408,3 @@ def _sort_key(objective: str) -> Any:
         return tuple(parts[k] for k in order)
 
     return key
-
-
-def render_search_table(result: SearchResult, *, top: int, console: Any = None) -> None:
-    """Print the top layouts (rich); lives in :mod:`shardctl.plan.report`."""
-    from shardctl.plan.report import render_search_table as render
-
-    render(result, top=top, console=console)
