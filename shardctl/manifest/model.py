@@ -15,6 +15,7 @@ from typing import Any
 
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.manifest.values import thaw
+from shardctl.plan.memory.hardware import HardwareSpec
 
 # Choices, shared by the validator and the JSON Schema (one source of truth).
 PIPELINE_CONVENTIONS = ("even", "vllm", "tensorrt-llm", "megatron")
@@ -104,27 +105,6 @@ class ModelSpec:
     def config_dict(self) -> dict[str, Any]:
         out: dict[str, Any] = thaw(self.inline_config)
         return out
-
-
-@dataclass(frozen=True)
-class HardwareSpec:
-    """The cluster. Bandwidths are per GPU, per direction, in bytes/s; None = unknown.
-
-    ``gpu`` names a preset (:mod:`shardctl.manifest.presets`) that fills ``device_memory`` and
-    the bandwidths the manifest leaves out.
-    """
-
-    device_memory: int | None = None
-    gpus_per_node: int = 8
-    nodes: int = 1
-    gpu: str | None = None
-    intra_node_bandwidth: int | None = None
-    inter_node_bandwidth: int | None = None
-    allow_tp_across_nodes: bool = False
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
 
 
 @dataclass(frozen=True)

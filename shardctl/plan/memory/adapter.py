@@ -7,14 +7,13 @@ in this package takes plain arguments.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import replace
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.estimate import MemoryPlan, estimate
-from shardctl.plan.memory.hardware import HardwareSpec, gpu_preset
+from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 
@@ -87,18 +86,8 @@ def quant_of(manifest: Manifest) -> QuantSpec:
 
 
 def hardware_of(manifest: Manifest) -> HardwareSpec:
-    h = manifest.hardware
-    # The manifest has already filled memory and bandwidths from its GPU preset (one table,
-    # shardctl.manifest.presets); only the name is carried for the report.
-    base = HardwareSpec() if h.gpu is None else replace(HardwareSpec(), gpu=gpu_preset(h.gpu).name)
-    return replace(
-        base,
-        device_memory=h.device_memory,
-        gpus_per_node=h.gpus_per_node,
-        nodes=h.nodes,
-        intra_node_bw=float(h.intra_node_bandwidth or base.intra_node_bw),
-        inter_node_bw=float(h.inter_node_bandwidth or base.inter_node_bw),
-    )
+    """The manifest builds the memory model's :class:`HardwareSpec` itself."""
+    return manifest.hardware
 
 
 def overhead_of(manifest: Manifest) -> OverheadSpec:
