@@ -271,9 +271,11 @@ def build_manifest(
     model = _model(root.entries.get("model"), base_dir, problems, root.line)
     mesh = _mesh(sections["mesh"], problems)
     training_given = "training" in root.entries
-    workload = read_workload(sections["workload"], training_given, problems)
+    keys = read_workload(sections["workload"], training_given, problems)
     training = (
-        read_training(sections["training"], problems) if workload.mode == "training" else None
+        read_training(sections["training"], keys, mesh.dp, problems)
+        if keys.mode == "training"
+        else None
     )
     manifest = m.Manifest(
         model=model,
@@ -281,7 +283,7 @@ def build_manifest(
         hardware=_hardware(sections["hardware"], problems),
         layout=_layout(sections["pipeline"], sections["layout"], mesh.pp, problems),
         rules=read_rules(root.entries.get("rules"), problems),
-        workload=workload,
+        workload=keys.workload,
         training=training,
         quantization=read_quantization(sections["quantization"], problems),
         overhead=MappingProxyType(read_overhead(sections["overhead"], problems)),

@@ -1,4 +1,7 @@
-"""From a validated :class:`~shardctl.manifest.Manifest` to the memory model's own inputs.
+"""From a validated :class:`~shardctl.manifest.Manifest` to the memory model's calls.
+
+The manifest already holds the memory model's own types (one type per concept); the
+``*_of`` accessors only name the defaults of absent sections.
 
 ``plan`` calls :func:`plan_memory`, ``plan --search`` :func:`search_layouts`; everything else
 in this package takes plain arguments.
@@ -7,7 +10,6 @@ in this package takes plain arguments.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
 from shardctl.layout.types import Mesh, Stage
@@ -21,72 +23,23 @@ if TYPE_CHECKING:
     from shardctl.manifest import Manifest
     from shardctl.plan.search import SearchResult
 
-# Representative fqns per tensor kind, matched against ``quantization.keep_16bit`` globs.
-_KIND_NAMES = {
-    "embedding": ("model.embed_tokens.weight", "transformer.wte.weight"),
-    "head": ("lm_head.weight",),
-    "norm": ("model.norm.weight", "model.layers.0.input_layernorm.weight"),
-}
-
 
 def workload_of(manifest: Manifest) -> Workload:
-    w = manifest.workload
-    return Workload(
-        batch_size=w.batch_size,
-        sequence_length=w.sequence_length,
-        kv_cache_dtype=w.kv_cache_dtype,
-        gpu_memory_utilization=w.gpu_memory_utilization,
-        flash_attention=w.flash_attention,
-    )
+    return manifest.workload
 
 
 def training_of(manifest: Manifest) -> TrainingSpec | None:
-    """The training step; its global batch is pinned to the manifest's own mesh
-    (``micro_batch × accumulation × mesh.dp`` sequences), so another ``dp`` — a ``--dp``
-    override or a searched layout — keeps the batch and changes the accumulation (which
-    ``dp`` must divide)."""
-    t, w = manifest.training, manifest.workload
-    if t is None:
-        return None
-    micro = w.micro_batch_size or w.batch_size
-    accumulation = t.num_microbatches or w.gradient_accumulation_steps
-    return TrainingSpec(
-        optimizer=t.optimizer,
-        zero=t.zero,
-        recompute=t.recompute,
-        sequence_parallel=t.sequence_parallel,
-        flash_attention=w.flash_attention,
-        micro_batch_size=micro,
-        grad_accumulation_steps=accumulation,
-        global_batch_size=micro * accumulation * manifest.mesh.dp,
-        sequence_length=w.sequence_length,
-        grad_dtype=t.grad_dtype,
-        offload_optimizer=t.offload_optimizer,
-        offload_params=t.offload_params,
-        master_weights=t.master_weights,
-        pipeline_schedule=t.pipeline_schedule,
-    )
+    """The training step, its global batch pinned to the manifest's own ``mesh.dp``
+    (``micro_batch × accumulation × mesh.dp``): another ``dp`` — a ``--dp`` override or a
+    searched layout — keeps the batch and changes the accumulation, which ``dp`` must divide."""
+    return manifest.training
 
 
 def quant_of(manifest: Manifest) -> QuantSpec:
-    q = manifest.quantization
-    if q is None or q.method == "none":
-        return QuantSpec()
-    method = q.method
-    if method == "fp8" and q.fp8_scaling == "block":
-        method = "fp8-block"
-    keep = tuple(
-        kind
-        for kind, names in _KIND_NAMES.items()
-        if any(fnmatchcase(n, g) for n in names for g in q.keep_16bit)
-    )
-    return QuantSpec(
-        method=method, group_size=q.group_size or 128, double_quant=q.double_quant, keep=keep
-    )
+    return manifest.quantization or QuantSpec()
 
 
 def hardware_of(manifest: Manifest) -> HardwareSpec:
-    """The manifest builds the memory model's :class:`HardwareSpec` itself."""
     return manifest.hardware
 
 

@@ -300,9 +300,9 @@ class _Context:
         if q.method != "none" and self.shape is not None:
             return quantized_weight_bytes(
                 c,
-                method=q.method,
+                method=q.formula,
                 dense_bytes=self.nb,
-                group_size=q.group_size,
+                group_size=q.group_size or 128,
                 double_quant=q.double_quant,
                 keep=q.keep,
             )

@@ -19,25 +19,14 @@ Per quantizable matrix of ``n`` elements, ``r`` local rows (out-features) and ``
   NVIDIA TensorRT Model Optimizer NVFP4 docs.
 
 Embeddings, the head and norms (with biases and routers) stay in the model's 16-bit dtype by
-default (``QuantSpec.keep``), as GPTQ, AWQ, bitsandbytes and vLLM's fp8 leave them.
+default (``QuantSpec.keep_16bit``), as GPTQ, AWQ, bitsandbytes and vLLM's fp8 leave them.
+The methods are :data:`~shardctl.plan.memory.spec.QUANT_METHODS`; ``fp8-block`` here is
+``fp8`` with ``fp8_scaling: block``.
 """
 
 from __future__ import annotations
 
 from shardctl.plan.memory.shapes import Counts
-
-METHODS = (
-    "none",
-    "int8",
-    "int4",
-    "gptq",
-    "awq",
-    "nf4",
-    "fp8",
-    "fp8-block",
-    "mxfp4",
-    "nvfp4",
-)
 
 
 def matrix_bytes(
