@@ -37,11 +37,12 @@ from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import fits as fits_budget
 from shardctl.plan.memory.budget import memory_budget
-from shardctl.plan.memory.estimate import _Context
+from shardctl.plan.memory.context import Context
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
 from shardctl.plan.memory.spec import RECOMPUTE, QuantSpec, TrainingSpec, Workload
+from shardctl.plan.memory.summaries import stage_comm
 from shardctl.plan.weights import options_for, weights_per_coord
 
 OBJECTIVES = ("gpus,headroom,comm", "gpus,comm,headroom", "comm,gpus,headroom")
@@ -212,7 +213,7 @@ def search(
                     mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
                     for tr in combos:
                         priced += 1
-                        ctx = _Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
+                        ctx = Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
                         ctx._cache = term_cache.setdefault(
                             (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None),
                             {},
@@ -365,7 +366,7 @@ def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
 
 
 def _price(
-    ctx: _Context,
+    ctx: Context,
     mesh: Mesh,
     stages: tuple[Stage, ...],
     per_stage: list[tuple[int | None, ...]],
@@ -381,7 +382,7 @@ def _price(
     headroom = None if ctx.budget is None else ctx.budget - peak
     times, sent = [0.0], [0]
     if fits_budget(peak, ctx.budget) is not False:  # communication is priced for the ones kept
-        comm = [ctx.comm(st) for st in _probe_stages(stages)]
+        comm = [stage_comm(ctx, st) for st in _probe_stages(stages)]
         times = [sum(c.time(mesh, ctx.hw).values()) for c in comm]
         sent = [int(sum(c.bytes.values())) for c in comm]
     return Candidate(
