@@ -27,12 +27,12 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
-from shardctl.errors import InvalidInputError, LayoutError
+from shardctl.errors import LayoutError
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import fits as fits_budget
@@ -41,101 +41,10 @@ from shardctl.plan.memory.context import Context
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
-from shardctl.plan.memory.spec import RECOMPUTE, QuantSpec, TrainingSpec, Workload
+from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import stage_comm
+from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
 from shardctl.plan.weights import options_for, weights_per_coord
-
-OBJECTIVES = ("gpus,headroom,comm", "gpus,comm,headroom", "comm,gpus,headroom")
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    gpus: int
-    allow_tp_across_nodes: bool = False
-    pipeline: str = "even"
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = RECOMPUTE
-    objective: str = OBJECTIVES[0]
-    vocab_padding: str = "tp"
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise InvalidInputError(
-                f"expected a positive GPU count, got {self.gpus}", where="--gpus"
-            )
-        if self.objective not in OBJECTIVES:
-            raise InvalidInputError(
-                f"unknown objective {self.objective!r}",
-                where="search.objective",
-                hint=f"use one of: {', '.join(OBJECTIVES)}",
-            )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One priced layout: its fullest rank, headroom and communication time."""
-
-    mesh: Mesh
-    zero: int | None
-    recompute: str | None
-    peak: int
-    headroom: int | None
-    comm_time: float  # seconds per token (inference) or per step (training), slowest stage
-    comm_bytes: int
-    stage_peaks: tuple[int, ...]  # the fullest rank of every stage
-
-    @property
-    def world(self) -> int:
-        return self.mesh.world
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mesh": self.mesh.as_dict(), "gpus": self.world}
-        if self.zero is not None:
-            out.update(zero=self.zero, recompute=self.recompute)
-        out.update(
-            peak_bytes=self.peak,
-            headroom_bytes=self.headroom,
-            comm_time_s=round(self.comm_time, 9),
-            comm_bytes=self.comm_bytes,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    mode: str
-    gpus: int
-    budget: int | None
-    objective: str
-    candidates: tuple[Candidate, ...]  # those that fit, best first
-    rejected: dict[str, int]
-    priced: int
-    seconds: float
-    unit: str  # "token" | "step"
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def has_fit(self) -> bool:
-        return bool(self.candidates)
-
-    def top(self, n: int) -> tuple[Candidate, ...]:
-        return self.candidates[:n]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": "shardctl.search/1",
-            "mode": self.mode,
-            "gpus": self.gpus,
-            "budget_bytes": self.budget,
-            "objective": self.objective,
-            "comm_unit": self.unit,
-            "priced": self.priced,
-            "fitting": len(self.candidates),
-            "rejected": dict(sorted(self.rejected.items())),
-            "seconds": round(self.seconds, 4),
-            "notes": list(self.notes),
-            "candidates": [c.to_json() for c in self.candidates],
-        }
 
 
 @cache
@@ -183,47 +92,25 @@ def search(
     term_cache: dict[Any, Any] = {}
     count_cache: dict[Any, Any] = {}
 
-    for tp in range(1, n + 1):
-        reason = _tp_reason(model, tp, hw, options)
-        if reason:
-            rej[reason] += _triples(n // tp)
-            continue
-        for pp in range(1, n // tp + 1):
-            reason = _pp_reason(model, pp, base)
+    for tp, pp, ep, stages, per_stage in _model_parallel(model, n, hw, options, base, rules, rej):
+        for dp in range(1, n // (tp * pp * ep) + 1):
+            reason = _dp_reason(dp, workload, training)
             if reason:
-                rej[reason] += _pairs(n // (tp * pp))
+                rej[reason] += 1
                 continue
-            for ep in range(1, n // (tp * pp) + 1):
-                reason = _ep_reason(model, ep)
-                if reason:
-                    rej[reason] += n // (tp * pp * ep)
-                    continue
-                try:
-                    stages, per_stage = _stage_weights(
-                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, base
-                    )
-                except LayoutError:
-                    rej["layout_refused"] += n // (tp * pp * ep)
-                    continue
-                for dp in range(1, n // (tp * pp * ep) + 1):
-                    reason = _dp_reason(dp, workload, training)
-                    if reason:
-                        rej[reason] += 1
-                        continue
-                    mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
-                    for tr in combos:
-                        priced += 1
-                        ctx = Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
-                        ctx._cache = term_cache.setdefault(
-                            (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None),
-                            {},
-                        )
-                        ctx._counts = count_cache.setdefault((tp, pp, ep), {})
-                        cand = _price(ctx, mesh, stages, per_stage, tr)
-                        if cand.headroom is not None and cand.headroom < 0:
-                            rej["does_not_fit"] += 1
-                        else:
-                            fits.append(cand)
+            mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
+            for tr in combos:
+                priced += 1
+                ctx = Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
+                # Meshes that agree on these share their per-stage terms and counts.
+                key = (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None)
+                ctx._cache = term_cache.setdefault(key, {})
+                ctx._counts = count_cache.setdefault((tp, pp, ep), {})
+                cand = _price(ctx, mesh, stages, per_stage, tr)
+                if cand.headroom is not None and cand.headroom < 0:
+                    rej["does_not_fit"] += 1
+                else:
+                    fits.append(cand)
     fits.sort(key=_sort_key(options.objective))
     notes = []
     if hw.device_memory is None:
@@ -246,6 +133,43 @@ def search(
         unit="step" if training else "token",
         notes=tuple(notes),
     )
+
+
+def _model_parallel(
+    model: ModelInfo,
+    n: int,
+    hw: HardwareSpec,
+    options: SearchOptions,
+    layout: LayoutOptions,
+    rules: Sequence[RuleSpec],
+    rej: Counter[str],
+) -> Iterator[tuple[int, int, int, tuple[Stage, ...], list[tuple[int | None, ...]]]]:
+    """Every valid ``(tp, pp, ep)`` on ``n`` GPUs with its stages and weights; the invalid
+    ones are counted in ``rej`` once for every mesh (every ``dp``, every smaller axis) they
+    would have made."""
+    for tp in range(1, n + 1):
+        reason = _tp_reason(model, tp, hw, options)
+        if reason:
+            rej[reason] += _triples(n // tp)
+            continue
+        for pp in range(1, n // tp + 1):
+            reason = _pp_reason(model, pp, layout)
+            if reason:
+                rej[reason] += _pairs(n // (tp * pp))
+                continue
+            for ep in range(1, n // (tp * pp) + 1):
+                reason = _ep_reason(model, ep)
+                if reason:
+                    rej[reason] += n // (tp * pp * ep)
+                    continue
+                try:
+                    stages, per_stage = _stage_weights(
+                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, layout
+                    )
+                except LayoutError:
+                    rej["layout_refused"] += n // (tp * pp * ep)
+                    continue
+                yield tp, pp, ep, stages, per_stage
 
 
 def _stage_weights(
@@ -409,3 +333,13 @@ def _sort_key(objective: str) -> Any:
         return tuple(parts[k] for k in order)
 
     return key
+
+
+__all__ = [
+    "OBJECTIVES",
+    "Candidate",
+    "SearchOptions",
+    "SearchResult",
+    "invalid_reason",
+    "search",
+]
