@@ -38,11 +38,6 @@ def kv_bytes_per_token(
     return 2 * n_layers * heads * dims.head_dim * DTYPE_BITS[dtype] // 8
 
 
-def kv_cache_bytes(per_token: int, batch: int, sequence_length: int) -> int:
-    """KV bytes for ``batch`` sequences of ``sequence_length`` tokens."""
-    return per_token * batch * sequence_length
-
-
 @dataclass(frozen=True)
 class KvCapacity:
     """What a rank can hold once weights, activations and overhead are placed.

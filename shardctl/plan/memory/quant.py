@@ -27,6 +27,7 @@ The methods are :data:`~shardctl.plan.memory.spec.QUANT_METHODS`; ``fp8-block`` 
 from __future__ import annotations
 
 from shardctl.plan.memory.shapes import Counts
+from shardctl.plan.memory.spec import QUANT_KINDS
 
 
 def matrix_bytes(
@@ -74,7 +75,7 @@ def quantized_weight_bytes(
     dense_bytes: int,
     group_size: int = 128,
     double_quant: bool = True,
-    keep: tuple[str, ...] = ("embedding", "head", "norm"),
+    keep: tuple[str, ...] = QUANT_KINDS,
 ) -> int:
     """One rank's weight bytes under ``method``; kept kinds at ``dense_bytes`` per element."""
     n = counts.linear + counts.expert
@@ -88,7 +89,7 @@ def quantized_weight_bytes(
         double_quant=double_quant,
     )
     other = 0
-    for kind in ("embedding", "head", "norm"):
+    for kind in QUANT_KINDS:
         numel = getattr(counts, kind)
         if kind in keep or kind == "norm":
             other += numel * dense_bytes

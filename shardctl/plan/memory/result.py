@@ -44,7 +44,7 @@ class RankMemory:
         )
 
     def as_dict(self) -> dict[str, int]:
-        """The plan JSON's ``memory`` object (issue 2 item 7)."""
+        """The plan JSON's ``memory`` object."""
         return {**{k: getattr(self, k) for k in COMPONENTS}, "total": self.total}
 
 
@@ -141,7 +141,7 @@ class MemoryPlan:
         return {"host_memory": sum(r.host for r in ranks), "nvme": sum(r.nvme for r in ranks)}
 
     def to_json(self) -> dict[str, Any]:
-        """Keys added beside the plan JSON's ``ranks`` (issue 3)."""
+        """Keys added beside the plan JSON's ``ranks``."""
         stage_peaks = self.stage_peaks()
         out: dict[str, Any] = {
             "memory_model": {
