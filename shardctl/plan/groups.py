@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import TypeVar
 
 from shardctl.layout.types import Mesh
 
@@ -88,8 +89,11 @@ def group_ranks(
     return out
 
 
-def fold(items: Sequence[RankGroup], limit: int = 64) -> list[RankGroup | None]:
-    """At most ``limit`` groups: the first and last halves, ``None`` where rows are skipped."""
+T = TypeVar("T")
+
+
+def fold(items: Sequence[T], limit: int = 64) -> list[T | None]:
+    """At most ``limit`` rows: the first and last halves, ``None`` where rows are skipped."""
     if len(items) <= limit:
         return list(items)
     half = limit // 2

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import UsageError
+from shardctl.plan.groups import fold
 from shardctl.units import fmt_in, pick_unit
 
 COMPONENTS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
@@ -95,10 +96,7 @@ def stage_balance(items: Sequence[Bar]) -> tuple[float, list[str]]:
 
 
 def _fold(items: list[Bar], *, all_ranks: bool = False) -> list[Bar | None]:
-    if all_ranks or len(items) <= MAX_BARS:
-        return list(items)
-    half = MAX_BARS // 2
-    return [*items[:half], None, *items[-half:]]
+    return list(items) if all_ranks else fold(items, MAX_BARS)
 
 
 # -- terminal ----------------------------------------------------------------------------
