@@ -21,9 +21,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import UsageError
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
-from shardctl.reshard.source import Source, open_source
 from shardctl.verify.bitwise import check_bitwise
 from shardctl.verify.dst import Destination, open_destination
 from shardctl.verify.result import LEVELS, LevelResult, VerifyResult

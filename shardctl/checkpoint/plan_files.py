@@ -16,11 +16,11 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from shardctl.checkpoint.record import SCHEMA, shard_json
 from shardctl.dtypes import nbytes
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, Piece, Shard
 from shardctl.model.types import TensorInfo
-from shardctl.reshard.record import SCHEMA, shard_json
 
 DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 SHARDCTL_KEY = "shardctl"
