@@ -23,8 +23,8 @@ from shardctl.cli import app
 from shardctl.layout.types import Mesh, RuleSpec
 from shardctl.manifest import Manifest, load_manifest
 from shardctl.plan.api import load_model, plan_manifest
-from shardctl.plan.memory.adapter import hardware_of, search_layouts, training_of, workload_of
-from shardctl.plan.search import SearchOptions, SearchResult, invalid_reason
+from shardctl.plan.memory.adapter import search_layouts, search_reason
+from shardctl.plan.search import SearchResult
 
 ROOT = Path(__file__).resolve().parent.parent
 MANIFESTS = ROOT / "manifests"
@@ -103,24 +103,7 @@ def _search(name: str, gpus: int, batch: int | None = None) -> SearchResult:
 
 def _search_verdict(man: Manifest, result: SearchResult, mesh: Mesh) -> bool | None:
     """``None``: the search does not price this mesh; else whether it kept it."""
-    model = load_model(man)
-    options = SearchOptions(
-        gpus=mesh.world,
-        allow_tp_across_nodes=man.hardware.allow_tp_across_nodes,
-        pipeline=man.layout.pipeline,
-        vocab_padding=man.layout.vocab_padding,
-    )
-    reason = invalid_reason(
-        model,
-        mesh,
-        options=options,
-        hardware=hardware_of(man),
-        workload=workload_of(man),
-        training=training_of(man),
-        rules=man.rules,
-        layout=man.layout,
-    )
-    if reason is not None:
+    if search_reason(man, load_model(man), mesh) is not None:
         return None
     return any(c.mesh == mesh for c in result.candidates)
 

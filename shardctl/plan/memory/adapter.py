@@ -21,7 +21,7 @@ from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 
 if TYPE_CHECKING:
     from shardctl.manifest import Manifest
-    from shardctl.plan.search import SearchResult
+    from shardctl.plan.search import SearchOptions, SearchResult
 
 
 def workload_of(manifest: Manifest) -> Workload:
@@ -83,37 +83,61 @@ def memory_per_rank(
     return dict(enumerate(plan.memory_per_rank())), plan.to_json()
 
 
+def search_options(
+    manifest: Manifest, *, gpus: int | None, fixed_states: bool = False
+) -> SearchOptions:
+    """The search's options from the manifest: all the hardware's GPUs unless ``gpus``; ZeRO
+    stage and recompute searched too, unless ``fixed_states`` keeps the manifest's."""
+    from shardctl.plan.search import SearchOptions
+
+    tr = manifest.training
+    states: dict[str, Any] = {}
+    if fixed_states and tr is not None:
+        states = {"zero_stages": (tr.zero,), "recompute": (tr.recompute,)}
+    return SearchOptions(
+        gpus=gpus or manifest.hardware.gpus,
+        allow_tp_across_nodes=manifest.hardware.allow_tp_across_nodes,
+        pipeline=manifest.layout.pipeline,
+        vocab_padding=manifest.layout.vocab_padding,
+        **states,
+    )
+
+
 def search_layouts(
     manifest: Manifest, model: ModelInfo, *, gpus: int | None, fixed_states: bool = False
 ) -> SearchResult:
     """``shardctl plan --search``: every layout on ``gpus`` (default: all the hardware's).
 
     Training keeps the manifest's global batch fixed: ``micro_batch × accumulation × mesh.dp``
-    sequences, so ``dp`` must divide it (reason ``batch_not_divisible``). ZeRO stage and
-    recompute are searched too, unless ``fixed_states`` keeps the manifest's.
+    sequences, so ``dp`` must divide it (reason ``batch_not_divisible``).
     """
-    from shardctl.plan.search import SearchOptions, search
+    from shardctl.plan.search import search
 
-    hw = hardware_of(manifest)
-    tr = training_of(manifest)
-    states: dict[str, Any] = {}
-    if fixed_states and tr is not None:
-        states = {"zero_stages": (tr.zero,), "recompute": (tr.recompute,)}
-    options = SearchOptions(
-        gpus=gpus or hw.gpus,
-        allow_tp_across_nodes=manifest.hardware.allow_tp_across_nodes,
-        pipeline=manifest.layout.pipeline,
-        vocab_padding=manifest.layout.vocab_padding,
-        **states,
-    )
     return search(
         model,
-        options=options,
+        options=search_options(manifest, gpus=gpus, fixed_states=fixed_states),
         workload=workload_of(manifest),
-        training=tr,
+        training=training_of(manifest),
         quant=quant_of(manifest),
-        hardware=hw,
+        hardware=hardware_of(manifest),
         overhead=overhead_of(manifest),
+        rules=manifest.rules,
+        layout=manifest.layout,
+    )
+
+
+def search_reason(manifest: Manifest, model: ModelInfo, mesh: Mesh) -> str | None:
+    """Why ``plan --search`` would not price ``mesh`` (its rejection reason), or ``None``: then
+    its verdict on ``mesh`` is ``plan``'s."""
+    from shardctl.plan.search import invalid_reason
+
+    return invalid_reason(
+        model,
+        mesh,
+        options=search_options(manifest, gpus=mesh.world),
+        hardware=hardware_of(manifest),
+        workload=workload_of(manifest),
+        training=training_of(manifest),
         rules=manifest.rules,
         layout=manifest.layout,
     )
