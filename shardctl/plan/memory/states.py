@@ -41,29 +41,24 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     )
     dense = params - c.expert
     dense_w = weights * dense // params if params else 0
+    # (parameters, the group that shards their states, their stored bytes)
+    groups = (
+        (dense, ctx.mesh.dp * ctx.mesh.ep, dense_w),
+        (c.expert, ctx.mesh.dp, weights - dense_w),
+    )
     parts = [
         model_states(
-            dense,
+            n,
             weight_bytes=ctx.nb,
             grad_bytes=g_bytes,
             optimizer_bytes=o_bytes,
             zero=tr.zero,
-            dp=ctx.mesh.dp * ctx.mesh.ep,
-            weights_stored=dense_w,
+            dp=dp,
+            weights_stored=stored,
             offload_optimizer=tr.offload_optimizer,
             offload_params=tr.offload_params,
-        ),
-        model_states(
-            c.expert,
-            weight_bytes=ctx.nb,
-            grad_bytes=g_bytes,
-            optimizer_bytes=o_bytes,
-            zero=tr.zero,
-            dp=ctx.mesh.dp,
-            weights_stored=weights - dense_w,
-            offload_optimizer=tr.offload_optimizer,
-            offload_params=tr.offload_params,
-        ),
+        )
+        for n, dp, stored in groups
     ]
     weights = sum(p.weights for p in parts)
     if tr.zero == 3 and ctx.shape is not None and st.num_layers:
