@@ -11,9 +11,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
-from shardctl.layout.types import Mesh
-
-AXES = ("pp", "dp", "ep", "tp")
+from shardctl.layout.types import AXES, Mesh
 
 
 @dataclass(frozen=True)

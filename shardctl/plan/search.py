@@ -33,6 +33,7 @@ from functools import cache
 from typing import Any
 
 from shardctl.errors import LayoutError
+from shardctl.layout.pipeline import DIVISIBLE_ONLY
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import fits as fits_budget
@@ -251,7 +252,7 @@ def _pp_reason(model: ModelInfo, pp: int, layout: LayoutOptions) -> str | None:
     if pp > d.num_layers:
         return "pp_above_layers"
     explicit = options_for(layout, pp).layers_per_stage is not None
-    if d.num_layers % pp and layout.pipeline in ("even", "megatron") and not explicit:
+    if d.num_layers % pp and layout.pipeline in DIVISIBLE_ONLY and not explicit:
         return "layers_not_divisible"
     return None
 
