@@ -81,7 +81,7 @@ def search(manifest: ManifestLike, *, gpus: int | None = None) -> SearchResult:
     ``result.has_fit`` is False when none fits (the CLI exits 1).
     """
     from shardctl.plan.api import load_model
-    from shardctl.plan.memory_bridge import search_layouts
+    from shardctl.plan.memory.adapter import search_layouts
 
     if gpus is not None and gpus < 1:
         raise UsageError(f"gpus: expected a whole number >= 1, got {gpus}")
