@@ -1,0 +1,88 @@
+"""The one list of supported families: ``model_type`` → :class:`Family`.
+
+Adding a family = one module in this package declaring ``FAMILY`` (a Llama-like one is a
+:func:`~shardctl.archs._decoder.decoder_family` call naming its differences), listed in
+``_MODULES`` below, plus one entry in tests/test_families.py ``FAMILIES`` and its config in
+tests/_models.py. The inventory, the layout presets, the memory model and verify's forward level
+all read this registry; nothing else in shardctl names a family.
+"""
+
+from __future__ import annotations
+
+import difflib
+import fnmatch
+import re
+from collections.abc import Iterable
+
+from shardctl.archs import gemma, gemma2, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3
+from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
+from shardctl.errors import InvalidInputError
+
+__all__ = [
+    "FAMILIES",
+    "SUPPORTED",
+    "ExpertSpec",
+    "Family",
+    "ForwardSpec",
+    "MemoryFlags",
+    "closest_family",
+    "family_for",
+    "find",
+    "refusal_hint",
+]
+
+_MODULES = (gemma, gemma2, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3)
+
+FAMILIES: dict[str, Family] = {
+    model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
+}
+SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
+
+_LAYER_INDEX = re.compile(r"\.\d+\.")
+
+
+def find(model_type: str) -> Family | None:
+    """The family of ``model_type``, or ``None`` when shardctl has no file for it."""
+    return FAMILIES.get(model_type)
+
+
+def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
+    """The known ``model_type`` nearest to an unknown one: by how many of its tensor names a
+    family's rules place (when names are given), else by spelling.
+
+    >>> closest_family("llama4_text")
+    'llama'
+    """
+    templates = sorted({_LAYER_INDEX.sub(".*.", n) for n in fqns})
+    if templates:
+        scores: dict[str, int] = {}
+        for name, fam in FAMILIES.items():
+            globs = [r.match for r in fam.rules if r.tp is not None]
+            scores[name] = sum(any(fnmatch.fnmatchcase(t, g) for g in globs) for t in templates)
+        best = max(scores.values())
+        if best:
+            tied = [n for n in SUPPORTED if scores[n] == best]
+            close = difflib.get_close_matches(model_type, tied, n=1, cutoff=0.0)
+            return close[0] if close else tied[0]
+    close = difflib.get_close_matches(model_type, SUPPORTED, n=1, cutoff=0.0)
+    return close[0] if close else SUPPORTED[0]
+
+
+def refusal_hint(model_type: str, fqns: Iterable[str] = ()) -> str:
+    """The remedy for an architecture with no family file, as one line."""
+    near = closest_family(model_type, fqns)
+    return (
+        f"closest known family: {near!r}; supported: {', '.join(SUPPORTED)}; for another "
+        f"architecture inventory a checkpoint directory and place its tensors with manifest "
+        f"rules: (start from shardctl/archs/{FAMILIES[near].name}.py)"
+    )
+
+
+def family_for(model_type: str, *, where: str = "config") -> Family:
+    """The family of ``model_type``; an unknown one is refused naming the closest family."""
+    fam = FAMILIES.get(model_type)
+    if fam is None:
+        raise InvalidInputError(
+            f"unsupported model_type {model_type!r}", where=where, hint=refusal_hint(model_type)
+        )
+    return fam

@@ -1,0 +1,147 @@
+"""What a family file declares, as plain frozen data, plus the config readers they share.
+
+A :class:`Family` is everything shardctl knows about one architecture: config → dims and
+inventory (closed-form, no torch), the ordered ``fqn`` rules (the preset), storage quirks, the
+memory model's bias/norm flags for a tensor-less inventory, and what verify's forward level
+needs to run it sharded (:class:`ForwardSpec`). Hooks that touch torch import it inside the
+function, so ``plan`` never imports torch.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardctl.errors import InvalidInputError
+from shardctl.layout.types import RuleSpec
+from shardctl.model.types import ModelDims
+
+Shapes = list[tuple[str, tuple[int, ...]]]
+Config = Mapping[str, Any]
+
+
+@dataclass(frozen=True)
+class MemoryFlags:
+    """What the memory model counts beyond the dims, for an inventory without tensor names."""
+
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    norm_bias: bool = False  # LayerNorm with bias vs RMSNorm
+    positions: int = 0  # learned position-embedding rows, replicated
+
+
+@dataclass(frozen=True)
+class ExpertSpec:
+    """On-disk expert names (relative to a layer) → the in-memory module verify builds.
+
+    Mixtral on the hub: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``; transformers 5 packs
+    them in memory as ``mlp.experts.gate_up_proj [E, 2I, H]`` (w1 then w3) and
+    ``mlp.experts.down_proj [E, H, I]`` (w2).
+    """
+
+    router: str  # on-disk router weight, e.g. "block_sparse_moe.gate.weight"
+    router_param: str  # the model's parameter for it, e.g. "mlp.gate.weight"
+    pattern: str  # regex on the on-disk name: group 1 = expert index, group 2 = which matrix
+    gate: str  # the matrix that is the first half of the packed gate_up ("w1")
+    up: str  # the second half ("w3")
+    down: str  # the down projection ("w2")
+    module: str  # the experts module inside a layer ("mlp.experts")
+
+    @property
+    def regex(self) -> re.Pattern[str]:
+        return re.compile(self.pattern)
+
+
+# (model, config, dims, tp, ep, dtype) -> None: rebuild modules at their local sizes.
+Localize = Callable[[Any, Any, ModelDims, int, int, Any], None]
+# (config, dims, tp, ep, first_layer, num_layers) -> the local config's changed keys.
+LocalConfig = Callable[[Config, ModelDims, int, int, int, int], dict[str, Any]]
+
+
+@dataclass(frozen=True)
+class ForwardSpec:
+    """What verify's forward level needs: names relative to the model root, conventions, hooks.
+
+    ``row_parallel`` modules (inside a layer) produce partial sums: all-reduce, bias once.
+    ``conv1d``: weights stored ``[in, out]`` (GPT-2), so row-parallel splits dim 0.
+    """
+
+    layer_prefix: str  # "model.layers" -> "model.layers.{i}."
+    embeddings: tuple[str, ...]  # token (vocab) embedding first
+    final_norm: str
+    lm_head: str
+    row_parallel: tuple[str, ...]
+    local_config: LocalConfig
+    conv1d: bool = False
+    experts: ExpertSpec | None = None
+    localize: Localize | None = None  # after from_config, before loading the rank's tensors
+    arch: str = ""  # filled in by the registry: the model_type asked for
+
+    @property
+    def layer_re(self) -> re.Pattern[str]:
+        return re.compile(rf"^{re.escape(self.layer_prefix)}\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class Family:
+    """One architecture family; see any module in this package for an example."""
+
+    name: str
+    model_types: tuple[str, ...]
+    tied_default: bool  # transformers' default for a missing tie_word_embeddings
+    dims: Callable[[Config, bool, str], ModelDims]  # (config, tied, where)
+    tensors: Callable[[Config, ModelDims, str], Shapes]  # (fqn, shape), any order
+    rules: tuple[RuleSpec, ...]
+    memory: Callable[[Config], MemoryFlags]
+    forward: ForwardSpec | None
+    conv1d: bool = False  # linear weights stored [in, out]: colwise/rowwise dims swap
+    follows: str = ""  # the engine code whose placement the rules follow
+
+
+# ---- config readers ----------------------------------------------------------------------
+
+
+def get_int(config: Config, key: str, where: str, *, default: int | None = None) -> int:
+    """A positive integer field; ``default`` (if given) when the key is absent or null."""
+    value = config.get(key)
+    if value is None:
+        if default is not None:
+            return default
+        raise InvalidInputError(
+            f"missing {key!r} (needed to derive tensor shapes)",
+            where=where,
+            hint=f'add "{key}": <positive integer> to the config',
+        )
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise InvalidInputError(f"{key!r}: expected a positive integer, got {value!r}", where=where)
+    return value
+
+
+def get_bool(config: Config, key: str, where: str, default: bool) -> bool:
+    value = config.get(key)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise InvalidInputError(f"{key!r}: expected true or false, got {value!r}", where=where)
+    return value
+
+
+def divide(a: int, b: int, what: str, where: str) -> int:
+    if a % b:
+        raise InvalidInputError(
+            f"{what}: {a} is not divisible by {b}", where=where, hint="set 'head_dim' explicitly"
+        )
+    return a // b
+
+
+def local_div(what: str, n: int, tp: int) -> int:
+    """``n / tp`` for a rank's local config; the forward level needs even splits."""
+    if n % tp:
+        raise InvalidInputError(
+            f"forward level needs tp={tp} to divide {what}={n}",
+            hint="uneven tensor-parallel splits are checked by --level bitwise only",
+        )
+    return n // tp

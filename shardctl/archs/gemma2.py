@@ -1,0 +1,16 @@
+"""Gemma-2: Gemma plus ``pre_feedforward_layernorm`` / ``post_feedforward_layernorm`` per layer.
+
+Logit soft-capping and alternating sliding windows are config, not tensors (verify's local
+config slices ``layer_types`` to the rank's stage). Placement follows vLLM ``gemma2.py``.
+"""
+
+from __future__ import annotations
+
+from shardctl.archs._decoder import decoder_family
+
+FAMILY = decoder_family(
+    "gemma2",
+    tied_default=True,
+    extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    follows="vLLM gemma2.py",
+)

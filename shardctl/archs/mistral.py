@@ -1,0 +1,10 @@
+"""Mistral: Llama's tensors (sliding window is a runtime setting, not a tensor).
+
+Placement follows vLLM ``llama.py`` (Mistral is served by ``LlamaForCausalLM``) and Megatron-Core.
+"""
+
+from __future__ import annotations
+
+from shardctl.archs._decoder import decoder_family
+
+FAMILY = decoder_family("mistral")

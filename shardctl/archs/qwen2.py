@@ -1,0 +1,10 @@
+"""Qwen2 / Qwen2.5: Llama's tensors with q/k/v biases always and never an o_proj bias.
+
+Placement follows vLLM ``qwen2.py`` (``Qwen2ForCausalLM``: biases split with their weights).
+"""
+
+from __future__ import annotations
+
+from shardctl.archs._decoder import decoder_family
+
+FAMILY = decoder_family("qwen2", qkv_bias=True, o_bias=False, follows="vLLM qwen2.py")
