@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import layer_index
 from shardctl.layout.placement import resolve_placement
-from shardctl.layout.presets import CONV1D_ARCHS, preset
+from shardctl.layout.presets import conv1d as is_conv1d
+from shardctl.layout.presets import preset
 from shardctl.layout.rules import Matcher, compile_rules
 from shardctl.layout.split import Part
 from shardctl.layout.types import RuleSpec
@@ -71,9 +72,10 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             hint="give model.config or model.checkpoint for a per-rank layout",
         )
     dims = model.dims
-    conv1d = model.architecture in CONV1D_ARCHS
+    conv1d = is_conv1d(model.architecture)
     arch = model.architecture
-    matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch)
+    names = [t.fqn for t in model.tensors]
+    matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
     for info in model.tensors:
         layer = layer_index(info.fqn)
@@ -93,7 +95,6 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         out.append(
             TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
         )
-    names = [t.fqn for t in model.tensors]
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]
     num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)

@@ -15,6 +15,7 @@ import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
+from shardctl.archs import closest_family
 from shardctl.errors import LayoutError
 from shardctl.layout.placement import PlacementSpec, parse_placement
 from shardctl.layout.types import RuleSpec
@@ -89,9 +90,12 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
 class Matcher:
     """Matches fqns against compiled rules; remembers which manifest rules ever matched."""
 
-    def __init__(self, rules: tuple[CompiledRule, ...], architecture: str = ""):
+    def __init__(
+        self, rules: tuple[CompiledRule, ...], architecture: str = "", fqns: Sequence[str] = ()
+    ):
         self.rules = rules
         self.architecture = architecture
+        self.fqns = fqns  # the model's names: an unknown architecture's closest family
         self._used: set[int] = set()
 
     def match(self, fqn: str, *, need_stage: bool) -> Match:
@@ -118,7 +122,11 @@ class Matcher:
         close = difflib.get_close_matches(template, patterns, n=1, cutoff=0.0)
         hint = f'closest pattern is "{close[0]}"; ' if close else ""
         if not any(not cr.manifest for cr in self.rules):
-            hint = f"architecture {self.architecture!r} has no preset; {hint}"
+            near = closest_family(self.architecture, self.fqns)
+            hint = (
+                f"architecture {self.architecture!r} has no preset (closest known family: "
+                f"{near!r}, see shardctl/archs/); {hint}"
+            )
         return LayoutError(
             f"no rule places this tensor ({len(patterns)} rules with a placement)",
             where=fqn,
