@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from shardctl.archs import MemoryFlags, find
 from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import assign_layers
 from shardctl.layout.types import Stage
@@ -125,15 +126,12 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             layer_norm,
             final_norm,
         )
-    else:
-        gpt2 = model.architecture == "gpt2"
-        attn_bias = bool(cfg.get("attention_bias", False))
-        qkv_bias = gpt2 or attn_bias or model.architecture == "qwen2"
-        o_bias = gpt2 or attn_bias
-        mlp_bias = gpt2 or bool(cfg.get("mlp_bias", False))
-        norm_bias = gpt2
-        positions = int(cfg.get("n_positions", 0)) if gpt2 else 0
-    return ModelShape(dims, qkv_bias, o_bias, mlp_bias, norm_bias, positions, vocab_padding)
+    # No tensor names: the family file says what its config implies.
+    family = find(model.architecture)
+    f = family.memory(cfg) if family is not None else MemoryFlags()
+    return ModelShape(
+        dims, f.qkv_bias, f.o_bias, f.mlp_bias, f.norm_bias, f.positions, vocab_padding
+    )
 
 
 def _is_norm(fqn: str) -> bool:
