@@ -13,7 +13,6 @@ A mismatch is a *finding* (the layout does not compute as the model does), not a
 from __future__ import annotations
 
 import importlib
-import re
 import threading
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,7 +24,6 @@ from shardctl.verify.adapters import Adapter, Dims, adapter_for, dims_of, local_
 from shardctl.verify.comm import Comm
 from shardctl.verify.parallel import GatherHead, LocalExperts, RowParallel, VocabParallelEmbedding
 
-_EXPERT = re.compile(r"^block_sparse_moe\.experts\.(\d+)\.(w[123])\.weight$")
 # transformers sets the process-wide default dtype while it builds a model, and imports model
 # modules lazily: simulated ranks (threads) build one at a time, after warm_imports().
 _BUILD_LOCK = threading.Lock()
@@ -109,10 +107,8 @@ def build_rank_model(
     config._attn_implementation = "eager"
     with _BUILD_LOCK, torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype, **implementations(local))
-        if ad.arch == "gpt2":
-            _localize_gpt2(model, d, role.tp_size, dtype)
-        if d.experts:
-            _localize_experts(model, config, d.experts // role.ep_size, dtype)
+        if ad.localize is not None:
+            ad.localize(model, config, d, role.tp_size, role.ep_size, dtype)
     model.eval()
     out.problems = _load(model, ad, d, role, tensors)
     if out.problems:
@@ -127,32 +123,8 @@ def _vocab(ad: Adapter, d: Dims, tensors: dict[str, torch.Tensor]) -> tuple[int,
     for name in (f"{ad.embeddings[0]}.weight", f"{ad.lm_head}.weight"):
         if name in tensors and tensors[name].dim() == 2:
             rows = int(tensors[name].shape[0])
-            return rows, rows < d.vocab
+            return rows, rows < d.vocab_size
     return 1, False  # a middle pipeline stage: no embedding, no head
-
-
-def _localize_gpt2(model: nn.Module, d: Dims, tp: int, dtype: torch.dtype) -> None:
-    # GPT-2 derives head_dim from n_embd / n_head, so the model was built with the global
-    # n_head; give each attention its local heads and [in, out] Conv1D projections.
-    from transformers.pytorch_utils import Conv1D
-
-    for block in model.transformer.h:  # type: ignore[union-attr]
-        attn = block.attn
-        attn.num_heads = d.heads // tp
-        attn.split_size = d.hidden // tp
-        attn.c_attn = Conv1D(3 * d.hidden // tp, d.hidden).to(dtype)
-        attn.c_proj = Conv1D(d.hidden, d.hidden // tp).to(dtype)
-
-
-def _localize_experts(model: nn.Module, config: Any, count: int, dtype: torch.dtype) -> None:
-    import copy
-
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
-
-    sub = copy.copy(config)
-    sub.num_local_experts = count
-    for layer in model.model.layers:  # type: ignore[union-attr]
-        layer.mlp.experts = MixtralExperts(sub).to(dtype)
 
 
 def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any, ...]] | str:
@@ -165,21 +137,25 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
         last = role.first_layer + role.num_layers - 1
         return f"layer {layer} is outside this stage (layers {role.first_layer}..{last})"
     prefix = f"{ad.layer_prefix}.{layer - role.first_layer}"
-    if rest == "block_sparse_moe.gate.weight":
-        return f"{prefix}.mlp.gate.weight", ()
-    e = _EXPERT.match(rest)
+    ex = ad.experts
+    if ex is None:
+        return f"{prefix}.{rest}", ()
+    if rest == ex.router:
+        return f"{prefix}.{ex.router_param}", ()
+    e = ex.regex.match(rest)
     if e is None:
         return f"{prefix}.{rest}", ()
-    per_rank = d.experts // role.ep_size
+    per_rank = d.num_experts // role.ep_size
     expert = int(e.group(1)) - role.ep * per_rank
     if not 0 <= expert < per_rank:
         return f"expert {e.group(1)} belongs to another ep rank (ep={role.ep} holds {per_rank})"
-    inter = d.intermediate // role.tp_size
+    inter = d.intermediate_size // role.tp_size
     w = e.group(2)
-    if w == "w2":
-        return f"{prefix}.mlp.experts.down_proj", (expert,)
-    part = slice(0, inter) if w == "w1" else slice(inter, 2 * inter)
-    return f"{prefix}.mlp.experts.gate_up_proj", (expert, part)
+    if w == ex.down:
+        return f"{prefix}.{ex.module}.down_proj", (expert,)
+    # transformers packs [gate; up] along dim 1 of gate_up_proj [E, 2I, H]
+    part = slice(0, inter) if w == ex.gate else slice(inter, 2 * inter)
+    return f"{prefix}.{ex.module}.gate_up_proj", (expert, part)
 
 
 def _required(model: nn.Module, ad: Adapter, role: Role) -> dict[int, str]:
@@ -253,11 +229,13 @@ def _wrap(
             parent_path, _, leaf = path.rpartition(".")
             parent = layer.get_submodule(parent_path)
             setattr(parent, leaf, RowParallel(getattr(parent, leaf), comm, conv1d=ad.conv1d))
-        if d.experts:
-            per_rank = d.experts // role.ep_size
-            mlp = layer.get_submodule("mlp")
-            experts = mlp.get_submodule("experts")
-            mlp.experts = LocalExperts(experts, comm, first=role.ep * per_rank, count=per_rank)
+        if ad.experts is not None:
+            per_rank = d.num_experts // role.ep_size
+            mlp_path, _, leaf = ad.experts.module.rpartition(".")
+            mlp = layer.get_submodule(mlp_path)
+            experts = mlp.get_submodule(leaf)
+            local = LocalExperts(experts, comm, first=role.ep * per_rank, count=per_rank)
+            setattr(mlp, leaf, local)
     root, _, emb = ad.embeddings[0].rpartition(".")
     if vocab_sharded and role.first_stage:
         parent = model.get_submodule(root)
@@ -268,7 +246,7 @@ def _wrap(
         setattr(
             model,
             ad.lm_head,
-            GatherHead(weight, comm, vocab=d.vocab, sharded=vocab_sharded),
+            GatherHead(weight, comm, vocab=d.vocab_size, sharded=vocab_sharded),
         )
     else:
         norm_root, _, norm = ad.final_norm.rpartition(".")
