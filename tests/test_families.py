@@ -7,7 +7,8 @@ level including forward (simulated ranks here; real gloo process groups are in
 test_verify_forward.py and test_verify_real_sizes.py), merge back byte-identical, and
 ``from_pretrained`` loads the merge with logits equal to the original's.
 
-Adding a family = its config in tests/_models.py + one entry in ``FAMILIES``.
+Adding a family = one file in shardctl/archs/ + its config in tests/_models.py + one entry in
+``FAMILIES``.
 """
 
 from __future__ import annotations
@@ -17,9 +18,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from shardctl.archs import SUPPORTED, family_for
 from shardctl.layout.types import Mesh
 from shardctl.model.inventory import from_checkpoint, from_config_file
 from shardctl.reshard.api import reshard
+from shardctl.verify.adapters import SUPPORTED as FORWARD_SUPPORTED
 from shardctl.verify.api import verify
 from tests._models import make_checkpoint
 
@@ -36,6 +39,15 @@ FAMILIES: dict[str, list[Mesh]] = {
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
+
+
+def test_every_family_file_is_in_the_flow() -> None:
+    """The registry is the one list: a family file without an entry here fails."""
+    assert set(FAMILIES) == set(SUPPORTED)
+    for name in SUPPORTED:
+        family = family_for(name)
+        assert family.rules and family.forward is not None and family.follows, name
+    assert FORWARD_SUPPORTED == SUPPORTED  # verify's forward level runs every family
 
 
 @pytest.fixture(scope="module")

@@ -40,6 +40,14 @@ def test_unknown_model_type_names_supported_list() -> None:
         from_config({k: v for k, v in LLAMA.items() if k != "model_type"})
 
 
+def test_unknown_model_type_names_closest_family_and_rules() -> None:
+    with pytest.raises(InvalidInputError) as info:
+        from_config({**LLAMA, "model_type": "qwen3_moe"})
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "closest known family: 'qwen3'" in msg and "manifest rules:" in msg
+
+
 @pytest.mark.parametrize(
     "field",
     ["hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads", "vocab_size"],

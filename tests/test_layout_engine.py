@@ -265,6 +265,17 @@ def test_heads_error_prints_numbers_and_remedy() -> None:
     assert "use tp in {1, 2, 4, 12}" in msg
 
 
+def test_unknown_architecture_names_closest_family_by_tensor_names() -> None:
+    # GPT-2's tensor names under a model_type that spells like none of the families
+    gpt2 = tiny("gpt2")
+    model = ModelInfo("newarch", gpt2.dims, gpt2.tensors, gpt2.dtype, "checkpoint")
+    with pytest.raises(LayoutError) as err:
+        build_layout(model, Mesh(tp=2))
+    msg = str(err.value)
+    assert "architecture 'newarch' has no preset (closest known family: 'gpt2'" in msg
+    assert "add a manifest rule" in msg
+
+
 def test_uneven_dim_error_default() -> None:
     model = inventory("llama", hidden=16, layers=1, heads=4, kv_heads=2, inter=21, vocab=48)
     with pytest.raises(LayoutError, match=r"gate_proj.weight: size 21 is not divisible by tp=2"):
