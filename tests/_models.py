@@ -107,6 +107,13 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256,
         tie_word_embeddings=False, max_position_embeddings=128,
     ),
+    # Granite 3.x: Llama tensors, tied, with the multipliers far from 1 so a dropped one shows.
+    "granite": dict(
+        model_type="granite", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=True, max_position_embeddings=128, embedding_multiplier=12.0,
+        logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0625,
+    ),
 }
 # fmt: on
 

@@ -36,6 +36,7 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gemma2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, soft-capping
     "phi3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # fused qkv / gate_up, kv 2
     "gpt2": [Mesh(tp=2), Mesh(pp=2, tp=2)],  # Conv1D [in, out], MHA
+    "granite": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, tied, config multipliers
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]

@@ -85,6 +85,7 @@ NEGATIVE = [
     ("gpt2", Mesh(tp=2), "naive-fused"),  # plain chunk of c_attn [in, 3·out]
     ("phi3", Mesh(tp=2), "swap-gate-up"),  # each rank holds [up_r; gate_r]
     ("llama", Mesh(tp=4), "kv-replication"),  # rank r holds kv head r % 2, not r // 2
+    ("granite", Mesh(tp=4), "kv-replication"),  # the same, under its config multipliers
     ("llama", Mesh(tp=2), "rowwise-dim0"),  # o_proj split on dim 0
 ]
 

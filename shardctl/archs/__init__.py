@@ -14,7 +14,18 @@ import fnmatch
 import re
 from collections.abc import Iterable
 
-from shardctl.archs import gemma, gemma2, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3
+from shardctl.archs import (
+    gemma,
+    gemma2,
+    gpt2,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+)
 from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
 from shardctl.errors import InvalidInputError
 
@@ -31,7 +42,7 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (gemma, gemma2, gpt2, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types

@@ -1,0 +1,13 @@
+"""IBM Granite (3.x dense): Llama's tensors; the differences are config scalars, not tensors.
+
+``embedding_multiplier``, ``residual_multiplier``, ``attention_multiplier`` (the attention scale)
+and ``logits_scaling`` act on activations, so they survive tensor parallelism unchanged;
+``attention_bias`` / ``mlp_bias`` come from the config. Placement follows vLLM ``granite.py``
+(``GraniteForCausalLM``, Llama's parallel linears).
+"""
+
+from __future__ import annotations
+
+from shardctl.archs._decoder import decoder_family
+
+FAMILY = decoder_family("granite", mlp_bias=None, follows="vLLM granite.py")
