@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from shardctl.cli._common import emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
+
+if TYPE_CHECKING:
+    from shardctl.plan.api import PlanResult
 
 
 def plan(
@@ -39,6 +42,15 @@ def plan(
         bool,
         typer.Option("--all-ranks", help="One row and bar per rank (default: identical folded)."),
     ] = False,
+    max_imbalance: Annotated[
+        float | None,
+        typer.Option(
+            "--max-imbalance",
+            help="Exit 1 when max/mean of stage peaks exceeds R (a CI gate on the PP split).",
+            min=1.0,
+            metavar="R",
+        ),
+    ] = None,
 ) -> None:
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
     (device memory × gpu_memory_utilization when serving, device memory when training).
@@ -47,6 +59,8 @@ def plan(
     """
     from shardctl.plan.api import make_plan, run_search
 
+    if search and max_imbalance is not None:
+        raise UsageError("--max-imbalance gates one plan", hint="drop --search")
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     if search:
         result = run_search(manifest, gpus=gpus, mesh_overrides=overrides)
@@ -70,5 +84,17 @@ def plan(
         from shardctl.plan.render import render_plan
 
         render_plan(result_plan, all_ranks=all_ranks)
+    if max_imbalance is not None:
+        _gate_balance(result_plan, max_imbalance)
     if result_plan.fits is False:
+        raise typer.Exit(EXIT_NEGATIVE)
+
+
+def _gate_balance(result_plan: PlanResult, limit: float) -> None:
+    """Exit 1 with one line on stderr when max/mean of stage peaks exceeds ``limit``."""
+    from shardctl.plan.balance import stage_balance
+
+    balance = stage_balance(result_plan)
+    if balance.exceeds(limit):
+        typer.echo(balance.excess_line(limit), err=True)
         raise typer.Exit(EXIT_NEGATIVE)
