@@ -132,10 +132,9 @@ def _table(watcher: Watcher, tick: Tick) -> Table:
     from rich.markup import escape
     from rich.table import Table
 
-    from shardctl.units import fmt_in, pick_unit
+    from shardctl.plan.render import fmt_bytes
 
-    sizes = [x for s in tick.samples for x in (s.used, s.peak, s.plan or 0)]
-    unit = pick_unit(max([*sizes, 1]))
+    # Each size in its own unit: a job's RSS (MiB) beside a plan's GPU figure (GiB).
     table = Table(
         title=f"tick {tick.index} · {watcher.kind} memory · threshold {watcher.threshold:.0%}",
         header_style="bold",
@@ -152,9 +151,9 @@ def _table(watcher: Watcher, tick: Tick) -> Table:
             str(s.rank),
             str(s.pid),
             escape(s.name) + ("" if s.device is None else f" · gpu{s.device}"),
-            fmt_in(s.used, unit),
-            fmt_in(s.peak, unit),
-            "—" if s.plan is None else fmt_in(s.plan, unit),
+            fmt_bytes(s.used),
+            fmt_bytes(s.peak),
+            fmt_bytes(s.plan),
             _bar(s, watcher.threshold),
             f"[red]{ratio}[/red]" if over else ratio,
         )
@@ -188,17 +187,16 @@ def _summary(watcher: Watcher, *, as_json: bool) -> None:
 
 
 def _print_summary(watcher: Watcher, console: Console) -> None:
-    from shardctl.units import fmt_in, pick_unit
+    from shardctl.plan.render import fmt_bytes
 
     ranks = watcher.summary()
     if not ranks:
         console.print("summary: no rank was seen")
         return
-    unit = pick_unit(max(max(s.peak, s.plan or 0) for s in ranks))
     console.print("summary (peak per rank vs plan):")
     exceeded = {s.rank for s in watcher.exceeded()}
     for s in ranks:
-        plan = "no plan figure" if s.plan is None else f"plan {fmt_in(s.plan, unit)}"
+        plan = "no plan figure" if s.plan is None else f"plan {fmt_bytes(s.plan)}"
         share = "" if not s.plan else f" ({s.peak / s.plan:.0%})"
         flag = "  [red]over the threshold[/red]" if s.rank in exceeded else ""
-        console.print(f"  rank {s.rank}: peak {fmt_in(s.peak, unit)}{share}, {plan}{flag}")
+        console.print(f"  rank {s.rank}: peak {fmt_bytes(s.peak)}{share}, {plan}{flag}")
