@@ -31,7 +31,10 @@ def plan(
     gpus: Annotated[
         int | None,
         typer.Option(
-            help="With --search: GPUs available (default: hardware nodes × gpus_per_node).", min=1
+            help="With --search: GPUs available (default: hardware nodes × gpus_per_node). "
+            "With --device-map: GPUs of the one node (default: hardware.gpus_per_node; 0: CPU "
+            "and disk only).",
+            min=0,
         ),
     ] = None,
     top: Annotated[int, typer.Option(help="With --search: rows to print.", min=1)] = 10,
@@ -51,6 +54,23 @@ def plan(
             metavar="R",
         ),
     ] = None,
+    device_map: Annotated[
+        Path | None,
+        typer.Option(
+            "--device-map",
+            help="Write an accelerate/transformers device_map (JSON) that fits each device's "
+            "budget incl. KV cache and activations, and FILE's .max_memory.json beside it.",
+            metavar="FILE",
+        ),
+    ] = None,
+    offload_folder: Annotated[
+        Path | None,
+        typer.Option(help="With --device-map: allow disk offload into this folder."),
+    ] = None,
+    cpu_memory: Annotated[
+        str | None,
+        typer.Option(help="With --device-map: CPU budget, e.g. 200GiB (default: this host's RAM)."),
+    ] = None,
 ) -> None:
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
     (device memory × gpu_memory_utilization when serving, device memory when training).
@@ -61,6 +81,22 @@ def plan(
 
     if search and max_imbalance is not None:
         raise UsageError("--max-imbalance gates one plan", hint="drop --search")
+    if device_map is not None:
+        from shardctl.cli.device_map import run_device_map
+
+        run_device_map(
+            manifest,
+            device_map,
+            gpus=gpus,
+            cpu_memory=cpu_memory,
+            offload_folder=offload_folder,
+            as_json=as_json,
+        )
+        return
+    if offload_folder is not None or cpu_memory is not None:
+        raise UsageError("--offload-folder and --cpu-memory go with --device-map")
+    if search and gpus == 0:
+        raise UsageError("--search needs --gpus 1 or more")
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     if search:
         result = run_search(manifest, gpus=gpus, mesh_overrides=overrides)
