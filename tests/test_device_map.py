@@ -11,11 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from shardctl.plan.device_map import Unit, assign
+from shardctl.plan.device_map import Overhead, Unit, assign
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 KIB = 1024
+NONE = Overhead()
 
 
 def shardctl(*args: str) -> subprocess.CompletedProcess[str]:
@@ -90,7 +91,9 @@ def _units(n: int, weights: int, kv: int, acts: int) -> list[Unit]:
 
 def test_gpu_indices_are_contiguous_stages_within_budget() -> None:
     units = _units(8, weights=100, kv=20, acts=50)
-    plan = assign(units, gpu_budgets=[700, 700], overhead=30, cpu_budget=10**9, offload_folder=None)
+    plan = assign(
+        units, gpu_budgets=[700, 700], overhead=Overhead(30), cpu_budget=10**9, offload_folder=None
+    )
     assert plan.fits
     order = [plan.device_map[m] for u in units for m in u.modules]
     assert order == sorted(order, key=str) and set(order) == {0, 1}  # 0 … 0, 1 … 1
@@ -98,6 +101,13 @@ def test_gpu_indices_are_contiguous_stages_within_budget() -> None:
     for ld in plan.loads:
         assert ld.total <= ld.budget  # type: ignore[operator]
         assert ld.overhead == 30
+    frag = assign(units, gpu_budgets=[700, 700], overhead=Overhead(30, 0.5), cpu_budget=10**9,
+                  offload_folder=None)  # fmt: skip
+    gpus = [ld for ld in frag.loads if isinstance(ld.device, int)]
+    assert len(gpus) == 2 and frag.fits
+    for ld in gpus:  # half of the tensors on top of the fixed part
+        assert ld.overhead == 30 + (ld.weights + ld.kv_cache + ld.activations) // 2
+        assert ld.total <= 700
     # GPU 0: 30 + embed 100 + 4 layers × 120 + one layer's activations 50 = 660 ≤ 700.
     gpu0 = plan.loads[0]
     assert gpu0.layers == (0, 3) and gpu0.total == 660
@@ -108,9 +118,9 @@ def test_kv_and_activations_count_not_only_weights() -> None:
     # Weights alone (10 × 100) would fit one 1100-byte GPU; KV and activations do not.
     units = [_layer(i, 100, kv=30, acts=80) for i in range(10)]
     weights_only = [_layer(i, 100) for i in range(10)]
-    assert set(assign(weights_only, gpu_budgets=[1100], overhead=0, cpu_budget=10**9,
+    assert set(assign(weights_only, gpu_budgets=[1100], overhead=NONE, cpu_budget=10**9,
                       offload_folder=None).device_map.values()) == {0}  # fmt: skip
-    plan = assign(units, gpu_budgets=[1100], overhead=0, cpu_budget=10**9, offload_folder=None)
+    plan = assign(units, gpu_budgets=[1100], overhead=NONE, cpu_budget=10**9, offload_folder=None)
     assert plan.fits and "cpu" in plan.device_map.values()
     gpu0 = plan.loads[0]
     # GPU 0 runs the offloaded layers too: their KV and the largest one's weights stay room.
@@ -121,8 +131,8 @@ def test_kv_and_activations_count_not_only_weights() -> None:
 
 def test_disk_after_cpu_and_reason_without_folder(tmp_path: Path) -> None:
     units = [_layer(i, 100) for i in range(6)]
-    plan = assign(units, gpu_budgets=[], overhead=0, cpu_budget=350, offload_folder=tmp_path)
+    plan = assign(units, gpu_budgets=[], overhead=NONE, cpu_budget=350, offload_folder=tmp_path)
     assert plan.fits
     assert [plan.device_map[f"model.layers.{i}"] for i in range(6)] == ["cpu"] * 2 + ["disk"] * 4
-    refused = assign(units, gpu_budgets=[], overhead=0, cpu_budget=350, offload_folder=None)
+    refused = assign(units, gpu_budgets=[], overhead=NONE, cpu_budget=350, offload_folder=None)
     assert not refused.fits and refused.reason is not None and "first layer 2" in refused.reason

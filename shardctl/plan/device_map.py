@@ -10,8 +10,10 @@ How (no torch): one plan with one decoder layer per stage (``layers_per_stage = 
 filled, in order, onto GPU 0, 1, …, then ``"cpu"``, then ``"disk"`` (with an offload folder).
 A device's charge is::
 
-    overhead (GPU only; the plan's pp=1 figure)  + Σ weights + Σ KV  + max(layer activations)
-                                                 + activations of the embeddings/head units
+    tensors = Σ weights + Σ KV + max(layer activations) + activations of embeddings/head
+    charge  = tensors + overhead (GPU only: the manifest's ``overhead:`` items of one
+              non-distributed process — CUDA context, framework, reserved — plus its
+              fragmentation share of ``tensors``)
 
 With GPUs, modules on ``"cpu"``/``"disk"`` run on GPU 0 (accelerate's execution device), so
 GPU 0 also holds their KV cache, their activations and the largest one's weights while it
@@ -111,11 +113,24 @@ class DeviceMapPlan:
         }
 
 
-def units_of(manifest: Manifest) -> tuple[list[Unit], int, int | None]:
+@dataclass(frozen=True)
+class Overhead:
+    """Per-GPU overhead: ``fixed`` bytes plus ``fragmentation`` × the device's tensors."""
+
+    fixed: int = 0
+    fragmentation: float = 0.0
+
+    def of(self, tensors: int) -> int:
+        return self.fixed + int(tensors * self.fragmentation)
+
+
+def units_of(manifest: Manifest) -> tuple[list[Unit], Overhead, int | None]:
     """The units of the manifest's model, priced by the plan; plus the per-GPU overhead and
     the GPU budget (``None`` when ``hardware.device_memory`` is not set)."""
     from shardctl.layout.engine import resolve
     from shardctl.plan.api import load_model, plan_manifest
+    from shardctl.plan.memory.adapter import overhead_of
+    from shardctl.plan.memory.overhead import overhead_bytes
 
     if manifest.training is not None:
         raise UsageError(
@@ -133,9 +148,6 @@ def units_of(manifest: Manifest) -> tuple[list[Unit], int, int | None]:
     mesh = Mesh(pp=n + 2)
     layout = replace(manifest.layout, layers_per_stage=(0, *([1] * n), 0))
     per_unit = plan_manifest(replace(manifest, mesh=mesh, layout=layout))
-    whole = plan_manifest(
-        replace(manifest, mesh=Mesh(), layout=replace(layout, layers_per_stage=None))
-    )
     modules: list[list[str]] = [[] for _ in range(n + 2)]
     for t in resolve(model, mesh, rules=manifest.rules, options=layout).tensors:
         hit = _LAYER_MODULE.match(t.info.fqn)
@@ -163,14 +175,16 @@ def units_of(manifest: Manifest) -> tuple[list[Unit], int, int | None]:
                 is_layer=0 < s <= n,
             )
         )
-    return units, whole.ranks[0].memory["overhead"], whole.budget
+    spec = overhead_of(manifest)
+    items = overhead_bytes(spec, 0, distributed=False)
+    return units, Overhead(sum(items.values()), spec.fragmentation), per_unit.budget
 
 
 def assign(
     units: Sequence[Unit],
     *,
     gpu_budgets: Sequence[int],
-    overhead: int,
+    overhead: Overhead,
     cpu_budget: int,
     offload_folder: Path | None,
 ) -> DeviceMapPlan:
@@ -224,7 +238,7 @@ def _charge(group: Sequence[Unit], *, runs_here: bool) -> tuple[int, int, int]:
 def _fill(
     units: Sequence[Unit],
     gpu_budgets: Sequence[int],
-    overhead: int,
+    overhead: Overhead,
     cpu_budget: int,
     offload_folder: Path | None,
     reserve: _Reserve,
@@ -253,22 +267,25 @@ def _fill(
 
 
 def _cost(
-    group: Sequence[Unit], device: Device, gpus: Sequence[int], overhead: int, reserve: _Reserve
+    group: Sequence[Unit],
+    device: Device,
+    gpus: Sequence[int],
+    overhead: Overhead,
+    reserve: _Reserve,
 ) -> int:
     is_gpu = isinstance(device, int)
     executes = is_gpu or (device == "cpu" and not gpus)
     w, kv, acts = _charge(group, runs_here=executes)
-    extra = overhead if is_gpu else 0
     if (device == 0 and gpus) or (device == "cpu" and not gpus):
-        extra += reserve.weights + reserve.kv_cache
-        acts = max(acts, reserve.activations)
-    return w + kv + acts + extra
+        w, kv, acts = w + reserve.weights, kv + reserve.kv_cache, max(acts, reserve.activations)
+    tensors = w + kv + acts
+    return tensors + (overhead.of(tensors) if is_gpu else 0)
 
 
 def _result(
     placed: list[tuple[Unit, Device | None]],
     gpu_budgets: Sequence[int],
-    overhead: int,
+    overhead: Overhead,
     cpu_budget: int,
     offload_folder: Path | None,
     reserve: _Reserve,
@@ -288,7 +305,15 @@ def _result(
         if device == "cpu":
             budget = cpu_budget
         loads.append(
-            DeviceLoad(device, tuple(group), w, kv, acts, overhead if is_gpu else 0, budget)
+            DeviceLoad(
+                device,
+                tuple(group),
+                w,
+                kv,
+                acts,
+                overhead.of(w + kv + acts) if is_gpu else 0,
+                budget,
+            )
         )
     missing = [u.name for u, d in placed if d is None]
     over = [ld for ld in loads if ld.budget is not None and ld.total > ld.budget]
