@@ -67,6 +67,15 @@ def plan(
         Path | None,
         typer.Option(help="With --device-map: allow disk offload into this folder."),
     ] = None,
+    from_layout: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="Rebalance: from this shardctl layout or HF dir to --gpus N: the best mesh, "
+            "the bytes each new rank reads from which old files, the reshard command.",
+            metavar="LAYOUT_DIR",
+        ),
+    ] = None,
     cpu_memory: Annotated[
         str | None,
         typer.Option(help="With --device-map: CPU budget, e.g. 200GiB (default: this host's RAM)."),
@@ -81,6 +90,11 @@ def plan(
 
     if search and max_imbalance is not None:
         raise UsageError("--max-imbalance gates one plan", hint="drop --search")
+    if from_layout is not None:
+        from shardctl.cli.rebalance import run_rebalance
+
+        run_rebalance(manifest, from_layout, gpus=gpus, as_json=as_json, all_ranks=all_ranks)
+        return
     if device_map is not None:
         from shardctl.cli.device_map import run_device_map
 
