@@ -48,7 +48,8 @@ def _render(result: object) -> None:
     from rich.table import Table
 
     from shardctl.plan.device_map import DeviceMapPlan
-    from shardctl.plan.render import console_for_output, fmt_bytes
+    from shardctl.plan.render import console_for_output
+    from shardctl.units import fmt_bytes
 
     assert isinstance(result, DeviceMapPlan)
     table = Table(header_style="bold", box=None, pad_edge=False)

@@ -25,7 +25,8 @@ def run_rebalance(
     from rich.markup import escape
     from rich.table import Table
 
-    from shardctl.plan.render import console_for_output, fmt_bytes
+    from shardctl.plan.render import console_for_output
+    from shardctl.units import fmt_bytes
 
     console = console_for_output()
     old = "HF checkpoint" if result.source_mesh is None else f"mesh {result.source_mesh}"

@@ -132,7 +132,7 @@ def _table(watcher: Watcher, tick: Tick) -> Table:
     from rich.markup import escape
     from rich.table import Table
 
-    from shardctl.plan.render import fmt_bytes
+    from shardctl.units import fmt_bytes
 
     # Each size in its own unit: a job's RSS (MiB) beside a plan's GPU figure (GiB).
     table = Table(
@@ -187,7 +187,7 @@ def _summary(watcher: Watcher, *, as_json: bool) -> None:
 
 
 def _print_summary(watcher: Watcher, console: Console) -> None:
-    from shardctl.plan.render import fmt_bytes
+    from shardctl.units import fmt_bytes
 
     ranks = watcher.summary()
     if not ranks:

@@ -184,7 +184,7 @@ def plan_rebalance(
 ) -> Rebalance:
     """Best new mesh on ``gpus`` GPUs for the checkpoint at ``layout_dir`` (a shardctl layout
     or an HF directory), the reads it costs, and the ``shardctl reshard`` command."""
-    from shardctl.checkpoint.source import open_source, source_layout
+    from shardctl.checkpoint.source import open_source
     from shardctl.layout.engine import build_layout
     from shardctl.manifest import load_manifest
 
@@ -200,7 +200,7 @@ def plan_rebalance(
 
         options = replace(options, layers_per_stage=None)
     layout = build_layout(source.model, mesh, rules=manifest.rules, options=options)
-    old = source_layout(source)
+    old = None if source.record is None else source.record.layout
     if dst is None:
         tag = f"tp{mesh.tp}-pp{mesh.pp}" + (f"-ep{mesh.ep}" if mesh.ep > 1 else "")
         dst = layout_dir.with_name(f"{layout_dir.name}-{tag}")
