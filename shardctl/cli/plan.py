@@ -68,6 +68,14 @@ def plan(
         Path | None,
         typer.Option(help="With --device-map: allow disk offload into this folder."),
     ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="With --search: weight formats searched with the layouts, e.g. "
+            "bf16,fp8,int8,int4-awq,nvfp4, or any.",
+            metavar="FORMATS",
+        ),
+    ] = None,
     from_layout: Annotated[
         Path | None,
         typer.Option(
@@ -114,6 +122,13 @@ def plan(
     if search and gpus == 0:
         raise UsageError("--search needs --gpus 1 or more")
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
+    if quant is not None:
+        if not search:
+            raise UsageError("--quant goes with --search", hint="add --search")
+        from shardctl.cli.quant_search import run_quant_search
+
+        run_quant_search(manifest, quant, gpus=gpus, top=top, as_json=as_json)
+        return
     if search:
         result = run_search(manifest, gpus=gpus)
         if as_json:
