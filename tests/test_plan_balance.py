@@ -60,3 +60,19 @@ def test_gate_passes_under_the_limit(tmp_path: Path) -> None:
 def test_gate_is_usage_error_with_search_or_below_one() -> None:
     assert shardctl("plan", str(BALANCED), "--search", "--max-imbalance", "1.1").returncode == 2
     assert shardctl("plan", str(BALANCED), "--max-imbalance", "0.5").returncode == 2
+
+
+def test_plan_modes_do_not_mix(tmp_path: Path) -> None:
+    """--search, --device-map and --from each choose the layout: one at a time, no mesh flags."""
+    out = str(tmp_path / "map.json")
+    cases = [
+        ("--search", "--device-map", out),
+        ("--device-map", out, "--from", str(tmp_path)),
+        ("--device-map", out, "--tp", "2"),
+        ("--device-map", out, "--max-imbalance", "1.1"),
+        ("--offload-folder", str(tmp_path)),
+    ]
+    for extra in cases:
+        proc = shardctl("plan", str(BALANCED), *extra)
+        assert proc.returncode == 2, (extra, proc.stderr)
+    assert not (tmp_path / "map.json").exists()

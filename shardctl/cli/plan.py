@@ -100,6 +100,13 @@ def plan(
 
     if search and max_imbalance is not None:
         raise UsageError("--max-imbalance gates one plan", hint="drop --search")
+    _check_modes(
+        search=search,
+        device_map=device_map,
+        from_layout=from_layout,
+        mesh_given=any(v is not None for v in (tp, pp, dp, ep)),
+        plan_only=max_imbalance is not None or report is not None,
+    )
     if from_layout is not None:
         from shardctl.cli.rebalance import run_rebalance
 
@@ -165,3 +172,25 @@ def _gate_balance(result_plan: PlanResult, limit: float) -> None:
     if balance.exceeds(limit):
         typer.echo(balance.excess_line(limit), err=True)
         raise typer.Exit(EXIT_NEGATIVE)
+
+
+def _check_modes(
+    *,
+    search: bool,
+    device_map: Path | None,
+    from_layout: Path | None,
+    mesh_given: bool,
+    plan_only: bool,
+) -> None:
+    """``--search``, ``--device-map`` and ``--from`` each choose the layout themselves."""
+    modes = [n for n, on in (("--search", search), ("--device-map", device_map is not None),
+                             ("--from", from_layout is not None)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise UsageError(f"{' and '.join(modes)} do not go together", hint="pick one")
+    if mesh_given and (device_map is not None or from_layout is not None):
+        raise UsageError(
+            f"{modes[0]} chooses the placement itself; --tp/--pp/--dp/--ep do not apply",
+            hint="drop the mesh flags",
+        )
+    if plan_only and (device_map is not None or from_layout is not None):
+        raise UsageError(f"--max-imbalance and --report go with a plain plan, not {modes[0]}")

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from shardctl.errors import UsageError
+from shardctl.errors import EXIT_NEGATIVE, ShardctlError, UsageError
 from shardctl.layout.types import Layout, Mesh, Piece
 
 if TYPE_CHECKING:
@@ -30,6 +30,12 @@ if TYPE_CHECKING:
     from shardctl.plan.search_types import Candidate
 
 REBALANCE_SCHEMA = "shardctl.rebalance/1"
+
+
+class NoLayoutFits(ShardctlError):
+    """No layout of the model fits the new GPU count: a negative result (exit 1)."""
+
+    exit_code = EXIT_NEGATIVE
 
 
 @dataclass(frozen=True)
@@ -152,18 +158,15 @@ def rank_reads(source: Source, layout: Layout) -> list[RankReads]:
 
 def choose_mesh(manifest: Manifest, source: Source, gpus: int) -> tuple[Candidate, str | None]:
     """The search's best layout using all ``gpus``; else its best on fewer (with a note)."""
-    from shardctl.errors import EXIT_NEGATIVE, ShardctlError
     from shardctl.plan.memory.adapter import search_layouts
 
     result = search_layouts(manifest, source.model, gpus=gpus)
     if not result.candidates:
         reasons = ", ".join(f"{k} {v}" for k, v in sorted(result.rejected.items()))
-        err = ShardctlError(
+        raise NoLayoutFits(
             f"no layout of this model fits on {gpus} GPUs (rejected: {reasons})",
             hint="raise --gpus or change hardware/workload in the manifest",
         )
-        err.exit_code = EXIT_NEGATIVE
-        raise err
     full = [c for c in result.candidates if c.world == gpus]
     if full:
         return full[0], None
