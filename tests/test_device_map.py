@@ -35,7 +35,7 @@ def _manifest(tmp_path: Path, ckpt: Path) -> Path:
     return m
 
 
-@pytest.mark.parametrize("name", ["llama", "llama-tied-mha"])
+@pytest.mark.parametrize("name", ["llama", "llama-tied-mha", "mixtral", "gpt2", "phi3"])
 def test_cpu_and_disk_map_loads_with_identical_logits(tmp_path: Path, name: str) -> None:
     import torch
     from transformers import AutoModelForCausalLM
