@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import Interrupted, ShardctlError, UsageError
+from shardctl.gcpause import gc_paused
 from shardctl.io import atomic, faults
 from shardctl.io.checkpoint import INDEX_NAME, PickleInputRefused
 from shardctl.io.checksum import default_hash
@@ -101,6 +102,7 @@ def plan(
     return Plan("ranks", layout, tuple(rfiles), where, None)
 
 
+@gc_paused
 def reshard(
     src: Path,
     dst: Path,

@@ -178,7 +178,7 @@ def build(
 def write(directory: Path, record: dict[str, Any]) -> Path:
     """Write and fsync ``shardctl.layout.json`` in ``directory``."""
     path = directory / RECORD_NAME
-    data = json.dumps(record, indent=1).encode("utf-8") + b"\n"
+    data = _dumps(record)
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
     try:
         os.write(fd, data)
@@ -186,6 +186,39 @@ def write(directory: Path, record: dict[str, Any]) -> Path:
     finally:
         os.close(fd)
     return path
+
+
+def _dumps(record: dict[str, Any]) -> bytes:
+    """The record as JSON, one top-level key, tensor or shard per line.
+
+    ``json.dumps(indent=...)`` runs the pure-Python encoder: 5 s for a 12k-tensor MoE split
+    four ways. Each line here goes through the C encoder, so the text stays diffable and
+    ``grep``-able at a fraction of the cost.
+    """
+
+    def one(v: Any) -> str:
+        return json.dumps(v, separators=(", ", ": "))
+
+    def rows(items: list[Any], indent: str) -> str:
+        if not items:
+            return "[]"
+        return "[\n" + ",\n".join(indent + one(x) for x in items) + "\n" + indent[:-1] + "]"
+
+    lines = []
+    for key, value in record.items():
+        if key == "tensors" and isinstance(value, list):
+            text = rows(value, "  ")
+        elif key == "ranks" and isinstance(value, list):
+            ranks = []
+            for r in value:
+                head = {k: v for k, v in r.items() if k != "shards"}
+                inner = one(head)[:-1]
+                ranks.append(f'  {inner}, "shards": {rows(r.get("shards", []), "   ")}}}')
+            text = "[\n" + ",\n".join(ranks) + "\n ]" if ranks else "[]"
+        else:
+            text = one(value)
+        lines.append(f" {json.dumps(key)}: {text}")
+    return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
 
 # ---- reading -----------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from shardctl.reshard import record as rec
 from shardctl.reshard.input_check import Expected
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceShard:
     """A local tensor in an input file: ``local_shape`` bytes at ``begin``, made of ``pieces``."""
 

@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import UsageError
+from shardctl.gcpause import gc_paused
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.reshard.source import Source, open_source
 from shardctl.verify.bitwise import check_bitwise
@@ -39,6 +40,7 @@ TORCHRUN_HINT = (
 )
 
 
+@gc_paused
 def verify(
     src: Path,
     dst: Path,

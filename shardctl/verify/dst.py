@@ -24,7 +24,7 @@ from shardctl.reshard.source import open_source
 from shardctl.verify.result import Finding
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class DstShard:
     """One local tensor of DST: ``rank`` (None for an HF checkpoint), bytes at ``begin``."""
 
