@@ -170,6 +170,12 @@ class _Out:
         self.pos = 0
         self.flushed = 0  # bytes handed to writeback so far
         self.digest = ""
+        # Small tensors batched into one buffer (see Executor._small): the buffer, the file
+        # offset of its first byte, bytes filled, and the source reads still to issue into it.
+        self.pend: bytearray | None = None
+        self.pend_at = 0
+        self.pend_len = 0
+        self.pend_reads: list[list[int]] = []  # [file, src offset, buffer offset, length]
 
 
 class _Writer(threading.Thread):
@@ -327,9 +333,18 @@ class Executor:
         if any(w.error is not None for w in self.writers):
             self._finish()
 
-    def _buffer(self) -> bytearray:
+    def _buffer(self, asking: _Out | None = None) -> bytearray:
+        """A free buffer; when every buffer is some file's pending batch, the fullest other
+        batch is flushed (a batch may go out early: it is always its file's next bytes)."""
         while True:
             self._check()
+            try:
+                return self.pool.get_nowait()
+            except queue.Empty:
+                pass
+            held = [o for o in self.outs if o.pend is not None and o is not asking]
+            if held:
+                self._flush(max(held, key=lambda o: o.pend_len))
             try:
                 return self.pool.get(timeout=0.2)
             except queue.Empty:
@@ -357,7 +372,15 @@ class Executor:
                 self._close(out)
         rank = self.order or {}
         for fqn, targets in sorted(order.items(), key=lambda kv: rank.get(kv[0], -1)):
-            gens = [self._tensor(out, t) for out, t in targets]
+            big = []
+            for out, t in targets:
+                boxes = self._small_boxes(t)
+                if boxes is not None:
+                    self._small(out, t, boxes)
+                else:
+                    self._flush(out)
+                    big.append((out, t))
+            gens = [self._tensor(out, t) for out, t in big]
             while gens:
                 gens = [g for g in gens if next(g, StopIteration) is not StopIteration]
             for out in closing.get(fqn, []):
@@ -365,7 +388,62 @@ class Executor:
         self._check()
 
     def _close(self, out: _Out) -> None:
+        self._flush(out)
         out.writer.q.put(("close", out))
+
+    # ---- small tensors: many to a buffer -------------------------------------------------
+
+    def _small_boxes(self, t: TargetTensor) -> list[Box] | None:
+        """``t``'s boxes when it can be batched: it fits a block, and so does every source
+        local tensor it reads (a gather reads whole source rows into the one-block scratch)."""
+        if not 0 < t.nbytes <= self.block:
+            return None
+        s = itemsize(t.dtype)
+        boxes = plan_boxes(t.fqn, t.pieces, self.sources[t.fqn])
+        if any(math.prod(b.src.local_shape) * s > self.block for b in boxes):
+            return None
+        return [Box(b.src, *(_scalar(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes]
+
+    def _small(self, out: _Out, t: TargetTensor, boxes: list[Box]) -> None:
+        """Append ``t`` (at most one block) to ``out``'s pending buffer.
+
+        Tensors of a file lie back to back, so a file's small tensors fill one buffer that is
+        hashed and written with one ``pwrite``; reads contiguous in a source file and in the
+        buffer (a file's experts that stay adjacent) are merged into one ``pread`` at flush.
+        At 90,000 tensors this turns 180,000 thread hand-offs into ~1,500.
+        """
+        n = t.nbytes
+        if out.pend is not None and (
+            out.pend_len + n > self.block or t.begin != out.pend_at + out.pend_len
+        ):
+            self._flush(out)
+        if out.pend is None:
+            out.pend = self._buffer(out)
+            out.pend_at, out.pend_len = t.begin, 0
+        s = itemsize(t.dtype)
+        shape = _scalar(t.local_shape)
+        mv = memoryview(out.pend)[out.pend_len : out.pend_len + n]
+        self._fill(mv, s, shape, (0,) * len(shape), shape, boxes, out, out.pend_len)
+        out.pend_len += n
+
+    def _issue(self, out: _Out) -> None:
+        """Read what ``out``'s pending buffer still waits for."""
+        if out.pend is not None and out.pend_reads:
+            mv = memoryview(out.pend)
+            for file, src, at, n in out.pend_reads:
+                self._read(file, src, mv[at : at + n])
+        out.pend_reads.clear()
+
+    def _flush(self, out: _Out) -> None:
+        """Issue ``out``'s merged reads and hand its pending buffer to the writer."""
+        if out.pend is None:
+            return
+        self._issue(out)
+        buf, out.pend = out.pend, None
+        mv = memoryview(buf)
+        out.writer.q.put(("data", out, out.pend_at, mv[: out.pend_len], buf))
+        if self.progress is not None:
+            self.progress(out.pend_len)
 
     def _fd(self, file: int) -> int:
         fd = self.fds.get(file)
@@ -429,20 +507,34 @@ class Executor:
         sz: tuple[int, ...],
         boxes: Sequence[Box],
     ) -> None:
-        n = math.prod(sz)
-        nbytes = n * s
-        subs: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []
-        for b in boxes:
-            a = tuple(max(x, y) for x, y in zip(lo, b.dst_lo, strict=True))
-            z = tuple(
-                min(x + p, y + q) - m
-                for x, p, y, q, m in zip(lo, sz, b.dst_lo, b.sizes, a, strict=True)
-            )
-            if all(v > 0 for v in z):
-                subs.append((b, a, z))
+        nbytes = math.prod(sz) * s
+        subs = self._subs(lo, sz, boxes)
         buf = self._buffer()
         mv = memoryview(buf)[:nbytes]
         offset = t.begin + _flat(lo, shape) * s
+        self._fill(mv, s, shape, lo, sz, boxes, None, 0, subs)
+        out.writer.q.put(("data", out, offset, mv, buf))
+        if self.progress is not None:
+            self.progress(nbytes)
+
+    def _fill(
+        self,
+        mv: memoryview,
+        s: int,
+        shape: tuple[int, ...],
+        lo: tuple[int, ...],
+        sz: tuple[int, ...],
+        boxes: Sequence[Box],
+        batch: _Out | None,
+        at: int,
+        subs: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] | None = None,
+    ) -> None:
+        """Fill ``mv`` with the block ``lo/sz`` of a local tensor of ``shape``. ``batch``: the
+        file whose pending buffer ``mv`` is, at ``at`` — a contiguous read is queued there
+        (merged with the previous one when they touch) instead of issued now."""
+        n = math.prod(sz)
+        if subs is None:
+            subs = self._subs(lo, sz, boxes)
         covered = sum(math.prod(z) for _, _, z in subs)
         if (
             len(subs) == 1
@@ -452,9 +544,25 @@ class Executor:
             b, a, z = subs[0]
             src_at = tuple(x - y + w for x, y, w in zip(a, b.dst_lo, b.src_lo, strict=True))
             ls = _scalar(b.src.local_shape)
-            self._read(b.src.file, b.src.begin + _flat(src_at, ls) * s, mv)
+            where = b.src.begin + _flat(src_at, ls) * s
+            if batch is None:
+                self._read(b.src.file, where, mv)
+                return
+            reads = batch.pend_reads
+            last = reads[-1] if reads else None
+            if (
+                last
+                and last[0] == b.src.file
+                and last[1] + last[3] == where
+                and last[2] + last[3] == at
+            ):
+                last[3] += len(mv)
+            else:
+                reads.append([b.src.file, where, at, len(mv)])
         else:
-            arr = np.frombuffer(buf, dtype=np.uint8, count=nbytes)
+            if batch is not None:
+                self._issue(batch)  # source reads stay in file order (the input checksums)
+            arr = np.frombuffer(mv, dtype=np.uint8, count=len(mv))
             if covered != n:
                 arr[:] = 0
             dim = self._dim(lo, sz)
@@ -467,9 +575,22 @@ class Executor:
                 dst_view[_index(a[dim] - lo[dim], z[dim], a[dim + 1 :], z[dim + 1 :], s)] = (
                     src_view[_index(0, z[dim], src_at[dim + 1 :], z[dim + 1 :], s)]
                 )
-        out.writer.q.put(("data", out, offset, mv, buf))
-        if self.progress is not None:
-            self.progress(nbytes)
+
+    @staticmethod
+    def _subs(
+        lo: tuple[int, ...], sz: tuple[int, ...], boxes: Sequence[Box]
+    ) -> list[tuple[Box, tuple[int, ...], tuple[int, ...]]]:
+        """The boxes meeting the block ``lo/sz``: (box, first index, sizes) of each overlap."""
+        subs: list[tuple[Box, tuple[int, ...], tuple[int, ...]]] = []
+        for b in boxes:
+            a = tuple(max(x, y) for x, y in zip(lo, b.dst_lo, strict=True))
+            z = tuple(
+                min(x + p, y + q) - m
+                for x, p, y, q, m in zip(lo, sz, b.dst_lo, b.sizes, a, strict=True)
+            )
+            if all(v > 0 for v in z):
+                subs.append((b, a, z))
+        return subs
 
     @staticmethod
     def _dim(lo: tuple[int, ...], sz: tuple[int, ...]) -> int:

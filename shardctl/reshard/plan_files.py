@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
@@ -47,19 +48,20 @@ class TargetTensor:
 
 @dataclass(frozen=True)
 class OutputFile:
-    """One output file. Its header is made again when asked for (``header``), not kept: at
-    90,000 tensors the headers of all files are ~80 MB, a third of the memory budget."""
+    """One output file. Its header is kept deflated (``header`` inflates it): at 90,000
+    tensors the headers of all files are ~80 MB raw, a third of the memory budget, and ~10 MB
+    deflated; making them again instead costs ~0.5 s per 16k-tensor file."""
 
     name: str
     header_size: int
     tensors: tuple[TargetTensor, ...]
     size: int
     rank: int | None = None
-    make_header: Callable[[], bytes] = field(default=lambda: b"", repr=False, compare=False)
+    header_z: bytes = field(default=b"", repr=False)
 
     @property
     def header(self) -> bytes:
-        data = self.make_header()
+        data = zlib.decompress(self.header_z)
         assert len(data) == self.header_size, (self.name, len(data), self.header_size)
         return data
 
@@ -85,13 +87,14 @@ def _file(
     def make() -> bytes:
         return header_bytes(entries(), meta())
 
-    base = len(make())
+    header = make()
+    base = len(header)
     tensors = tuple(
         TargetTensor(e.name, e.dtype, e.shape, pieces, base + e.begin)
         for e, (_, pieces) in zip(entries(), items, strict=True)
     )
     end = tensors[-1].begin + tensors[-1].nbytes if tensors else base
-    return OutputFile(name, base, tensors, end, rank, make)
+    return OutputFile(name, base, tensors, end, rank, zlib.compress(header, 1))
 
 
 def _parts(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:

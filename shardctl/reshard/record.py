@@ -200,9 +200,12 @@ def _dumps(record: dict[str, Any]) -> bytes:
         return json.dumps(v, separators=(", ", ": "))
 
     def rows(items: list[Any], indent: str) -> str:
+        # One encoder call for the whole list, then a line break between its objects: the
+        # text '}, {"fqn"' cannot occur inside a JSON string (its quote would be escaped).
         if not items:
             return "[]"
-        return "[\n" + ",\n".join(indent + one(x) for x in items) + "\n" + indent[:-1] + "]"
+        body = one(items)[1:-1].replace('}, {"fqn"', "},\n" + indent + '{"fqn"')
+        return "[\n" + indent + body + "\n" + indent[:-1] + "]"
 
     lines = []
     for key, value in record.items():
