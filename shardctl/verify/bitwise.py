@@ -308,7 +308,11 @@ def _key(s: DstShard) -> tuple[Any, ...]:
     return (s.fqn, s.rank, s.path.name, s.begin)
 
 
-def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _Out) -> None:
+def _block(
+    t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _Out, rows_at: int = 0
+) -> int:
+    """Compare one block; its DST rows go to ``w.bufs.rows`` from byte ``rows_at`` (a batch of
+    small tensors keeps each one's rows until they are hashed). Returns the end of its rows."""
     k, item = t.k, t.item
     raw = w.bufs.image.get((b - a) * t.row * item)
     image, filled = fill_image(t.src, t.kind, t.shape, k, (lead, a, b), raw, w.read, w.bufs.copy)
@@ -336,7 +340,7 @@ def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _
             else:
                 reads.append((owner, h[0], h[1], [h]))
     total = sum(e - s for _, s, e, _ in reads) * item
-    dbuf = w.bufs.rows.get(total)
+    dbuf = w.bufs.rows.get(rows_at + total)[rows_at:]
     pos = 0
     for owner, s0, e0, parts in reads:
         shard = t.dst_shards[owner]
@@ -356,6 +360,7 @@ def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _
             if not equal(got, expected):
                 origin = (*lead, g0, *(sl.start for sl in p.ginner))
                 out.findings.append(_difference(shard, got, expected, origin))
+    return rows_at + total
 
 
 def _difference(
@@ -590,17 +595,43 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     shapes = {t.fqn: t.shape for t in src.model.tensors}
 
     def tasks() -> Iterator[tuple[Any, ...]]:
+        # Tensors of one block or less are batched, up to a block of SRC bytes, into one task:
+        # at 90,000 tensors one task (and one hand-off to the hashing) per tensor cost more
+        # than reading them.
+        batch: list[tuple[Any, ...]] = []
+        size = 0
         for fqn, shards in by_fqn.items():
             t = _plan_tensor(fqn, shapes[fqn], src, shards)
             if t is None:
+                if batch:
+                    yield ("blocks", batch)
+                    batch, size = [], 0
                 for s in shards:
                     yield ("raw", s)
                 continue
+            blocks = list(itertools.islice(_blocks(t), 2))
+            padded = [
+                s
+                for s in shards
+                if sum(_scalar(p).numel for p in s.pieces) < math.prod(_shape(s.local_shape))
+            ]
+            if len(blocks) == 1 and not padded:
+                nbytes = math.prod(t.shape) * t.item
+                if batch and size + nbytes > BLOCK_BYTES:
+                    yield ("blocks", batch)
+                    batch, size = [], 0
+                batch.append((t, *blocks[0]))
+                size += nbytes
+                continue
+            if batch:
+                yield ("blocks", batch)
+                batch, size = [], 0
             for lead, a, b in _blocks(t):
                 yield ("block", t, lead, a, b)
-            for s in shards:
-                if sum(_scalar(p).numel for p in s.pieces) < math.prod(_shape(s.local_shape)):
-                    yield ("padding", s, t.kind)
+            for s in padded:
+                yield ("padding", s, t.kind)
+        if batch:
+            yield ("blocks", batch)
 
     workers, results = _run(tasks(), src, feeds)
     compared = {_key(s): sum(_scalar(p).numel for p in s.pieces) for s in ordered}
@@ -725,6 +756,10 @@ def _run(
                 out = _Out()
                 if task[0] == "block":
                     _block(task[1], task[2], task[3], task[4], w, out)
+                elif task[0] == "blocks":
+                    at = 0
+                    for t, lead, a, b in task[1]:
+                        at = _block(t, lead, a, b, w, out, at)
                 elif task[0] == "padding":
                     _padding(task[1], task[2], w, out)
                 else:
