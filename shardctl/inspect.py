@@ -116,7 +116,7 @@ def inspect_path(path: Path) -> InspectResult:
 
 
 def _inspect_hf(root: Path) -> InspectResult:
-    from shardctl.io.checkpoint import open_checkpoint
+    from shardctl.checkpoint.hf import open_checkpoint
     from shardctl.model.inventory import from_checkpoint
 
     files = open_checkpoint(root, ignore_layout_record=True)
@@ -150,7 +150,7 @@ def _inspect_file(path: Path) -> InspectResult:
 
 
 def _inspect_layout(root: Path) -> InspectResult:
-    from shardctl.reshard import record as record_mod
+    from shardctl.checkpoint import record as record_mod
 
     rec = record_mod.read(root)
     tensors = rec.tensors

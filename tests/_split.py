@@ -236,10 +236,10 @@ def _on_rank(
 
 def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Path]]) -> Path:
     """Record ``layout`` as reshard would (``shardctl.layout.json``), so ``verify`` can open it."""
+    from shardctl.checkpoint import record as rec
+    from shardctl.checkpoint.source import open_source
     from shardctl.io.checksum import new_hash
     from shardctl.model.types import TensorInfo
-    from shardctl.reshard import record as rec
-    from shardctl.reshard.source import open_source
 
     source = open_source(src)
     tensors = tuple(TensorInfo(t.fqn, t.shape, t.dtype) for t in source.model.tensors)

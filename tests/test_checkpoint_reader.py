@@ -16,12 +16,12 @@ from typing import Any
 
 import pytest
 
-from shardctl.errors import InvalidInputError
-from shardctl.io.checkpoint import (
+from shardctl.checkpoint.hf import (
     IndexMismatch,
     PickleInputRefused,
     open_checkpoint,
 )
+from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from tests._models import make_checkpoint
 

@@ -184,7 +184,7 @@ def test_no_torch_import() -> None:
     import sys
 
     code = (
-        "import sys, shardctl.model.inventory, shardctl.io.checkpoint;"
+        "import sys, shardctl.model.inventory, shardctl.checkpoint.hf;"
         "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0

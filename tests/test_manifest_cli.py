@@ -10,9 +10,6 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
-pytestmark = pytest.mark.skipif(
-    not (ROOT / "shardctl" / "cli.py").exists(), reason="the CLI is not written yet"
-)
 
 
 def shardctl(*args: str) -> subprocess.CompletedProcess[str]:

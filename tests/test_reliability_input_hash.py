@@ -14,10 +14,10 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint.input_check import Expected, InputCheck
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
-from shardctl.reshard.input_check import Expected, InputCheck
 from tests._models import make_checkpoint
 
 REPO = Path(__file__).resolve().parents[1]
@@ -227,7 +227,7 @@ def _reads(check: InputCheck, path: Path, spans: list[tuple[int, int]]) -> None:
 def test_in_order_reads_feed_the_hash_without_a_second_read(
     tp2: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardctl.reshard import input_check
+    from shardctl.checkpoint import input_check
 
     whole: list[Path] = []
     real = input_check.hash_file
@@ -245,7 +245,7 @@ def test_in_order_reads_feed_the_hash_without_a_second_read(
 def test_out_of_order_reads_hand_the_file_to_the_thread(
     tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from shardctl.reshard import input_check
+    from shardctl.checkpoint import input_check
 
     monkeypatch.setattr(input_check, "GAP_MAX", 16)
     src = copy_dir(tp2, tmp_path / "src")
@@ -268,7 +268,7 @@ def test_reshard_merge_reads_its_input_once(
     tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A merge (and a flipped bit it must still catch) without a second read of any input."""
-    from shardctl.reshard import input_check
+    from shardctl.checkpoint import input_check
 
     whole: list[Path] = []
     real = input_check.hash_file

@@ -24,9 +24,9 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint import record
 from shardctl.io.checksum import new_hash
 from shardctl.layout.types import Mesh
-from shardctl.reshard import record
 from shardctl.reshard.api import reshard
 from tests._models import make_checkpoint
 

@@ -19,13 +19,13 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint import record
 from shardctl.errors import EnvironmentFailure, OutputConflictError
 from shardctl.io import faults
 from shardctl.io.checksum import new_hash
 from shardctl.io.lock import OutputLock
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Mesh
-from shardctl.reshard import record
 from shardctl.reshard.api import reshard
 from tests._models import make_checkpoint
 

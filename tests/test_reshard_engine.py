@@ -13,13 +13,13 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from shardctl.checkpoint import plan_files
+from shardctl.checkpoint.source import SourceShard
 from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import new_hash
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Piece, Shard
-from shardctl.reshard import plan_files
 from shardctl.reshard.copy import Executor, plan_boxes
-from shardctl.reshard.source import SourceShard
 
 DTYPES = {"U8": 1, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}
 

@@ -14,8 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint import plan_files, record
 from shardctl.layout.types import Mesh
-from shardctl.reshard import plan_files, record
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
 from tests._models import make_checkpoint

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint import record
 from shardctl.errors import LayoutError
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import LayoutOptions, Mesh
-from shardctl.reshard import record
 from shardctl.reshard.api import reshard
 from tests._models import make_checkpoint
 

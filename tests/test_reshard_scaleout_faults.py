@@ -22,9 +22,9 @@ from pathlib import Path
 
 import pytest
 
+from shardctl.checkpoint import record
 from shardctl.errors import UsageError
 from shardctl.layout.types import Mesh
-from shardctl.reshard import record
 from shardctl.reshard.api import reshard
 from shardctl.reshard.scaleout import TIMEOUT_ENV, dist_timeout
 from tests._models import make_checkpoint

@@ -267,7 +267,7 @@ def test_exit_code_semantics(cks: Checkpoints, tmp_path: Path) -> None:
 def test_render_tables_for_pass_and_fail(cks: Checkpoints) -> None:
     from rich.console import Console
 
-    from shardctl.verify.render import render
+    from shardctl.cli.verify import render
 
     good = verify(cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2)), level="bitwise")
     bad = verify(cks.ckpt("mixtral"), cks.hand_split("mixtral", Mesh(ep=2), "drop-expert"))
@@ -380,7 +380,7 @@ def test_three_dim_tensors_and_scalars(
 
 
 def test_a_file_truncated_during_the_run_is_an_io_error(cks: Checkpoints) -> None:
-    from shardctl.reshard.source import open_source
+    from shardctl.checkpoint.source import open_source
     from shardctl.verify.bitwise import check_bitwise
     from shardctl.verify.dst import open_destination
 

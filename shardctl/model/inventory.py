@@ -5,7 +5,7 @@ No tensor data is read, and torch is never imported:
 - ``from_config`` / ``from_config_file``: closed-form shapes per architecture
   (:mod:`shardctl.model.archs`);
 - ``from_checkpoint``: the safetensors headers (through
-  :func:`shardctl.io.checkpoint.open_checkpoint`, which validates the index and paths),
+  :func:`shardctl.checkpoint.hf.open_checkpoint`, which validates the index and paths),
   plus ``config.json`` for the architecture and dims;
 - ``from_parameters``: a bare count, for what-if planning (no per-tensor layout).
 
@@ -24,9 +24,9 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from shardctl.checkpoint.hf import open_checkpoint, read_json_strict
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
-from shardctl.io.checkpoint import open_checkpoint, read_json_strict
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
 from shardctl.model.types import ModelInfo, TensorInfo
 

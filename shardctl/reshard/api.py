@@ -26,20 +26,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint import plan_files, record
+from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
+from shardctl.checkpoint.input_check import InputCheck
+from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import Interrupted, ShardctlError, UsageError
 from shardctl.gcpause import gc_paused
 from shardctl.io import atomic, faults
-from shardctl.io.checkpoint import INDEX_NAME, PickleInputRefused
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
-from shardctl.reshard import pickle_input, plan_files, record
+from shardctl.reshard import pickle_input
 from shardctl.reshard import resume as resume_run
 from shardctl.reshard.copy import BLOCK_BYTES, Executor
-from shardctl.reshard.input_check import InputCheck
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
-from shardctl.reshard.source import Source, open_source
 
 DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 
@@ -367,7 +368,7 @@ def _with_carried(source: Source, root: Path) -> Source:
     """A converted pickle input carries the original root's files (absolute paths)."""
     from dataclasses import replace
 
-    from shardctl.io.checkpoint import PICKLE_SUFFIXES
+    from shardctl.checkpoint.hf import PICKLE_SUFFIXES
 
     carried = tuple(
         root / n

@@ -34,14 +34,14 @@ from typing import Any
 
 import numpy as np
 
+from shardctl.checkpoint.plan_files import OutputFile, TargetTensor
+from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import faults, writeback
 from shardctl.io.checksum import new_hash
 from shardctl.io.writeback import start_writeback
 from shardctl.layout.types import Piece
-from shardctl.reshard.plan_files import OutputFile, TargetTensor
-from shardctl.reshard.source import SourceShard
 
 # 1 MiB blocks stay in the CPU cache between pread, hash and pwrite: measured on tmpfs, 16 MiB
 # blocks cost ~1.5× the time of 1 MiB ones (each buffer pass then goes to memory).

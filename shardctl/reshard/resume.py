@@ -29,13 +29,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from shardctl import __version__
+from shardctl.checkpoint.input_check import hash_file
 from shardctl.errors import EnvironmentFailure
 from shardctl.io import atomic
-from shardctl.reshard.input_check import hash_file
 
 if TYPE_CHECKING:
+    from shardctl.checkpoint.source import Source
     from shardctl.reshard.api import Plan
-    from shardctl.reshard.source import Source
 
 IDENT = ".shardctl-run.json"
 JOURNAL = ".shardctl-journal"

@@ -44,8 +44,8 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint.plan_files import OutputFile
 from shardctl.errors import EnvironmentFailure, Interrupted, ShardctlError, UsageError
-from shardctl.reshard.plan_files import OutputFile
 
 TIMEOUT_ENV = "SHARDCTL_DIST_TIMEOUT"
 DEFAULT_TIMEOUT_S = 60.0

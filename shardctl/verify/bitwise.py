@@ -46,9 +46,9 @@ from typing import Any
 
 import numpy as np
 
+from shardctl.checkpoint.source import Source
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Piece
-from shardctl.reshard.source import Source
 from shardctl.verify.boxes import FdCache, Scratch, equal, pread_into, uint_of
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult

@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint import record as rec
+from shardctl.checkpoint.source import open_source
 from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import SafetensorsHeader, read_header
 from shardctl.layout.types import Layout, Piece
 from shardctl.model.types import TensorInfo
-from shardctl.reshard import record as rec
-from shardctl.reshard.source import open_source
 from shardctl.verify.result import Finding
 
 

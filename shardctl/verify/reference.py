@@ -31,9 +31,9 @@ from typing import Any
 
 import numpy as np
 
+from shardctl.checkpoint.source import Source, open_source
 from shardctl.dtypes import nbytes
 from shardctl.errors import EnvironmentFailure
-from shardctl.reshard.source import Source, open_source
 from shardctl.verify import bitwise
 from shardctl.verify.boxes import FdCache, Scratch, pread_into, uint_of
 

@@ -9,11 +9,104 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
+
+import typer
 
 from shardctl.errors import UsageError
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.units import parse_size
+
+
+def reshard(
+    src: Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")],
+    dst: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")],
+    tp: Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1)] = None,
+    pp: Annotated[int | None, typer.Option(help="Target pipeline-parallel degree.", min=1)] = None,
+    ep: Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1)] = None,
+    manifest: Annotated[
+        Path | None,
+        typer.Option(
+            help="Take mesh, rules and layout options from this manifest (flags override its mesh)."
+        ),
+    ] = None,
+    fmt: Annotated[
+        str | None,
+        typer.Option(
+            "--format",
+            help="ranks (per-rank files) or hf (whole tensors). Default: "
+            "ranks when the target has more than one rank, else hf.",
+        ),
+    ] = None,
+    max_shard_size: Annotated[
+        str, typer.Option(help="Split output files above this size (5GB = 5·10⁹ B, 5GiB = 2³⁰).")
+    ] = "5GB",
+    workers: Annotated[
+        int | None,
+        typer.Option(
+            help="Writer threads (each output file has one); default: usable cores, at most 4.",
+            min=1,
+        ),
+    ] = None,
+    force: Annotated[
+        bool, typer.Option("--force", help="Replace an existing DST atomically.")
+    ] = False,
+    allow_pickle: Annotated[
+        bool,
+        typer.Option(
+            "--allow-pickle",
+            help="Accept .bin/.pt input, loaded only with torch.load(weights_only=True).",
+        ),
+    ] = False,
+    follow_external_symlinks: Annotated[
+        bool,
+        typer.Option(
+            "--follow-external-symlinks", help="Accept shard symlinks that point outside SRC."
+        ),
+    ] = False,
+    no_verify_input: Annotated[
+        bool,
+        typer.Option(
+            "--no-verify-input",
+            help="Skip hashing inputs whose digests are known (layout record, HF-cache blob).",
+        ),
+    ] = False,
+    no_resume: Annotated[
+        bool,
+        typer.Option(
+            "--no-resume",
+            help="Start clean: do not reuse the finished files of an identical killed run.",
+        ),
+    ] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
+) -> None:
+    """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
+
+    Examples:
+    [bold]shardctl reshard ./Llama-3-8B ./llama-tp4 --tp 4[/bold] (HF → per-rank shards);
+    [bold]shardctl reshard ./llama-tp4 ./llama-tp2 --tp 2[/bold] (any-to-any);
+    [bold]shardctl reshard ./llama-tp4 ./merged --format hf[/bold] (back to HF).
+    """
+
+    run_reshard(
+        src,
+        dst,
+        tp=tp,
+        pp=pp,
+        ep=ep,
+        manifest=manifest,
+        fmt=fmt,
+        max_shard_size=max_shard_size,
+        workers=workers,
+        force=force,
+        allow_pickle=allow_pickle,
+        follow_external_symlinks=follow_external_symlinks,
+        verify_input=not no_verify_input,
+        resume=not no_resume,
+        as_json=as_json,
+        quiet=quiet,
+    )
 
 
 def _target(

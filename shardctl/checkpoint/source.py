@@ -13,14 +13,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint import record as rec
+from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
+from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io.checkpoint import CheckpointFiles, open_checkpoint
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import Layout, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
-from shardctl.reshard import record as rec
-from shardctl.reshard.input_check import Expected
 
 
 @dataclass(frozen=True, slots=True)

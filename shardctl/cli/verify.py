@@ -1,17 +1,66 @@
-"""The verify report as rich renderables: one table per level, then per tensor / rank / figure.
-
-Nothing here prints; the CLI passes :func:`render` to its console.
-"""
+"""``shardctl verify``: levels → one :func:`shardctl.verify.api.verify` call → report."""
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from pathlib import Path
+from typing import Annotated, Any
 
+import typer
 from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
+from shardctl.cli._common import emit_json
+from shardctl.errors import EXIT_NEGATIVE
 from shardctl.verify.result import LevelResult, VerifyResult
+
+
+def verify(
+    src: Annotated[
+        Path, typer.Argument(help="The original: an HF checkpoint dir (or a shardctl layout).")
+    ],
+    dst: Annotated[
+        Path, typer.Argument(help="The resharded output: a shardctl layout or an HF dir.")
+    ],
+    level: Annotated[
+        str, typer.Option(help="structure | bitwise | forward (cumulative).")
+    ] = "forward",
+    device: Annotated[
+        str, typer.Option(help="auto | cpu | cuda (auto: CUDA when present).")
+    ] = "auto",
+    launcher: Annotated[
+        str, typer.Option(help="local (spawn one process per rank) | torchrun (see README).")
+    ] = "local",
+    seed: Annotated[int, typer.Option(help="Seed of the random input ids.")] = 0,
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print the result as JSON (schema shardctl.verify/1).")
+    ] = False,
+    report: Annotated[
+        Path | None, typer.Option(help="Also write the JSON result to this file.")
+    ] = None,
+) -> None:
+    """Prove DST equivalent to SRC: structure, then bits, then a distributed forward.
+
+    Exit 0 equivalent, 1 not equivalent, 3 invalid input, 5 could not verify.
+
+    Example: [bold]shardctl verify ./Llama-3-8B ./llama-tp4 --level forward --json[/bold]
+    """
+    from shardctl.verify.api import verify as run_verify
+
+    result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
+    doc = result.to_json()
+    if report is not None:
+        report.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
+    if as_json:
+        emit_json(doc)
+    else:
+        from rich.console import Console
+
+        Console().print(render(result))
+    if not result.ok:
+        raise typer.Exit(EXIT_NEGATIVE)
+
 
 MAX_ROWS = 40
 _STYLE = {"pass": "green", "fail": "bold red", "not-run": "dim"}

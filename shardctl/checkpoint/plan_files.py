@@ -17,11 +17,11 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
+from shardctl.checkpoint.record import SCHEMA, shard_json
 from shardctl.dtypes import nbytes
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, Piece, Shard
 from shardctl.model.types import TensorInfo
-from shardctl.reshard.record import SCHEMA, shard_json
 
 # Tensors per output file, at most: each costs ~460 header bytes in a rank file (its
 # safetensors entry, its record row and DCP offsets repeated in ``__metadata__``), and readers

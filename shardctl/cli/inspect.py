@@ -1,12 +1,39 @@
-"""Terminal rendering of ``shardctl inspect`` (rich)."""
+"""``shardctl inspect``: a checkpoint at a glance, from headers only."""
 
 from __future__ import annotations
 
+from pathlib import Path
+from typing import Annotated
+
+import typer
 from rich.console import Console
 from rich.table import Table
 
+from shardctl.cli._common import emit_json
 from shardctl.inspect import InspectResult
 from shardctl.plan.render import fmt_bytes
+
+
+def inspect(
+    path: Annotated[
+        Path,
+        typer.Argument(help="A checkpoint directory (HF or shardctl layout) or a config.json."),
+    ],
+    as_json: Annotated[
+        bool, typer.Option("--json", help="Print as JSON (schema shardctl.inspect/1).")
+    ] = False,
+) -> None:
+    """Show a checkpoint at a glance without reading tensor data.
+
+    Example: [bold]shardctl inspect ./Llama-3-8B[/bold]
+    """
+    from shardctl.inspect import inspect_path
+
+    info = inspect_path(path)
+    if as_json:
+        emit_json(info.to_json())
+    else:
+        render_inspect(info)
 
 
 def render_inspect(info: InspectResult, console: Console | None = None) -> None:
