@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from shardctl.blocks import flat_index, is_contiguous, scalar_piece, scalar_shape
 from shardctl.checkpoint.plan_files import OutputFile, TargetTensor
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
@@ -62,14 +63,6 @@ class Box:
     sizes: tuple[int, ...]
 
 
-def _scalar(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return shape if shape else (1,)
-
-
-def _piece(p: Piece) -> Piece:
-    return p if p.sizes else Piece((0,), (1,), (0,))
-
-
 def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]) -> list[Box]:
     """Box copies that fill ``pieces`` from ``sources`` (replicas: the first holder wins).
 
@@ -77,10 +70,10 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
     """
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[SourceShard, Piece]] = {}
     for s in sources:
-        for q in map(_piece, s.pieces):
+        for q in map(scalar_piece, s.pieces):
             held.setdefault((q.offsets, q.sizes), (s, q))
     boxes: list[Box] = []
-    for p in map(_piece, pieces):
+    for p in map(scalar_piece, pieces):
         need = math.prod(p.sizes)
         if need == 0:
             continue
@@ -111,23 +104,6 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
                 hint="the source layout record is inconsistent; re-create the sharded checkpoint",
             )
     return boxes
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    out = [1] * len(shape)
-    for i in range(len(shape) - 2, -1, -1):
-        out[i] = out[i + 1] * shape[i + 1]
-    return tuple(out)
-
-
-def _flat(idx: Sequence[int], shape: tuple[int, ...]) -> int:
-    return sum(i * s for i, s in zip(idx, _strides(shape), strict=True))
-
-
-def _contiguous(sizes: tuple[int, ...], shape: tuple[int, ...]) -> bool:
-    """Is a box of ``sizes`` in a tensor of ``shape`` one contiguous run (whatever its start)?"""
-    k = next((i for i, n in enumerate(sizes) if n != 1), len(sizes))
-    return all(sizes[j] == shape[j] for j in range(k + 1, len(sizes)))
 
 
 def _rows_view(arr: np.ndarray, nrows: int, trailing: tuple[int, ...], s: int) -> np.ndarray:
@@ -402,7 +378,9 @@ class Executor:
         boxes = plan_boxes(t.fqn, t.pieces, self.sources[t.fqn])
         if any(math.prod(b.src.local_shape) * s > self.block for b in boxes):
             return None
-        return [Box(b.src, *(_scalar(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes]
+        return [
+            Box(b.src, *(scalar_shape(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes
+        ]
 
     def _small(self, out: _Out, t: TargetTensor, boxes: list[Box]) -> None:
         """Append ``t`` (at most one block) to ``out``'s pending buffer.
@@ -421,7 +399,7 @@ class Executor:
             out.pend = self._buffer(out)
             out.pend_at, out.pend_len = t.begin, 0
         s = itemsize(t.dtype)
-        shape = _scalar(t.local_shape)
+        shape = scalar_shape(t.local_shape)
         mv = memoryview(out.pend)[out.pend_len : out.pend_len + n]
         self._fill(mv, s, shape, (0,) * len(shape), shape, boxes, out, out.pend_len)
         out.pend_len += n
@@ -473,13 +451,15 @@ class Executor:
     def _tensor(self, out: _Out, t: TargetTensor) -> Iterator[None]:
         """Produce ``t`` block by block (a generator: one block per ``next``)."""
         s = itemsize(t.dtype)
-        shape = _scalar(t.local_shape)
+        shape = scalar_shape(t.local_shape)
         if math.prod(shape) == 0:
             return
         boxes = plan_boxes(t.fqn, t.pieces, self.sources[t.fqn])
-        boxes = [Box(b.src, *(_scalar(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes]
+        boxes = [
+            Box(b.src, *(scalar_shape(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes
+        ]
         nd = len(shape)
-        src_shapes = [_scalar(b.src.local_shape) for b in boxes]
+        src_shapes = [scalar_shape(b.src.local_shape) for b in boxes]
 
         def row_bytes(d: int) -> int:
             return s * max(
@@ -511,7 +491,7 @@ class Executor:
         subs = self._subs(lo, sz, boxes)
         buf = self._buffer()
         mv = memoryview(buf)[:nbytes]
-        offset = t.begin + _flat(lo, shape) * s
+        offset = t.begin + flat_index(lo, shape) * s
         self._fill(mv, s, shape, lo, sz, boxes, None, 0, subs)
         out.writer.q.put(("data", out, offset, mv, buf))
         if self.progress is not None:
@@ -539,12 +519,12 @@ class Executor:
         if (
             len(subs) == 1
             and covered == n
-            and _contiguous(subs[0][2], _scalar(subs[0][0].src.local_shape))
+            and is_contiguous(subs[0][2], scalar_shape(subs[0][0].src.local_shape))
         ):
             b, a, z = subs[0]
             src_at = tuple(x - y + w for x, y, w in zip(a, b.dst_lo, b.src_lo, strict=True))
-            ls = _scalar(b.src.local_shape)
-            where = b.src.begin + _flat(src_at, ls) * s
+            ls = scalar_shape(b.src.local_shape)
+            where = b.src.begin + flat_index(src_at, ls) * s
             if batch is None:
                 self._read(b.src.file, where, mv)
                 return
@@ -570,7 +550,7 @@ class Executor:
             dst_view = _rows_view(arr, nrows, shape[dim + 1 :], s)
             for b, a, z in subs:
                 src_at = tuple(x - y + w for x, y, w in zip(a, b.dst_lo, b.src_lo, strict=True))
-                ls = _scalar(b.src.local_shape)
+                ls = scalar_shape(b.src.local_shape)
                 src_view = self._rows(b.src, ls, src_at, z[dim], dim, s)
                 dst_view[_index(a[dim] - lo[dim], z[dim], a[dim + 1 :], z[dim + 1 :], s)] = (
                     src_view[_index(0, z[dim], src_at[dim + 1 :], z[dim + 1 :], s)]
@@ -608,7 +588,7 @@ class Executor:
     ) -> np.ndarray:
         """Source rows ``[at[dim], +nrows)`` (dims before ``dim`` fixed at ``at``), full width."""
         start = (*at[:dim], at[dim]) + (0,) * (len(ls) - dim - 1)
-        offset = src.begin + _flat(start, ls) * s
+        offset = src.begin + flat_index(start, ls) * s
         length = nrows * math.prod(ls[dim + 1 :]) * s
         key = (src.file, offset, length)
         if key != self.scratch_key:

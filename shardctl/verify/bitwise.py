@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from shardctl import blocks
+from shardctl.blocks import scalar_piece, scalar_shape, strides
 from shardctl.checkpoint.source import Source
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Piece
@@ -57,18 +59,6 @@ BLOCK_BYTES = 2 << 20  # SRC image of one block (1, 2, 4 MiB measured: 2 best)
 DST_CAP_BYTES = 4 << 20  # DST rows read for one block (replicas each count)
 MAX_THREADS = 4
 THREADS_ENV = "SHARDCTL_VERIFY_THREADS"
-
-
-def _scalar(p: Piece) -> Piece:
-    return p if p.sizes else Piece((0,), (1,), (0,))
-
-
-def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return shape or (1,)
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
 
 
 def threads() -> int:
@@ -126,8 +116,8 @@ def _part(
     gshape: tuple[int, ...],
     owner: int,
 ) -> _Part:
-    lshape = _shape(lshape)
-    p = _scalar(p)
+    lshape = scalar_shape(lshape)
+    p = scalar_piece(p)
     inner = range(k + 1, len(gshape))
     ginner = tuple(slice(p.offsets[d], p.offsets[d] + p.sizes[d]) for d in inner)
     linner = tuple(slice(p.local_offsets[d], p.local_offsets[d] + p.sizes[d]) for d in inner)
@@ -139,7 +129,7 @@ def _part(
         path,
         begin,
         lshape,
-        _strides(lshape),
+        strides(lshape),
         p.offsets,
         p.sizes,
         p.local_offsets,
@@ -166,11 +156,8 @@ def _hit(p: _Part, k: int, lead: tuple[int, ...], a: int, b: int) -> tuple[int, 
 
 
 def block_dim(shape: tuple[int, ...], item: int) -> int:
-    """The dim blocks run along: the first whose one index (the dims after it) fits a block."""
-    k = 0
-    while k < len(shape) - 1 and math.prod(shape[k + 1 :]) * item > BLOCK_BYTES:
-        k += 1
-    return k
+    """The dim blocks run along (``blocks.block_dim`` at this level's ``BLOCK_BYTES``)."""
+    return blocks.block_dim(shape, item, BLOCK_BYTES)
 
 
 def src_parts(src: Source, fqn: str, shape: tuple[int, ...], k: int) -> list[_Part]:
@@ -178,7 +165,7 @@ def src_parts(src: Source, fqn: str, shape: tuple[int, ...], k: int) -> list[_Pa
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     parts = []
     for s in src.shards[fqn]:
-        for p in map(_scalar, s.pieces):
+        for p in map(scalar_piece, s.pieces):
             if (p.offsets, p.sizes) in seen:
                 continue
             seen.add((p.offsets, p.sizes))
@@ -227,7 +214,7 @@ def _plan_tensor(
     if kind is None:
         return None
     item = np.dtype(kind).itemsize
-    shape = _shape(shape)
+    shape = scalar_shape(shape)
     k = block_dim(shape, item)
     row = math.prod(shape[k + 1 :])
     src_parts_ = src_parts(src, fqn, shape, k)
@@ -239,7 +226,7 @@ def _plan_tensor(
     # Rows per block: the image within BLOCK_BYTES, the DST rows it needs within DST_CAP_BYTES.
     events: dict[int, int] = {}
     for key in {(p.owner, p.goff[k], p.gsize[k], p.loff[k]) for p in dst_parts}:
-        lrow = math.prod(_shape(shards[key[0]].local_shape)[k + 1 :]) * item
+        lrow = math.prod(scalar_shape(shards[key[0]].local_shape)[k + 1 :]) * item
         events[key[1]] = events.get(key[1], 0) + lrow
         events[key[1] + key[2]] = events.get(key[1] + key[2], 0) - lrow
     widest, run = 1, 0
@@ -377,11 +364,11 @@ def _difference(
 
 def _padding(s: DstShard, kind: type[np.unsignedinteger], w: _Worker, out: _Out) -> None:
     """Local elements no piece covers must be zero; read only the rows that hold any."""
-    shape = _shape(s.local_shape)
+    shape = scalar_shape(s.local_shape)
     item = np.dtype(kind).itemsize
     row = math.prod(shape[1:])
     rows_per = max(1, BLOCK_BYTES // max(1, row * item))
-    pieces = [_scalar(p) for p in s.pieces]
+    pieces = [scalar_piece(p) for p in s.pieces]
     for a in range(0, shape[0], rows_per):
         b = min(shape[0], a + rows_per)
         mask = np.ones((b - a, *shape[1:]), dtype=bool)
@@ -584,7 +571,9 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
             "status": "pass",
         }
         padded += sum(
-            1 for s in shards if sum(_scalar(p).numel for p in s.pieces) < math.prod(s.local_shape)
+            1
+            for s in shards
+            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
         )
     hash_name = dst.record.hash if dst.record and hashes else None
     feeds: dict[Path, _Feed] = {}
@@ -613,7 +602,8 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
             padded = [
                 s
                 for s in shards
-                if sum(_scalar(p).numel for p in s.pieces) < math.prod(_shape(s.local_shape))
+                if sum(scalar_piece(p).numel for p in s.pieces)
+                < math.prod(scalar_shape(s.local_shape))
             ]
             if len(blocks) == 1 and not padded:
                 nbytes = math.prod(t.shape) * t.item
@@ -634,7 +624,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
             yield ("blocks", batch)
 
     workers, results = _run(tasks(), src, feeds)
-    compared = {_key(s): sum(_scalar(p).numel for p in s.pieces) for s in ordered}
+    compared = {_key(s): sum(scalar_piece(p).numel for p in s.pieces) for s in ordered}
     for message, where in _findings(results, compared):
         level.fail(message, **where)
         per_tensor[where["fqn"]]["status"] = "fail"
