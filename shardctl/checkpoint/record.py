@@ -51,6 +51,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -116,6 +117,23 @@ def shard_json(shard: Shard, file: str) -> dict[str, Any]:
     }
 
 
+class RankRows:
+    """A rank's ``shards`` rows, made when iterated: ``write`` encodes one rank at a time, so
+    the rows of 180,000 shards (~1 KB each as dicts) never all exist at once."""
+
+    def __init__(
+        self, shards: tuple[Shard, ...], rank: int, shard_files: dict[tuple[int, str], str]
+    ) -> None:
+        self.shards, self.rank, self.shard_files = shards, rank, shard_files
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        for s in self.shards:
+            yield shard_json(s, self.shard_files[(self.rank, s.fqn)])
+
+    def __len__(self) -> int:
+        return len(self.shards)
+
+
 def build(
     *,
     fmt: str,
@@ -129,7 +147,7 @@ def build(
     files: list[FileDigest],
     carried: list[str],
 ) -> dict[str, Any]:
-    """The record as a JSON-ready dict."""
+    """The record as a dict for ``write`` (each rank's ``shards`` a ``RankRows``)."""
     ranks: list[dict[str, Any]] = []
     if layout is not None:
         for i, rl in enumerate(layout.ranks):
@@ -137,7 +155,7 @@ def build(
                 {
                     "rank": i,
                     "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
-                    "shards": [shard_json(s, shard_files[(i, s.fqn)]) for s in rl.shards],
+                    "shards": RankRows(rl.shards, i, shard_files),
                 }
             )
     opts = layout.options if layout is not None else LayoutOptions()
@@ -216,7 +234,8 @@ def _dumps(record: dict[str, Any]) -> bytes:
             for r in value:
                 head = {k: v for k, v in r.items() if k != "shards"}
                 inner = one(head)[:-1]
-                ranks.append(f'  {inner}, "shards": {rows(r.get("shards", []), "   ")}}}')
+                shards = list(r.get("shards", []))
+                ranks.append(f'  {inner}, "shards": {rows(shards, "   ")}}}')
             text = "[\n" + ",\n".join(ranks) + "\n ]" if ranks else "[]"
         else:
             text = one(value)
