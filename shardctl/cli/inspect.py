@@ -33,7 +33,6 @@ def inspect(
     if as_json:
         emit_json(info.to_json())
     else:
-
         render_inspect(info)
 
 

@@ -57,7 +57,6 @@ def verify(
     else:
         from rich.console import Console
 
-
         Console().print(render(result))
     if not result.ok:
         raise typer.Exit(EXIT_NEGATIVE)

@@ -26,7 +26,10 @@ def refuse_untrusted_formats(src: Path) -> None:
     """torch DCP (``.metadata`` + ``*.distcp``) and ``.nemo``: pickles we never open (exit 3)."""
     if src.is_file() and src.suffix == ".nemo":
         raise InvalidInputError(".nemo archive refused (it holds pickles)", where=str(src))
-    if src.is_dir() and ((src / ".metadata").exists() or any(src.glob("*.distcp"))):
+    # os.listdir + endswith, never glob: SRC's name is user data (RELIABILITY J3).
+    if src.is_dir() and (
+        (src / ".metadata").exists() or any(n.endswith(".distcp") for n in os.listdir(src))
+    ):
         raise InvalidInputError(
             "torch DCP checkpoint refused: its .metadata is a plain pickle",
             where=str(src),

@@ -69,7 +69,7 @@ def finish(staging: Path) -> None:
 def adopt(dst: Path, ident: str, hash_name: str) -> tuple[Path | None, dict[str, str]]:
     """Under the lock: a stale staging directory of an identical run, and its finished files
     (``name -> digest``) that still hash to their digests; ``(None, {})`` if there is none."""
-    found = [p for p in dst.parent.glob(atomic.staging_prefix(dst) + "*") if p.is_dir()]
+    found = [p for p in atomic.siblings(dst, atomic.staging_prefix(dst)) if p.is_dir()]
     for cand in sorted(found, key=_mtime, reverse=True):
         if _ident(cand) != ident:
             continue
