@@ -25,8 +25,8 @@ from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import InvalidInputError
+from shardctl.manifest.fields import MAX_AXIS  # the manifest's cap on a mesh degree
 
-MAX_AXIS = 2**20  # the manifest's cap on a mesh degree (shardctl.manifest.fields.MAX_AXIS)
 MAX_DIM = 2**40  # one dimension of a tensor
 MAX_NUMEL = 2**62  # elements of one tensor
 MAX_DIMS = 64  # dimensions of one tensor (torch's own limit)

@@ -7,9 +7,10 @@ from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape as esc
 from rich.table import Table
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
 from shardctl.inspect import InspectResult
 from shardctl.plan.render import fmt_bytes
 
@@ -22,6 +23,7 @@ def inspect(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print as JSON (schema shardctl.inspect/1).")
     ] = False,
+    max_header_bytes: MaxHeaderBytes = None,
 ) -> None:
     """Show a checkpoint at a glance without reading tensor data.
 
@@ -29,7 +31,8 @@ def inspect(
     """
     from shardctl.inspect import inspect_path
 
-    info = inspect_path(path)
+    with header_limit(max_header_bytes):
+        info = inspect_path(path)
     if as_json:
         emit_json(info.to_json())
     else:
@@ -39,13 +42,13 @@ def inspect(
 def render_inspect(info: InspectResult, console: Console | None = None) -> None:
     console = console or Console()
     m = info.model
-    console.print(f"[bold]{info.path}[/bold]  ({info.kind})")
+    console.print(f"[bold]{esc(str(info.path))}[/bold]  ({esc(info.kind)})")
     console.print(
-        f"  architecture {m.architecture}  {m.parameters:,} parameters  "
+        f"  architecture {esc(m.architecture)}  {m.parameters:,} parameters  "
         f"{fmt_bytes(m.weight_bytes)} ({m.weight_bytes:,} B)  {len(m.tensors)} tensors"
     )
     if info.dtypes:
-        console.print("  dtypes: " + ", ".join(f"{d} {n:,}" for d, n in info.dtypes.items()))
+        console.print("  dtypes: " + ", ".join(f"{esc(d)} {n:,}" for d, n in info.dtypes.items()))
     if m.dims is not None:
         d = m.dims
         console.print(
@@ -57,16 +60,18 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         )
     if info.mesh is not None:
         mesh = "×".join(f"{a.upper()}{info.mesh[a]}" for a in ("pp", "dp", "ep", "tp"))
-        console.print(f"  layout: {info.layout_format}, mesh {mesh}")
+        console.print(f"  layout: {esc(str(info.layout_format))}, mesh {esc(mesh)}")
         for s in info.stages:
-            console.print(f"    stage {s['stage']}: layers {s['layers']}")
+            console.print(esc(f"    stage {s['stage']}: layers {s['layers']}"))
     if info.ranks:
         table = Table(box=None, header_style="bold", pad_edge=False)
         for col in ("rank", "coord", "shards", "bytes", "files"):
             table.add_column(col, justify="right" if col in ("rank", "shards") else "left")
         for r in info.ranks:
-            coord = " ".join(f"{k}{v}" for k, v in r.coord.items())
-            table.add_row(str(r.rank), coord, str(r.shards), fmt_bytes(r.bytes), ", ".join(r.files))
+            coord = esc(" ".join(f"{k}{v}" for k, v in r.coord.items()))
+            table.add_row(
+                str(r.rank), coord, str(r.shards), fmt_bytes(r.bytes), esc(", ".join(r.files))
+            )
         console.print(table)
     if info.files and not info.ranks:
         table = Table(box=None, header_style="bold", pad_edge=False)
@@ -74,9 +79,9 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         table.add_column("size", justify="right")
         table.add_column("tensors", justify="right")
         for f in info.files:
-            table.add_row(f.name, fmt_bytes(f.size), str(f.tensors))
+            table.add_row(esc(f.name), fmt_bytes(f.size), str(f.tensors))
         console.print(table)
     if info.carried:
-        console.print("  carried files: " + ", ".join(info.carried))
+        console.print("  carried files: " + esc(", ".join(info.carried)))
     for w in info.warnings:
-        console.print(f"  [yellow]warning[/yellow]: {w}")
+        console.print(f"  [yellow]warning[/yellow]: {esc(w)}")

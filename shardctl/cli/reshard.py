@@ -13,6 +13,7 @@ from typing import Annotated, Any
 
 import typer
 
+from shardctl.cli._common import MAX_AXIS, MAX_WORKERS, MaxHeaderBytes, header_limit
 from shardctl.errors import UsageError
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.units import parse_size
@@ -21,9 +22,15 @@ from shardctl.units import parse_size
 def reshard(
     src: Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")],
     dst: Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")],
-    tp: Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1)] = None,
-    pp: Annotated[int | None, typer.Option(help="Target pipeline-parallel degree.", min=1)] = None,
-    ep: Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1)] = None,
+    tp: Annotated[
+        int | None, typer.Option(help="Target tensor-parallel degree.", min=1, max=MAX_AXIS)
+    ] = None,
+    pp: Annotated[
+        int | None, typer.Option(help="Target pipeline-parallel degree.", min=1, max=MAX_AXIS)
+    ] = None,
+    ep: Annotated[
+        int | None, typer.Option(help="Target expert-parallel degree.", min=1, max=MAX_AXIS)
+    ] = None,
     manifest: Annotated[
         Path | None,
         typer.Option(
@@ -46,6 +53,7 @@ def reshard(
         typer.Option(
             help="Writer threads (each output file has one); default: usable cores, at most 4.",
             min=1,
+            max=MAX_WORKERS,
         ),
     ] = None,
     force: Annotated[
@@ -80,6 +88,7 @@ def reshard(
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,
     quiet: Annotated[bool, typer.Option("--quiet", "-q", help="No progress, no summary.")] = False,
+    max_header_bytes: MaxHeaderBytes = None,
 ) -> None:
     """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
 
@@ -89,24 +98,25 @@ def reshard(
     [bold]shardctl reshard ./llama-tp4 ./merged --format hf[/bold] (back to HF).
     """
 
-    run_reshard(
-        src,
-        dst,
-        tp=tp,
-        pp=pp,
-        ep=ep,
-        manifest=manifest,
-        fmt=fmt,
-        max_shard_size=max_shard_size,
-        workers=workers,
-        force=force,
-        allow_pickle=allow_pickle,
-        follow_external_symlinks=follow_external_symlinks,
-        verify_input=not no_verify_input,
-        resume=not no_resume,
-        as_json=as_json,
-        quiet=quiet,
-    )
+    with header_limit(max_header_bytes):
+        run_reshard(
+            src,
+            dst,
+            tp=tp,
+            pp=pp,
+            ep=ep,
+            manifest=manifest,
+            fmt=fmt,
+            max_shard_size=max_shard_size,
+            workers=workers,
+            force=force,
+            allow_pickle=allow_pickle,
+            follow_external_symlinks=follow_external_symlinks,
+            verify_input=not no_verify_input,
+            resume=not no_resume,
+            as_json=as_json,
+            quiet=quiet,
+        )
 
 
 def _target(
@@ -235,15 +245,16 @@ def run_reshard(
     if quiet:
         return
     from rich.console import Console
+    from rich.markup import escape as esc
 
     from shardctl.plan.render import fmt_bytes
 
     mesh_text = "" if result.mesh is None else f" mesh {result.mesh}"
     Console().print(
-        f"[green]wrote[/green] {result.dst} ({result.format}{mesh_text}): "
+        f"[green]wrote[/green] {esc(str(result.dst))} ({result.format}{mesh_text}): "
         f"{len(result.files)} files, {fmt_bytes(result.total_bytes)} in {result.seconds:.2f} s "
         f"({fmt_bytes(rate)}/s), peak memory {fmt_bytes(peak)}"
-        + (f", carried {', '.join(result.carried)}" if result.carried else "")
+        + (f", carried {esc(', '.join(result.carried))}" if result.carried else "")
         + (
             f"; resumed a killed run: reused {len(result.resumed)} finished "
             f"file{'s' if len(result.resumed) != 1 else ''} ({fmt_bytes(reused)})"

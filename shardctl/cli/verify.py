@@ -11,7 +11,7 @@ from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
 from shardctl.errors import EXIT_NEGATIVE
 from shardctl.verify.result import LevelResult, VerifyResult
 
@@ -32,13 +32,16 @@ def verify(
     launcher: Annotated[
         str, typer.Option(help="local (spawn one process per rank) | torchrun (see README).")
     ] = "local",
-    seed: Annotated[int, typer.Option(help="Seed of the random input ids.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the random input ids.", min=0, max=2**63 - 1)
+    ] = 0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON (schema shardctl.verify/1).")
     ] = False,
     report: Annotated[
         Path | None, typer.Option(help="Also write the JSON result to this file.")
     ] = None,
+    max_header_bytes: MaxHeaderBytes = None,
 ) -> None:
     """Prove DST equivalent to SRC: structure, then bits, then a distributed forward.
 
@@ -48,7 +51,8 @@ def verify(
     """
     from shardctl.verify.api import verify as run_verify
 
-    result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
+    with header_limit(max_header_bytes):
+        result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
     doc = result.to_json()
     if report is not None:
         report.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")
@@ -57,7 +61,9 @@ def verify(
     else:
         from rich.console import Console
 
-        Console().print(render(result))
+        # markup=False: every string here (paths, fqns, file names, findings) is user data;
+        # styles come from Text objects only (a tensor named "[/]" must not crash the table).
+        Console(markup=False).print(render(result))
     if not result.ok:
         raise typer.Exit(EXIT_NEGATIVE)
 
@@ -77,7 +83,7 @@ def _fmt(v: Any) -> str:
 
 
 def summary(result: VerifyResult) -> Table:
-    t = Table(title=f"verify {result.src} → {result.dst}", title_justify="left")
+    t = Table(title=Text(f"verify {result.src} → {result.dst}"), title_justify="left")
     t.add_column("level")
     t.add_column("status")
     t.add_column("seconds", justify="right")

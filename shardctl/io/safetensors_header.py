@@ -39,7 +39,8 @@ import json
 import math
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,6 +49,35 @@ from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 2**20
+# The largest limit ``--max-header-bytes`` may set: a legal 72 MB header already costs ~18 s and
+# ~1 GiB to open; above 1 GiB nothing legitimate is left.
+MAX_HEADER_LIMIT = 2**30
+_limit = [DEFAULT_MAX_HEADER_BYTES]
+
+
+@contextmanager
+def header_limit(max_header_bytes: int | None) -> Iterator[None]:
+    """``--max-header-bytes``: raise the header cap for every read in this block (one CLI call).
+
+    A process-wide setting rather than a parameter threaded through every reader: the cap
+    guards every header shardctl opens (inputs, outputs, verify's), and the CLI sets it once."""
+    if max_header_bytes is None:
+        yield
+        return
+    if not 8 <= max_header_bytes <= MAX_HEADER_LIMIT:
+        from shardctl.errors import UsageError
+
+        raise UsageError(
+            f"--max-header-bytes: {max_header_bytes} is out of range [8, {MAX_HEADER_LIMIT}]"
+        )
+    old = _limit[0]
+    _limit[0] = max_header_bytes
+    try:
+        yield
+    finally:
+        _limit[0] = old
+
+
 METADATA_KEY = "__metadata__"
 
 
@@ -100,10 +130,12 @@ def _refuse_constant(name: str) -> Any:
     raise _Refused(f"non-finite number {name}")
 
 
-def read_header(
-    path: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-) -> SafetensorsHeader:
-    """Read and validate the header of the safetensors file at ``path``; reads no tensor data."""
+def read_header(path: Path, *, max_header_bytes: int | None = None) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at ``path``; reads no tensor data.
+
+    ``max_header_bytes``: default the current limit (16 MiB, or ``--max-header-bytes``)."""
+    if max_header_bytes is None or max_header_bytes == DEFAULT_MAX_HEADER_BYTES:
+        max_header_bytes = _limit[0]
     path = Path(path)
     where = str(path)
     try:
@@ -134,7 +166,7 @@ def read_header(
                 f"header exceeds shardctl limit ({_mib(max_header_bytes)}): "
                 f"header length field says {header_len} bytes",
                 where=where,
-                hint="use --max-header-bytes if the file is trusted",
+                hint="pass --max-header-bytes N (reshard, verify, inspect) if the file is trusted",
             )
         if 8 + header_len > file_size:
             raise InvalidInputError(

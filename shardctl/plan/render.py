@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def render_plan(result: PlanResult, console: Console | None = None) -> None:
     model = result.model
     m = result.mesh
     console.print(
-        f"[bold]{model.architecture}[/bold]  {model.parameters:,} parameters  "
+        f"[bold]{escape(model.architecture)}[/bold]  {model.parameters:,} parameters  "
         f"{fmt_bytes(model.weight_bytes)} ({model.weight_bytes:,} B, {model.dtype})  "
         f"mesh {m} = {m.world} GPUs"
     )

@@ -111,6 +111,7 @@ def _gib(n: float) -> str:
 def render_bars(plan: Any, *, console: Any = None, width: int = 48) -> None:
     """Stacked bars per rank in the terminal, a legend, the load-balance line and warnings."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.text import Text
 
     console = console or Console()
@@ -140,7 +141,7 @@ def render_bars(plan: Any, *, console: Any = None, width: int = 48) -> None:
     ratio, warnings = stage_balance(items)
     console.print(f"  load balance (max/mean of stage peaks): {ratio:.3f}")
     for w in warnings:
-        console.print(f"  [yellow]warning:[/yellow] {w}")
+        console.print(f"  [yellow]warning:[/yellow] {escape(w)}")
 
 
 def render_search_table(result: Any, *, top: int, console: Any = None) -> None:
