@@ -193,6 +193,8 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
                 hint="add the index, or point at one .safetensors file",
             )
     elif pickles:
+        for p in pickles:  # the symlink rule of safetensors inputs, before any opt-in
+            guard.check(str(p))
         raise PickleInputRefused(root, pickles)
     else:
         raise InvalidInputError(

@@ -79,6 +79,7 @@ def header_limit(max_header_bytes: int | None) -> Iterator[None]:
 
 
 METADATA_KEY = "__metadata__"
+MAX_DIMS = 64  # torch refuses tensors of more dimensions
 
 
 @dataclass(frozen=True)
@@ -269,6 +270,13 @@ def _metadata(info: Any, where: str) -> dict[str, str]:
 def _entry(name: str, info: Any, where: str) -> HeaderEntry:
     if name == "":
         raise InvalidInputError("empty tensor name in header", where=where)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON "\ud800" decodes to a lone surrogate: no file format or terminal can hold it.
+        raise InvalidInputError(
+            f"tensor name {name!r} is not valid Unicode (a lone surrogate)", where=where
+        ) from None
     at = f"tensor {name!r}"
     if not isinstance(info, _Object):
         raise InvalidInputError(f"{at}: expected an object, got {_json_type(info)}", where=where)
@@ -288,6 +296,11 @@ def _entry(name: str, info: Any, where: str) -> HeaderEntry:
             hint=f"known: {', '.join(DTYPE_BITS)}",
         )
     shape = fields["shape"]
+    if isinstance(shape, list) and len(shape) > MAX_DIMS:
+        raise InvalidInputError(
+            f"{name!r}: {len(shape)} dimensions, above the limit of {MAX_DIMS} (torch's own)",
+            where=where,
+        )
     if not isinstance(shape, list) or not _all_nonneg_ints(shape):
         raise InvalidInputError(
             f"{at}: shape must be a list of non-negative integers, got {_short(shape)}",

@@ -34,6 +34,7 @@ from shardctl.errors import Interrupted, ShardctlError, UsageError
 from shardctl.io import atomic, faults
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
+from shardctl.layout import bounds
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input
@@ -91,12 +92,15 @@ def plan(
         raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
     if max_shard_size <= 0:
         raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
+    bounds.check_dtypes(source.model)
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
     if fmt == "hf":
         if mesh is not None and mesh.model_parallel > 1:
             raise UsageError(f"format hf holds whole tensors; mesh {mesh} needs format ranks")
         files, index = plan_files.hf_files(source.model.tensors, max_shard_size)
         return Plan("hf", None, tuple(files), {}, index)
+    bounds.check_mesh(source.model, mesh or Mesh())  # before build_layout materializes shards
+    bounds.check_config(source.model)
     layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
     rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
     return Plan("ranks", layout, tuple(rfiles), where, None)
@@ -443,9 +447,23 @@ def _signals() -> Iterator[None]:
             signal.signal(s, h)
 
 
+def world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it; anything else (``abc``, ``-1``) is exit 3."""
+    from shardctl.errors import InvalidInputError
+
+    text = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 2**20:
+        raise InvalidInputError(
+            f"WORLD_SIZE={text[:40]!r} is not a world size (an integer 1..{2**20})",
+            where="environment",
+            hint="unset it, or run under torchrun",
+        )
+    return int(text)
+
+
 def _distributed() -> Any:
     """Under torchrun (``WORLD_SIZE`` > 1): a gloo group that splits the output files."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world_size() <= 1:
         return None
     from shardctl.reshard.scaleout import Group
 
