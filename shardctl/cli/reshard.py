@@ -57,7 +57,12 @@ def reshard(
         ),
     ] = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Replace an existing DST atomically.")
+        bool,
+        typer.Option(
+            "--force",
+            help="Replace an existing DST atomically: only an empty directory or a previous "
+            "shardctl output (it has shardctl.layout.json); anything else is exit 4.",
+        ),
     ] = False,
     allow_pickle: Annotated[
         bool,
@@ -83,7 +88,9 @@ def reshard(
         bool,
         typer.Option(
             "--no-resume",
-            help="Start clean: do not reuse the finished files of an identical killed run.",
+            help="Start clean: do not reuse the finished files of an identical killed run. "
+            "Resume trusts inputs whose name, size, mtime, inode and ctime are unchanged (their "
+            "bytes are not re-hashed unless their digests are known).",
         ),
     ] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print the result as JSON.")] = False,

@@ -16,15 +16,16 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardctl.errors import EnvironmentFailure
+from shardctl.io.tempdirs import owned_tempdir
 from shardctl.verify.comm import ThreadComm, ThreadHub, Topology
 from shardctl.verify.rank import RankJob, RankOutcome, run_rank
 from shardctl.verify.tp_model import warm_imports
@@ -76,7 +77,8 @@ class ProcessWorld:
         self.backend = backend
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Path] = []
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tmp: AbstractContextManager[Path] | None = None
+        self._tmp_path = Path()
         self._store: Any = None
         self._next = 0
 
@@ -84,7 +86,9 @@ class ProcessWorld:
         import torch.distributed as dist
 
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self._tmp = tempfile.TemporaryDirectory(prefix="shardctl-verify-")
+        # owner-locked: a killed run's directory is reaped by the next one (io.tempdirs)
+        self._tmp = owned_tempdir("shardctl-verify-")
+        self._tmp_path = self._tmp.__enter__()
         threads = max(1, (os.cpu_count() or 1) // self.world)
         for rank in range(self.world):
             env = dict(os.environ)
@@ -98,7 +102,7 @@ class ProcessWorld:
                 SHARDCTL_VERIFY_BACKEND=self.backend,
                 SHARDCTL_VERIFY_STORE="client",
             )
-            log = Path(self._tmp.name) / f"rank{rank}.log"
+            log = self._tmp_path / f"rank{rank}.log"
             self._logs.append(log)
             cmd = [sys.executable, "-m", "shardctl.verify.worker", "--serve"]
             with open(log, "wb") as fh:
@@ -123,7 +127,7 @@ class ProcessWorld:
                 p.wait()
         self._procs = []
         if self._tmp is not None:
-            self._tmp.cleanup()
+            self._tmp.__exit__(None, None, None)
             self._tmp = None
 
     def run(
