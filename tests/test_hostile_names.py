@@ -22,7 +22,7 @@ import pytest
 from shardctl.checkpoint import record
 from shardctl.console import exit_code_for
 from shardctl.errors import InvalidInputError, OutputConflictError
-from shardctl.io import atomic, tempdirs
+from shardctl.io import atomic
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
 from shardctl.layout.types import Mesh
@@ -318,6 +318,8 @@ def test_J11_killed_runs_temp_dirs_are_reaped(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     import tempfile
+
+    from shardctl.io import tempdirs
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     child = subprocess.Popen(
