@@ -362,3 +362,20 @@ def test_K10_real_processes(llama: Path, tp2: Path, tmp_path: Path) -> None:
         one_line(p.returncode, p.stderr, code)
     assert (tree_sha(llama), tree_sha(bad)) == before
     assert not any((tmp_path / n).exists() for n in "mwft")
+
+
+# ---- K11: plan --search is bounded by its own limit, not the user's patience -----------------
+
+
+def test_K11_search_over_the_manifests_cluster_is_capped(tmp_path: Path) -> None:
+    src = Path(__file__).resolve().parents[1] / "manifests" / "llama-3-70b-tp8.yaml"
+    text = src.read_text().replace(
+        "hardware: {gpu: h100-sxm, gpus_per_node: 8, nodes: 1}",
+        f"hardware: {{gpu: h100-sxm, gpus_per_node: 1024, nodes: {2**20}}}",
+    )
+    assert "nodes: 1048576" in text
+    manifest = tmp_path / "huge.yaml"
+    manifest.write_text(text)
+    code, _out, err = cli("plan", str(manifest), "--search")
+    line = one_line(code, err, 3)
+    assert "above the limit" in line and "--gpus" in line

@@ -141,6 +141,8 @@ def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) ->
     Training keeps the manifest's global batch fixed: ``micro_batch × accumulation × mesh.dp``
     sequences, so ``dp`` must divide it (reason ``batch_not_divisible``).
     """
+    from shardctl.errors import ManifestError
+    from shardctl.manifest.fields import MAX_AXIS
     from shardctl.plan.search import SearchOptions, search
 
     hw = hardware_of(manifest)
@@ -148,8 +150,15 @@ def search_layouts(manifest: Manifest, model: ModelInfo, *, gpus: int | None) ->
     if tr is not None:
         per = tr.micro_batch_size * tr.grad_accumulation_steps * manifest.mesh.dp
         tr = replace(tr, global_batch_size=per)
+    n = gpus or hw.gpus
+    if n > MAX_AXIS:  # the search is linear in the GPU count: bounded by its own cap (issue 13)
+        raise ManifestError(
+            f"--search over {n} GPUs is above the limit of {MAX_AXIS}",
+            where="hardware.nodes × hardware.gpus_per_node" if gpus is None else "--gpus",
+            hint="pass --gpus N to search a smaller cluster",
+        )
     options = SearchOptions(
-        gpus=gpus or hw.gpus,
+        gpus=n,
         allow_tp_across_nodes=manifest.hardware.allow_tp_across_nodes,
         pipeline=manifest.layout.pipeline,
         vocab_padding=manifest.layout.vocab_padding,
