@@ -34,3 +34,23 @@ def parse_size(text: str, *, option: str) -> int:
     if value < 1 or value.denominator != 1:
         raise UsageError(f"{option}: expected a whole positive number of bytes, got {text!r}")
     return int(value)
+
+
+# -- printing: one unit per output ---------------------------------------------------------
+
+_BINARY = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10))
+
+
+def pick_unit(largest: float) -> tuple[str, int]:
+    """The binary unit an output prints every size in, chosen by its largest size:
+    ``pick_unit(80 * 2**30)`` → ``("GiB", 2**30)``; GPT-2 sizes print in MiB."""
+    for name, size in _BINARY:
+        if abs(largest) >= size:
+            return name, size
+    return "B", 1
+
+
+def fmt_in(n: float, unit: tuple[str, int]) -> str:
+    """``fmt_in(867_631_104, ("GiB", 2**30))`` → ``"0.81 GiB"``."""
+    name, size = unit
+    return f"{n:.0f} B" if size == 1 else f"{n / size:.2f} {name}"

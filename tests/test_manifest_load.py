@@ -15,7 +15,7 @@ from shardctl.manifest import (
     Manifest,
     QuantSpec,
     TrainingSpec,
-    WorkloadSpec,
+    Workload,
     load_manifest,
     parse_manifest,
 )
@@ -37,7 +37,7 @@ def test_minimal_manifest_gets_documented_defaults() -> None:
     assert m.hardware == HardwareSpec()
     assert m.layout == LayoutOptions() and m.pipeline is m.layout
     assert m.rules == ()
-    assert m.workload == WorkloadSpec()
+    assert m.workload == Workload()
     assert m.workload.gpu_memory_utilization == 0.9 and m.workload.flash_attention
     assert m.training is None and m.quantization is None
     assert dict(m.overhead) == {}
@@ -149,7 +149,8 @@ def test_workload_inference() -> None:
         "workload: {batch_size: 32, sequence_length: 8192, kv_cache_dtype: fp8,\n"
         "           gpu_memory_utilization: 0.95, flash_attention: false}\n"
     )
-    assert m.workload == WorkloadSpec("inference", 32, 8192, "F8_E4M3", 0.95, False, None, 1)
+    assert m.workload == Workload(32, 8192, "F8_E4M3", 0.95, False)
+    assert m.mode == "inference"
     assert m.training is None
     auto = parse("model: {parameters: 1}\nworkload: {kv_cache_dtype: auto}\n")
     assert auto.workload.kv_cache_dtype is None
@@ -162,9 +163,20 @@ def test_training_section_implies_training_mode_and_accepts_fsdp_names() -> None
         "           recompute: full, sequence_parallel: true, master_weights: false,\n"
         "           grad_dtype: float32, pipeline_schedule: gpipe, num_microbatches: 8}\n"
     )
-    assert m.workload.mode == "training"
+    assert m.mode == "training"
     assert m.training == TrainingSpec(
-        "adamw-8bit", 3, "cpu", "none", "full", True, False, "F32", "gpipe", 8
+        optimizer="adamw-8bit",
+        zero=3,
+        offload_optimizer="cpu",
+        offload_params="none",
+        recompute="full",
+        sequence_parallel=True,
+        master_weights=False,
+        grad_dtype="F32",
+        pipeline_schedule="gpipe",
+        grad_accumulation_steps=8,  # num_microbatches
+        global_batch_size=8,  # micro-batch 1 × 8 × dp 1
+        sequence_length=0,  # the workload's
     )
 
 
@@ -179,8 +191,7 @@ def test_zero_names(name: str, stage: int) -> None:
 
 def test_training_mode_without_section_gets_defaults() -> None:
     m = parse("model: {parameters: 1000}\nworkload: {mode: training, micro_batch_size: 2}\n")
-    assert m.training == TrainingSpec()
-    assert m.workload.micro_batch_size == 2
+    assert m.training == TrainingSpec(micro_batch_size=2, global_batch_size=2, sequence_length=0)
 
 
 def test_quantization_defaults_per_method() -> None:

@@ -87,7 +87,7 @@ def test_quantization_keeps_embeddings_and_head() -> None:
         L8B,
         Mesh(),
         split_layers(32, 1),
-        quant=QuantSpec(method="awq", keep=()),
+        quant=QuantSpec(method="awq", keep_16bit=()),
         workload=Workload(sequence_length=0),
     )
     assert all_q.coords[(0, 0, 0)].weights < got

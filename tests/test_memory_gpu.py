@@ -1,4 +1,4 @@
-"""GPU validation of the memory model (issue 3 item 11); skipped without CUDA."""
+"""GPU validation of the memory model; skipped without CUDA."""
 
 from __future__ import annotations
 

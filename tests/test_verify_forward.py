@@ -43,6 +43,10 @@ CASES = [
     ("mistral", Mesh(tp=2)),
     ("qwen2", Mesh(tp=2)),
     ("qwen2-tied", Mesh(pp=2, tp=2)),
+    ("qwen3", Mesh(tp=2)),  # q_norm / k_norm per head: replicated
+    ("qwen3", Mesh(pp=2, tp=4)),  # tp > kv heads
+    ("gemma2", Mesh(tp=2)),  # soft-capping, alternating sliding-window layers
+    ("gemma2", Mesh(pp=2, tp=2)),
     ("gemma", Mesh(tp=2)),
     ("gemma", Mesh(pp=2, tp=4)),
     ("phi3", Mesh(tp=2)),
@@ -157,6 +161,10 @@ def test_both_sides_sharded_wrong_dst_fails_forward(cks: Checkpoints) -> None:
         ("mixtral", Mesh(ep=2, tp=2)),
         ("gpt2", Mesh(tp=4)),
         ("qwen2-tied", Mesh(pp=2, tp=2)),
+        ("qwen3", Mesh(tp=2)),  # q_norm / k_norm per head: replicated
+        ("qwen3", Mesh(pp=2, tp=4)),  # tp > kv heads
+        ("gemma2", Mesh(tp=2)),  # soft-capping, alternating sliding-window layers
+        ("gemma2", Mesh(pp=2, tp=2)),
     ],
 )
 def test_reference_merge_is_the_original_bit_for_bit(

@@ -39,8 +39,13 @@ def plan(
     report: Annotated[
         Path | None, typer.Option(help="Write the memory picture as SVG or HTML (by extension).")
     ] = None,
+    all_ranks: Annotated[
+        bool,
+        typer.Option("--all-ranks", help="One row and bar per rank (default: identical folded)."),
+    ] = False,
 ) -> None:
-    """Estimate per-device memory of a layout; exit 1 if a rank does not fit.
+    """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
+    (device memory × gpu_memory_utilization when serving, device memory when training).
 
     Example: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold]
     """
@@ -68,6 +73,6 @@ def plan(
     else:
         from shardctl.plan.render import render_plan
 
-        render_plan(result_plan)
+        render_plan(result_plan, all_ranks=all_ranks)
     if result_plan.fits is False:
         raise typer.Exit(EXIT_NEGATIVE)

@@ -100,6 +100,17 @@ def rank_weight_bytes(
     Equals ``{(r.pp, r.ep, r.tp): r.nbytes for r in build_layout(...).ranks}`` without making
     a single ``Shard``.
     """
+    return staged_weight_bytes(model, mesh, rules=rules, options=options)[1]
+
+
+def staged_weight_bytes(
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    rules: Sequence[RuleSpec] = (),
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen, safe as a default
+) -> tuple[tuple[Stage, ...], dict[tuple[int, int, int], int]]:
+    """The stages and :func:`rank_weight_bytes` of one resolution (``plan`` needs both)."""
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     totals = [0] * mesh.model_parallel
@@ -111,7 +122,7 @@ def rank_weight_bytes(
                 base = (p * ep + e) * tp
                 for r in range(tp):
                     totals[base + r] += sizes[r]
-    return {
+    return res.stages, {
         (p, e, r): totals[(p * ep + e) * tp + r]
         for p in range(mesh.pp)
         for e in range(ep)
@@ -259,9 +270,4 @@ def _check_options(mesh: Mesh, options: LayoutOptions) -> None:
         )
 
 
-def total_bytes(layout: Layout) -> int:
-    """Bytes over all model-parallel ranks (one dp replica), padding and replicas included."""
-    return sum(r.nbytes for r in layout.ranks)
-
-
-__all__ = ["build_layout", "rank_weight_bytes", "resolve", "total_bytes"]
+__all__ = ["build_layout", "rank_weight_bytes", "resolve", "staged_weight_bytes"]

@@ -29,6 +29,7 @@ from shardctl.errors import LayoutError
 from shardctl.layout.types import Stage
 
 CONVENTIONS: tuple[str, ...] = ("even", "vllm", "tensorrt-llm", "megatron")
+DIVISIBLE_ONLY: tuple[str, ...] = ("even", "megatron")  # they refuse L % pp != 0
 
 # ``model.layers.{i}.`` (Llama family), ``transformer.h.{i}.`` / ``h.{i}.`` (GPT-2).
 _LAYER = re.compile(r"(?:^|\.)(?:layers|h)\.(\d+)\.")
@@ -89,6 +90,7 @@ def _by_convention(num_layers: int, pp: int, convention: str) -> list[int]:
         f"tensorrt-llm gives {_by_convention(num_layers, pp, 'tensorrt-llm')}"
     )
     megatron_like = megatron_suggestion(num_layers, pp)
+    assert convention in DIVISIBLE_ONLY, convention
     if convention == "megatron":
         raise LayoutError(
             f"Megatron requires num_layers % pp == 0; num_layers={num_layers}, pp={pp} "

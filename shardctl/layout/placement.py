@@ -29,7 +29,9 @@ from shardctl.errors import LayoutError
 from shardctl.layout.types import REPLICATE, Placement
 
 SUGAR: tuple[str, ...] = ("colwise", "rowwise", "vocab")
-_SHARD = re.compile(r"^\s*S\(\s*(-?\d+)\s*\)\s*$")
+REPLICATE_WORDS: tuple[str, ...] = ("R", "Replicate()", "Replicate", "replicate")
+# ``S(0)``, ``S(-1)`` and DTensor's spelling ``Shard(0)``; spaces inside the parentheses allowed.
+_SHARD = re.compile(r"^\s*(?:S|Shard)\(\s*(-?\d+)\s*\)\s*$")
 
 
 @dataclass(frozen=True)
@@ -43,21 +45,25 @@ class PlacementSpec:
         return f"S({self.dim})" if self.kind == "shard" else self.kind
 
 
+PLACEMENT_HINT = "use S(<dim>) (e.g. S(0), S(-1), Shard(1)), R, colwise, rowwise or vocab"
+
+
 def parse_placement(text: str, *, where: str | None = None) -> PlacementSpec:
-    """``"S(-1)"`` → ``PlacementSpec("shard", -1)``; ``"R"``, ``"colwise"``, … likewise."""
+    """The one placement parser (manifest rules, presets, the engine).
+
+    ``"S(-1)"``/``"Shard(-1)"`` → ``PlacementSpec("shard", -1)``; ``"R"``/``"Replicate()"`` →
+    ``PlacementSpec("R")``; ``"colwise"`` (any case) → ``PlacementSpec("colwise")``.
+    ``str()`` of the result is the canonical text (``S(-1)``, ``R``, ``colwise``).
+    """
     m = _SHARD.match(text)
     if m:
         return PlacementSpec("shard", int(m.group(1)))
     word = text.strip()
-    if word in ("R", "Replicate()", "replicate"):
+    if word in REPLICATE_WORDS:
         return PlacementSpec("R")
     if word.lower() in SUGAR:
         return PlacementSpec(word.lower())
-    raise LayoutError(
-        f"unknown placement {text!r}",
-        where=where,
-        hint="use S(<dim>) (e.g. S(0), S(-1)), R, colwise, rowwise or vocab",
-    )
+    raise LayoutError(f"unknown placement {text!r}", where=where, hint=PLACEMENT_HINT)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from shardctl.manifest.model import (
     ModelSpec,
     QuantSpec,
     TrainingSpec,
-    WorkloadSpec,
+    Workload,
 )
 from shardctl.manifest.schema import manifest_json_schema
 
@@ -25,7 +25,7 @@ __all__ = [
     "ModelSpec",
     "QuantSpec",
     "TrainingSpec",
-    "WorkloadSpec",
+    "Workload",
     "load_manifest",
     "manifest_json_schema",
     "parse_manifest",

@@ -1,5 +1,8 @@
 """The manifest as frozen, typed data. Validation lives in :mod:`shardctl.manifest.validate`.
 
+The section types are the memory model's (:class:`HardwareSpec`, :class:`Workload`,
+:class:`TrainingSpec`, :class:`QuantSpec`): the manifest builds them directly.
+
 Every field is already checked and normalized: dtypes are safetensors codes (``"BF16"``), sizes
 are bytes, bandwidths bytes/s, paths absolute. ``None`` means "not given; derive it" and each
 docstring says from what.
@@ -13,63 +16,44 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
+from shardctl.layout.engine import UNEVEN, VOCAB_PADDING
+from shardctl.layout.pipeline import CONVENTIONS
+from shardctl.layout.placement import SUGAR
+from shardctl.layout.rules import HEADS, NAMED_PARTS, STAGES
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.manifest.values import thaw
-
-# Choices, shared by the validator and the JSON Schema (one source of truth).
-PIPELINE_CONVENTIONS = ("even", "vllm", "tensorrt-llm", "megatron")
-VOCAB_PADDING = ("none", "tp", "megatron")
-UNEVEN = ("error", "chunk")
-MODES = ("inference", "training")
-OPTIMIZERS = ("adamw", "adam", "sgd", "adafactor", "lion", "adamw-8bit")
-ZERO_FSDP_NAMES: dict[str, int] = {
-    "NO_SHARD": 0,
-    "SHARD_GRAD_OP": 2,
-    "FULL_SHARD": 3,
-    "HYBRID_SHARD": 3,
-}
-OFFLOAD = ("none", "cpu", "nvme")
-RECOMPUTE = ("none", "selective", "full")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
-QUANT_METHODS = ("none", "int8", "int4", "nf4", "fp8", "mxfp4", "nvfp4")
-FP8_SCALING = ("tensor", "block")
-RULE_HEADS = ("q", "kv")
-RULE_STAGES = ("first", "last", "all")
-RULE_PART_NAMES = ("q", "kv", "intermediate")
-RULE_TP_WORDS = ("R", "colwise", "rowwise", "vocab")
-
-# Group/block size per quantization method when the manifest gives none; 0 = no groups (one
-# scale per output channel or per tensor). MXFP4 (OCP MX spec) and NVFP4 fix theirs by
-# definition; int4 = GPTQ/AWQ's usual 128; nf4 = bitsandbytes' 64-element blocks; int8 =
-# LLM.int8()'s per-channel scales; fp8 = one scale per tensor, or DeepSeek-V3's 128x128 tiles
-# with `fp8_scaling: block`.
-DEFAULT_GROUP_SIZE: dict[str, int] = {
-    "int8": 0,
-    "int4": 128,
-    "nf4": 64,
-    "fp8": 0,
-    "mxfp4": 32,
-    "nvfp4": 16,
-}
-FP8_BLOCK = 128
-FIXED_GROUP_SIZE = {"mxfp4": 32, "nvfp4": 16}
-
-# Tensors kept in 16-bit when quantizing, unless `keep_16bit` says otherwise: embeddings
-# (llama-style `embed_tokens`, GPT-2 `wte`/`wpe`), the LM head, and every norm (`*norm*` covers
-# `input_layernorm`, `model.norm`; `*.ln_*` covers GPT-2's `ln_1`, `ln_f`). This is what
-# GPTQ/AWQ/bitsandbytes do: they quantize the decoder's Linear weights only.
-DEFAULT_KEEP_16BIT: tuple[str, ...] = (
-    "*embed_tokens.*",
-    "*.wte.*",
-    "*.wpe.*",
-    "lm_head.*",
-    "*norm*",
-    "*.ln_*",
+from shardctl.plan.memory.hardware import HardwareSpec
+from shardctl.plan.memory.overhead import FRACTIONS as _OVERHEAD_FRACTIONS
+from shardctl.plan.memory.overhead import SIZES as _OVERHEAD_SIZES
+from shardctl.plan.memory.spec import (
+    DEFAULT_GROUP_SIZE,
+    DEFAULT_KEEP_16BIT,
+    FP8_BLOCK,
+    FP8_SCALING,
+    FSDP_NAMES,
+    OFFLOAD,
+    PIPELINE_SCHEDULES,
+    QUANT_METHODS,
+    RECOMPUTE,
+    QuantSpec,
+    TrainingSpec,
+    Workload,
 )
+from shardctl.plan.memory.training import OPTIMIZERS as _OPTIMIZER_TABLE
 
-# `overhead:` names the memory model knows, and whether each is bytes or a fraction.
-OVERHEAD_SIZES = ("cuda_context", "nccl_buffers", "framework", "dispatch_buffers", "reserved")
-OVERHEAD_FRACTIONS = ("fragmentation",)
+# Choices, shared by the validator and the JSON Schema. Each is defined once, where the code
+# that gives it meaning lives; the manifest only names them.
+PIPELINE_CONVENTIONS = CONVENTIONS
+MODES = ("inference", "training")
+OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
+ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
+RULE_HEADS = HEADS
+RULE_STAGES = STAGES
+RULE_PART_NAMES = NAMED_PARTS
+RULE_TP_WORDS = ("R", *SUGAR)
+
+OVERHEAD_SIZES = _OVERHEAD_SIZES
+OVERHEAD_FRACTIONS = _OVERHEAD_FRACTIONS
 
 
 def _empty() -> Mapping[str, Any]:
@@ -107,94 +91,51 @@ class ModelSpec:
 
 
 @dataclass(frozen=True)
-class HardwareSpec:
-    """The cluster. Bandwidths are per GPU, per direction, in bytes/s; None = unknown.
-
-    ``gpu`` names a preset (:mod:`shardctl.manifest.presets`) that fills ``device_memory`` and
-    the bandwidths the manifest leaves out.
-    """
-
-    device_memory: int | None = None
-    gpus_per_node: int = 8
-    nodes: int = 1
-    gpu: str | None = None
-    intra_node_bandwidth: int | None = None
-    inter_node_bandwidth: int | None = None
-    allow_tp_across_nodes: bool = False
-
-    @property
-    def gpus(self) -> int:
-        return self.gpus_per_node * self.nodes
-
-
-@dataclass(frozen=True)
-class WorkloadSpec:
-    """What runs: serving (``inference``) or ``training``.
-
-    ``sequence_length`` 0 = no KV cache and no activations (weights only). ``kv_cache_dtype``
-    None = the model's dtype. ``micro_batch_size`` None = ``batch_size``.
-    ``gpu_memory_utilization`` is vLLM's: the fraction of device memory the engine may use.
-    """
-
-    mode: str = "inference"
-    batch_size: int = 1
-    sequence_length: int = 0
-    kv_cache_dtype: str | None = None
-    gpu_memory_utilization: float = 0.9
-    flash_attention: bool = True
-    micro_batch_size: int | None = None
-    gradient_accumulation_steps: int = 1
-
-
-@dataclass(frozen=True)
-class TrainingSpec:
-    """Training states. ``zero`` 0–3 over ``dp`` (FSDP names accepted in the manifest).
-
-    ``grad_dtype`` None = the model's dtype (``F32`` for fp32 gradients). ``num_microbatches``
-    None = ``gradient_accumulation_steps`` (one pipeline flush per optimizer step).
-    """
-
-    optimizer: str = "adamw"
-    zero: int = 0
-    offload_optimizer: str = "none"
-    offload_params: str = "none"
-    recompute: str = "none"
-    sequence_parallel: bool = False
-    master_weights: bool = True
-    grad_dtype: str | None = None
-    pipeline_schedule: str = "1f1b"
-    num_microbatches: int | None = None
-
-
-@dataclass(frozen=True)
-class QuantSpec:
-    """Quantized weights. ``group_size`` is resolved per method (:data:`DEFAULT_GROUP_SIZE`);
-    ``fp8_scaling`` matters for ``fp8`` only; ``keep_16bit`` are fqn globs left unquantized."""
-
-    method: str
-    group_size: int
-    double_quant: bool = False
-    fp8_scaling: str = "tensor"
-    keep_16bit: tuple[str, ...] = DEFAULT_KEEP_16BIT
-
-
-@dataclass(frozen=True)
 class Manifest:
-    """A validated manifest. ``training`` is None exactly when ``workload.mode`` is inference;
-    ``quantization`` is None when absent or ``method: none``; ``path`` is the file it came from."""
+    """A validated manifest, built of the memory model's own types (one type per concept).
+
+    ``training`` is None exactly when ``workload.mode`` is inference (:attr:`mode`); it then
+    carries the ``workload:`` keys that only training has (micro-batch, accumulation).
+    ``quantization`` is None when absent or ``method: none``; ``path`` is the file it came
+    from."""
 
     model: ModelSpec
     mesh: Mesh = field(default_factory=Mesh)
     hardware: HardwareSpec = field(default_factory=HardwareSpec)
     layout: LayoutOptions = field(default_factory=LayoutOptions)
     rules: tuple[RuleSpec, ...] = ()
-    workload: WorkloadSpec = field(default_factory=WorkloadSpec)
+    workload: Workload = field(default_factory=Workload)
     training: TrainingSpec | None = None
     quantization: QuantSpec | None = None
     overhead: Mapping[str, int | float] = field(default_factory=_empty)
     path: Path | None = None
 
     @property
+    def mode(self) -> str:
+        """``training`` when a training step is planned, else ``inference``."""
+        return "inference" if self.training is None else "training"
+
+    @property
     def pipeline(self) -> LayoutOptions:
         """Alias of :attr:`layout` (the ``pipeline:`` and ``layout:`` sections both feed it)."""
         return self.layout
+
+
+__all__ = [
+    "DEFAULT_GROUP_SIZE",
+    "DEFAULT_KEEP_16BIT",
+    "FP8_BLOCK",
+    "FP8_SCALING",
+    "OFFLOAD",
+    "PIPELINE_SCHEDULES",
+    "QUANT_METHODS",
+    "RECOMPUTE",
+    "UNEVEN",
+    "VOCAB_PADDING",
+    "HardwareSpec",
+    "Manifest",
+    "ModelSpec",
+    "QuantSpec",
+    "TrainingSpec",
+    "Workload",
+]

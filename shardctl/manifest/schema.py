@@ -12,7 +12,7 @@ from typing import Any
 
 from shardctl.manifest import model as m
 from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, MAX_DIM, SECTION_KEYS
-from shardctl.manifest.presets import gpu_names
+from shardctl.plan.memory.hardware import gpu_names
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
 _NUMBER = r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from types import MappingProxyType
 
+from shardctl.errors import InvalidInputError
 from shardctl.layout.types import AXES, LayoutOptions, Mesh
 from shardctl.manifest import model as m
 from shardctl.manifest.fields import (
@@ -27,7 +28,6 @@ from shardctl.manifest.fields import (
     section_map,
     unknown,
 )
-from shardctl.manifest.presets import gpu_names, gpu_preset
 from shardctl.manifest.validate_rules import read_rules
 from shardctl.manifest.validate_training import (
     read_overhead,
@@ -48,6 +48,7 @@ from shardctl.manifest.values import (
     to_plain,
 )
 from shardctl.manifest.yamlstrict import Map, Node, Scalar, Seq
+from shardctl.plan.memory.hardware import GpuPreset, HardwareSpec, gpu_names, gpu_preset
 
 
 def _path_reader(base_dir: Path, want_dir: bool) -> Callable[[Node, str], Path]:
@@ -165,46 +166,48 @@ def _mesh(section: Map | None, problems: Problems) -> Mesh:
     return Mesh(**{a: problems.get(section, a, "mesh", read_axis, 1) for a in AXES})
 
 
-def _hardware(section: Map | None, problems: Problems) -> m.HardwareSpec:
+def _hardware(section: Map | None, problems: Problems) -> HardwareSpec:
+    """The memory model's :class:`HardwareSpec`; a ``gpu`` preset fills what is not given."""
     if section is None:
-        return m.HardwareSpec()
+        return HardwareSpec()
     problems.keys(section, "hardware")
     get = problems.get
-    gpu = get(section, "gpu", "hardware", _gpu, None)
-    preset = gpu_preset(gpu) if gpu is not None else None
+    preset = get(section, "gpu", "hardware", _gpu, None)
     memory = get(
         section, "device_memory", "hardware", lambda n, p: read_size(n, p, minimum=2**20), None
     )
-    intra = get(section, "intra_node_bandwidth", "hardware", read_rate, None)
-    inter = get(section, "inter_node_bandwidth", "hardware", read_rate, None)
-    return m.HardwareSpec(
-        device_memory=memory if memory is not None or preset is None else preset.device_memory,
+    intra: float | None = get(section, "intra_node_bandwidth", "hardware", read_rate, None)
+    inter: float | None = get(section, "inter_node_bandwidth", "hardware", read_rate, None)
+    default = HardwareSpec()
+    if preset is not None:
+        memory = preset.memory if memory is None else memory
+        intra = preset.intra_node_bandwidth if intra is None else intra
+        inter = preset.inter_node_bandwidth if inter is None else inter
+    return HardwareSpec(
+        device_memory=memory,
         gpus_per_node=get(
             section, "gpus_per_node", "hardware", lambda n, p: read_int(n, p, maximum=1024), 8
         ),
         nodes=get(section, "nodes", "hardware", read_axis, 1),
         gpu=preset.name if preset is not None else None,
-        intra_node_bandwidth=intra
-        if intra is not None or preset is None
-        else preset.intra_node_bandwidth,
-        inter_node_bandwidth=inter
-        if inter is not None or preset is None
-        else preset.inter_node_bandwidth,
+        intra_node_bandwidth=default.intra_node_bandwidth if intra is None else intra,
+        inter_node_bandwidth=default.inter_node_bandwidth if inter is None else inter,
         allow_tp_across_nodes=get(section, "allow_tp_across_nodes", "hardware", read_bool, False),
     )
 
 
-def _gpu(node: Node, path: str) -> str:
+def _gpu(node: Node, path: str) -> GpuPreset:
     text = read_str(node, path)
-    if gpu_preset(text) is None:
+    try:
+        return gpu_preset(text)
+    except InvalidInputError:
         raise Invalid(
             path,
             f"unknown GPU {text!r}",
             node.line,
             f"{did_you_mean(text.lower(), gpu_names()) or ''} known: "
             f"{', '.join(gpu_names())}; or give hardware.device_memory".strip(),
-        )
-    return text
+        ) from None
 
 
 def _layout(pipeline: Map | None, layout: Map | None, pp: int, problems: Problems) -> LayoutOptions:
@@ -268,9 +271,11 @@ def build_manifest(
     model = _model(root.entries.get("model"), base_dir, problems, root.line)
     mesh = _mesh(sections["mesh"], problems)
     training_given = "training" in root.entries
-    workload = read_workload(sections["workload"], training_given, problems)
+    keys = read_workload(sections["workload"], training_given, problems)
     training = (
-        read_training(sections["training"], problems) if workload.mode == "training" else None
+        read_training(sections["training"], keys, mesh.dp, problems)
+        if keys.mode == "training"
+        else None
     )
     manifest = m.Manifest(
         model=model,
@@ -278,7 +283,7 @@ def build_manifest(
         hardware=_hardware(sections["hardware"], problems),
         layout=_layout(sections["pipeline"], sections["layout"], mesh.pp, problems),
         rules=read_rules(root.entries.get("rules"), problems),
-        workload=workload,
+        workload=keys.workload,
         training=training,
         quantization=read_quantization(sections["quantization"], problems),
         overhead=MappingProxyType(read_overhead(sections["overhead"], problems)),

@@ -2,15 +2,13 @@
 
 from __future__ import annotations
 
-import re
-
+from shardctl.errors import LayoutError
+from shardctl.layout.placement import parse_placement
 from shardctl.layout.types import RuleSpec
 from shardctl.manifest import model as m
 from shardctl.manifest.fields import NULLS, SECTION_KEYS, Problems, enum
 from shardctl.manifest.values import Invalid, describe, did_you_mean, read_bool, read_int, read_str
 from shardctl.manifest.yamlstrict import Map, Node, Scalar, Seq
-
-_SHARD = re.compile(r"(?:S|Shard)\(\s*([0-9]+)\s*\)")
 
 
 def read_rules(node: Node | None, problems: Problems) -> tuple[RuleSpec, ...]:
@@ -64,21 +62,19 @@ def _rule(node: Node, path: str, problems: Problems) -> RuleSpec:
 
 
 def _placement(node: Node, path: str) -> str:
-    """``S(0)``/``Shard(0)`` → ``S(0)``; ``R``/``Replicate()`` → ``R``; sugar kept as written."""
-    text = read_str(node, path).strip()
-    shard = _SHARD.fullmatch(text)
-    if shard is not None:
-        return f"S({int(shard.group(1))})"
-    if text in ("R", "Replicate()", "Replicate"):
-        return "R"
-    if text in m.RULE_TP_WORDS:
-        return text
-    raise Invalid(
-        path,
-        f"expected S(<dim>), R, colwise, rowwise or vocab; got {describe(node)}",
-        node.line,
-        did_you_mean(text, m.RULE_TP_WORDS),
-    )
+    """The engine's own parser (:func:`parse_placement`), canonical text out: ``Shard(0)`` →
+    ``S(0)``, ``Replicate()`` → ``R``, ``ColWise`` → ``colwise``; ``S(-1)`` stays (resolved
+    against the tensor's shape by the engine)."""
+    text = read_str(node, path)
+    try:
+        return str(parse_placement(text, where=path))
+    except LayoutError:
+        raise Invalid(
+            path,
+            f"expected S(<dim>), R, colwise, rowwise or vocab; got {describe(node)}",
+            node.line,
+            did_you_mean(text.strip(), m.RULE_TP_WORDS),
+        ) from None
 
 
 def _parts(node: Node, path: str) -> tuple[int | str, ...]:

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from shardctl.manifest import model as m
 from shardctl.manifest.fields import Problems, enum, read_dtype, read_positive
 from shardctl.manifest.values import (
@@ -14,14 +17,27 @@ from shardctl.manifest.values import (
     read_str,
 )
 from shardctl.manifest.yamlstrict import Map, Node, Scalar, Seq
+from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 
 
-def read_workload(section: Map | None, training: bool, problems: Problems) -> m.WorkloadSpec:
+@dataclass(frozen=True)
+class WorkloadKeys:
+    """The ``workload:`` section: the memory model's :class:`Workload`, the mode, and the keys
+    only a training step uses (they go into its :class:`TrainingSpec`)."""
+
+    workload: Workload
+    mode: str
+    micro_batch_size: int | None
+    gradient_accumulation_steps: int
+
+
+def read_workload(section: Map | None, training: bool, problems: Problems) -> WorkloadKeys:
+    default_mode = "training" if training else "inference"
     if section is None:
-        return m.WorkloadSpec(mode="training" if training else "inference")
+        return WorkloadKeys(Workload(), default_mode, None, 1)
     problems.keys(section, "workload")
     get, path = problems.get, "workload"
-    mode = get(section, "mode", path, enum(m.MODES), "training" if training else "inference")
+    mode = get(section, "mode", path, enum(m.MODES), default_mode)
     if training and mode == "inference":
         problems.add(
             Invalid(
@@ -31,10 +47,8 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> m.
                 "set mode: training, or remove the training section",
             )
         )
-    batch = get(section, "batch_size", path, read_positive, 1)
-    return m.WorkloadSpec(
-        mode=mode,
-        batch_size=batch,
+    workload = Workload(
+        batch_size=get(section, "batch_size", path, read_positive, 1),
         sequence_length=get(
             section,
             "sequence_length",
@@ -51,10 +65,12 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> m.
             0.9,
         ),
         flash_attention=get(section, "flash_attention", path, read_bool, True),
-        micro_batch_size=get(section, "micro_batch_size", path, read_positive, None),
-        gradient_accumulation_steps=get(
-            section, "gradient_accumulation_steps", path, read_positive, 1
-        ),
+    )
+    return WorkloadKeys(
+        workload,
+        mode,
+        get(section, "micro_batch_size", path, read_positive, None),
+        get(section, "gradient_accumulation_steps", path, read_positive, 1),
     )
 
 
@@ -64,46 +80,51 @@ def _kvread_dtype(node: Node, path: str) -> str | None:
     return read_dtype(node, path)
 
 
-def read_training(section: Map | None, problems: Problems) -> m.TrainingSpec:
+def read_training(
+    section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems
+) -> TrainingSpec:
+    """The memory model's :class:`TrainingSpec`: the ``training:`` keys, plus the micro-batch,
+    accumulation, sequence length and attention kernel of ``workload:``. The global batch is
+    pinned to this manifest's ``mesh.dp`` (a ``--dp`` override or the search keeps it)."""
+    w = keys.workload
+    micro = keys.micro_batch_size or w.batch_size
+    common: dict[str, Any] = {
+        "micro_batch_size": micro,
+        "sequence_length": w.sequence_length,
+        "flash_attention": w.flash_attention,
+    }
     if section is None:
-        return m.TrainingSpec()
+        steps = keys.gradient_accumulation_steps
+        return TrainingSpec(
+            grad_accumulation_steps=steps, global_batch_size=micro * steps * dp, **common
+        )
     problems.keys(section, "training")
     get, path = problems.get, "training"
-    spec = m.TrainingSpec(
-        optimizer=get(section, "optimizer", path, enum(m.OPTIMIZERS), "adamw"),
-        zero=get(section, "zero", path, _zero, 0),
-        offload_optimizer=get(section, "offload_optimizer", path, enum(m.OFFLOAD), "none"),
-        offload_params=get(section, "offload_params", path, enum(m.OFFLOAD), "none"),
-        recompute=get(section, "recompute", path, enum(m.RECOMPUTE), "none"),
-        sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
-        master_weights=get(section, "master_weights", path, read_bool, True),
-        grad_dtype=get(section, "grad_dtype", path, read_dtype, None),
-        pipeline_schedule=get(
-            section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b"
-        ),
-        num_microbatches=get(section, "num_microbatches", path, read_positive, None),
-    )
+    zero = get(section, "zero", path, _zero, 0)
+    offload_optimizer = get(section, "offload_optimizer", path, enum(m.OFFLOAD), "none")
+    offload_params = get(section, "offload_params", path, enum(m.OFFLOAD), "none")
     # DeepSpeed: parameter offload and NVMe offload exist only in ZeRO-3 (ZeRO-Infinity);
     # optimizer offload (ZeRO-Offload) needs ZeRO ≥ 1.
     lines = section.key_lines
-    if spec.offload_params != "none" and spec.zero != 3:
+    if offload_params != "none" and zero != 3:
         problems.add(
             Invalid(
                 "training.offload_params",
-                f"{spec.offload_params} offload needs zero: 3, got zero: {spec.zero}",
+                f"{offload_params} offload needs zero: 3, got zero: {zero}",
                 lines["offload_params"],
                 "set zero: 3 (FULL_SHARD) or offload_params: none",
             )
         )
-    if spec.offload_optimizer == "nvme" and spec.zero != 3:
+        offload_params = "none"  # the manifest is refused; keep the spec constructible
+    if offload_optimizer == "nvme" and zero != 3:
         problems.add(
             Invalid(
                 "training.offload_optimizer",
-                f"nvme offload needs zero: 3, got zero: {spec.zero}",
+                f"nvme offload needs zero: 3, got zero: {zero}",
                 lines["offload_optimizer"],
             )
         )
-    elif spec.offload_optimizer == "cpu" and spec.zero == 0:
+    elif offload_optimizer == "cpu" and zero == 0:
         problems.add(
             Invalid(
                 "training.offload_optimizer",
@@ -111,7 +132,26 @@ def read_training(section: Map | None, problems: Problems) -> m.TrainingSpec:
                 lines["offload_optimizer"],
             )
         )
-    return spec
+    steps = (
+        get(section, "num_microbatches", path, read_positive, None)
+        or keys.gradient_accumulation_steps
+    )
+    return TrainingSpec(
+        optimizer=get(section, "optimizer", path, enum(m.OPTIMIZERS), "adamw"),
+        zero=zero,
+        offload_optimizer=offload_optimizer,
+        offload_params=offload_params,
+        recompute=get(section, "recompute", path, enum(m.RECOMPUTE), "none"),
+        sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
+        master_weights=get(section, "master_weights", path, read_bool, True),
+        grad_dtype=get(section, "grad_dtype", path, read_dtype, None),
+        pipeline_schedule=get(
+            section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b"
+        ),
+        grad_accumulation_steps=steps,
+        global_batch_size=micro * steps * dp,
+        **common,
+    )
 
 
 def _zero(node: Node, path: str) -> int:
@@ -129,7 +169,7 @@ def _zero(node: Node, path: str) -> int:
         ) from None
 
 
-def read_quantization(section: Map | None, problems: Problems) -> m.QuantSpec | None:
+def read_quantization(section: Map | None, problems: Problems) -> QuantSpec | None:
     if section is None:
         return None
     problems.keys(section, "quantization")
@@ -188,7 +228,7 @@ def read_quantization(section: Map | None, problems: Problems) -> m.QuantSpec | 
     if method == "fp8" and scaling == "block" and "group_size" not in section.entries:
         group = m.FP8_BLOCK
     keep = get(section, "keep_16bit", path, _globs, m.DEFAULT_KEEP_16BIT)
-    return m.QuantSpec(
+    return QuantSpec(
         method=method, group_size=group, double_quant=double, fp8_scaling=scaling, keep_16bit=keep
     )
 

@@ -1,7 +1,7 @@
 """``shardctl plan``: manifest → model inventory → layout → per-rank memory.
 
 The weight bytes printed for a rank are the bytes ``reshard`` writes for it: both come from
-:func:`shardctl.layout.engine.build_layout`. No torch, no numpy on this path.
+:mod:`shardctl.layout.engine` (:mod:`shardctl.plan.weights`). No torch, no numpy on this path.
 """
 
 from __future__ import annotations
@@ -9,14 +9,18 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from shardctl.layout.types import Layout, Mesh, Stage
+from shardctl.layout.types import Mesh, Stage
 from shardctl.manifest import Manifest, load_manifest
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.budget import fits
+from shardctl.plan.memory.estimate import MemoryPlan
+
+if TYPE_CHECKING:
+    from shardctl.plan.search import SearchResult
 
 PLAN_SCHEMA = "shardctl.plan/1"
-MEMORY_KEYS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
 
 
 def load_model(manifest: Manifest) -> ModelInfo:
@@ -26,9 +30,7 @@ def load_model(manifest: Manifest) -> ModelInfo:
     spec = manifest.model
     if spec.checkpoint is not None:
         info = inventory.from_checkpoint(spec.checkpoint)
-        if spec.dtype is not None and spec.dtype != info.dtype:
-            # A checkpoint is counted as stored: its headers are the truth.
-            pass
+        # A checkpoint is counted as stored: its headers are the truth, whatever model.dtype says.
         return info
     if spec.config is not None:
         info = inventory.from_config_file(spec.config, dtype=spec.dtype)
@@ -56,20 +58,40 @@ class RankPlan:
 
 @dataclass(frozen=True)
 class PlanResult:
+    """One layout's plan: per-rank memory and the one verdict.
+
+    ``fits``, ``budget`` and ``headroom`` are the memory model's (:class:`MemoryPlan`, one
+    budget: :func:`~shardctl.plan.memory.budget.memory_budget`); the exit code, the text and
+    the JSON all read them from here.
+    """
+
     manifest: Manifest
     model: ModelInfo
     mesh: Mesh
-    layout: Layout | None
     stages: tuple[Stage, ...]
     ranks: tuple[RankPlan, ...]
-    device_memory: int | None
-    extra: Mapping[str, Any]  # memory-model sections (kv_cache, communication, ...) for JSON
+    memory: MemoryPlan
+
+    @property
+    def device_memory(self) -> int | None:
+        return self.memory.device_memory
+
+    @property
+    def budget(self) -> int | None:
+        """Bytes one rank may use (device memory × utilization when serving)."""
+        return self.memory.budget
 
     @property
     def fits(self) -> bool | None:
-        if self.device_memory is None:
-            return None
-        return all(r.total <= self.device_memory for r in self.ranks)
+        """Every rank within :attr:`budget`; ``None`` when device memory is unknown."""
+        return self.memory.fits
+
+    @property
+    def headroom(self) -> int | None:
+        return self.memory.headroom
+
+    def rank_fits(self, rank: RankPlan) -> bool | None:
+        return fits(rank.total, self.budget)
 
     def stage_weight_bytes(self) -> list[int]:
         """Weight bytes of one model replica per stage (sum over its tp × ep ranks)."""
@@ -92,6 +114,8 @@ class PlanResult:
             "mesh": self.mesh.as_dict(),
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
+            "budget_bytes": self.budget,
+            "headroom_bytes": self.headroom,
             "stages": [
                 {
                     "stage": s.index,
@@ -104,42 +128,13 @@ class PlanResult:
                 {"rank": r.rank, "coord": r.coord, "stage": r.stage, "memory": r.memory}
                 for r in self.ranks
             ],
-            **dict(self.extra),
+            **self.memory.to_json(),
         }
 
     def write_report(self, path: Path) -> None:
         from shardctl.plan.report import write_report
 
         write_report(self, path)
-
-
-def _weights_per_coord(
-    model: ModelInfo, manifest: Manifest, mesh: Mesh
-) -> tuple[Layout | None, tuple[Stage, ...], dict[tuple[int, int, int], int]]:
-    """Weight bytes per model-parallel coordinate ``(pp, ep, tp)``, from the layout engine."""
-    from shardctl.layout.engine import build_layout
-    from shardctl.layout.pipeline import assign_layers
-
-    if not model.tensors:
-        # Bare parameter count: no per-tensor layout; split evenly (ZeRO-paper style).
-        per = model.weight_bytes // (mesh.pp * mesh.tp * mesh.ep)
-        stages = (
-            assign_layers(mesh.pp, mesh.pp, "even", None)
-            if model.dims is None
-            else assign_layers(
-                model.dims.num_layers,
-                mesh.pp,
-                manifest.layout.pipeline,
-                manifest.layout.layers_per_stage,
-            )
-        )
-        coords = {
-            (p, e, t): per for p in range(mesh.pp) for e in range(mesh.ep) for t in range(mesh.tp)
-        }
-        return None, stages, coords
-    layout = build_layout(model, mesh, rules=manifest.rules, options=manifest.layout)
-    coords = {(r.pp, r.ep, r.tp): r.nbytes for r in layout.ranks}
-    return layout, layout.stages, coords
 
 
 def make_plan(
@@ -152,32 +147,31 @@ def make_plan(
 def plan_manifest(
     manifest: Manifest, *, mesh_overrides: Mapping[str, int] | None = None
 ) -> PlanResult:
+    from shardctl.plan.memory.adapter import plan_memory
+    from shardctl.plan.weights import weights_per_coord
+
     model = load_model(manifest)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
-    layout, stages, weights = _weights_per_coord(model, manifest, mesh)
-    from shardctl.plan.memory_bridge import memory_per_rank
-
-    per_rank, extra = memory_per_rank(manifest, model, mesh, stages, weights)
+    stages, weights = weights_per_coord(model, mesh, rules=manifest.rules, options=manifest.layout)
+    memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(
-        RankPlan(rank=r, coord=mesh.coord(r), stage=mesh.coord(r)["pp"], memory=per_rank[r])
+        RankPlan(
+            rank=r,
+            coord=mesh.coord(r),
+            stage=mesh.coord(r)["pp"],
+            memory=memory.for_rank(r).as_dict(),
+        )
         for r in range(mesh.world)
     )
     return PlanResult(
-        manifest=manifest,
-        model=model,
-        mesh=mesh,
-        layout=layout,
-        stages=stages,
-        ranks=ranks,
-        device_memory=manifest.hardware.device_memory,
-        extra=extra,
+        manifest=manifest, model=model, mesh=mesh, stages=stages, ranks=ranks, memory=memory
     )
 
 
 def run_search(
     manifest_path: Path, *, gpus: int | None, mesh_overrides: Mapping[str, int] | None = None
-) -> Any:
-    from shardctl.plan.memory_bridge import search_layouts
+) -> SearchResult:
+    from shardctl.plan.memory.adapter import search_layouts
 
     manifest = load_manifest(manifest_path)
     model = load_model(manifest)

@@ -1,4 +1,9 @@
-"""Terminal rendering of a plan (rich). The only module of ``shardctl.plan`` that prints."""
+"""Terminal rendering of a plan (rich). The only module of ``shardctl.plan`` that prints.
+
+One row per group of identical neighbouring ranks (``ranks 0–7 · tp0–7 ×8``), every rank with
+``all_ranks``; every size in one unit, chosen by the largest; off a terminal (CI logs) lines are
+never wrapped at 80 columns.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,14 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardctl.plan.groups import fold, group_ranks
+from shardctl.units import fmt_in, pick_unit
+
 if TYPE_CHECKING:
     from shardctl.plan.api import PlanResult
 
 MEMORY_COLUMNS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
+MAX_ROWS = 64
 
 
 def fmt_bytes(n: int | float | None) -> str:
@@ -26,81 +35,92 @@ def fmt_bytes(n: int | float | None) -> str:
     raise AssertionError("unreachable")
 
 
-def _rank_rows(result: PlanResult) -> list[tuple[str, str, Any]]:
-    """One row per model-parallel coordinate; dp replicas hold the same and are folded."""
-    rows = []
-    dp = result.mesh.dp
-    for r in result.ranks:
-        c = r.coord
-        if c["dp"] != 0:
-            continue
-        label = str(r.rank) if dp == 1 else f"{r.rank} (+{dp - 1} dp)"
-        coord = " ".join(f"{a}{c[a]}" for a in ("pp", "ep", "tp") if getattr(result.mesh, a) > 1)
-        rows.append((label, coord or "—", r))
-    return rows
+def console_for_output() -> Console:
+    """A console that wraps at the terminal's width, and never off a terminal (CI logs)."""
+    console = Console()
+    if console.is_terminal:
+        return console
+    return Console(width=10_000, soft_wrap=True)
 
 
-def render_plan(result: PlanResult, console: Console | None = None) -> None:
-    console = console or Console()
-    model = result.model
-    m = result.mesh
+def render_plan(
+    result: PlanResult, console: Console | None = None, *, all_ranks: bool = False
+) -> None:
+    console = console or console_for_output()
+    model, m = result.model, result.mesh
+    largest = max([r.total for r in result.ranks] + [result.device_memory or 0, 1])
+    unit = pick_unit(largest)
     console.print(
         f"[bold]{escape(model.architecture)}[/bold]  {model.parameters:,} parameters  "
-        f"{fmt_bytes(model.weight_bytes)} ({model.weight_bytes:,} B, {model.dtype})  "
+        f"{fmt_in(model.weight_bytes, unit)} ({model.weight_bytes:,} B, {model.dtype})  "
         f"mesh {m} = {m.world} GPUs"
     )
     stage_bytes = result.stage_weight_bytes()
     for s, w in zip(result.stages, stage_bytes, strict=True):
         layers = "no layers" if s.layers is None else f"layers {s.layers[0]}–{s.layers[1]}"
-        console.print(f"  stage {s.index}: {layers} ({s.num_layers}), weights {fmt_bytes(w)}")
+        console.print(f"  stage {s.index}: {layers} ({s.num_layers}), weights {fmt_in(w, unit)}")
     if len(stage_bytes) > 1 and sum(stage_bytes) > 0:
         mean = sum(stage_bytes) / len(stage_bytes)
         console.print(f"  load balance (max/mean weights per stage): {max(stage_bytes) / mean:.3f}")
+    console.print(_rank_table(result, unit, all_ranks=all_ranks))
+    from shardctl.plan.report import render_bars
 
+    render_bars(result, console=console, all_ranks=all_ranks, unit=unit)
+    _verdict(result, console, unit)
+
+
+def _rank_table(result: PlanResult, unit: tuple[str, int], *, all_ranks: bool) -> Table:
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
-    table.add_column("rank", justify="right")
+    table.add_column("ranks", justify="right")
     table.add_column("coord")
     table.add_column("stage", justify="right")
     active = [k for k in MEMORY_COLUMNS if any(r.memory[k] for r in result.ranks)] or ["weights"]
     for k in active:
         table.add_column(k.replace("_", " "), justify="right")
     table.add_column("total", justify="right", style="bold")
-    if result.device_memory is not None:
+    table.add_column("×", justify="right")
+    if result.budget is not None:
         table.add_column("fits", justify="center")
-    rows = _rank_rows(result)
-    if len(rows) > 64:
-        rows = [*rows[:32], ("…", "…", None), *rows[-31:]]
-    for label, coord, r in rows:
-        if r is None:
-            table.add_row(label, coord, "…", *["…"] * (len(active) + 1))
+    groups = group_ranks(
+        ((r.rank, r.coord, r.stage, r.memory) for r in result.ranks), all_ranks=all_ranks
+    )
+    for g in groups if all_ranks else fold(groups, MAX_ROWS):
+        if g is None:
+            table.add_row("…", "…", "…", *["…"] * (len(active) + 2))
             continue
         cells = [
-            label,
-            coord,
-            str(r.stage),
-            *(fmt_bytes(r.memory[k]) for k in active),
-            fmt_bytes(r.total),
+            g.ranks_text(),
+            g.coord_text(result.mesh),
+            str(g.stage),
+            *(fmt_in(g.memory[k], unit) for k in active),
+            fmt_in(g.total, unit),
+            f"×{g.count}",
         ]
-        if result.device_memory is not None:
-            cells.append(
-                "[green]yes[/green]" if r.total <= result.device_memory else "[red]no[/red]"
-            )
+        if result.budget is not None:
+            ok = g.total <= result.budget
+            cells.append("[green]yes[/green]" if ok else "[red]no[/red]")
         table.add_row(*cells)
-    console.print(table)
-    from shardctl.plan.report import render_bars
+    return table
 
-    render_bars(result, console=console)
-    if result.device_memory is not None:
-        worst = max(result.ranks, key=lambda r: r.total)
-        verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
-        console.print(
-            f"{verdict}: largest rank {worst.rank} needs {fmt_bytes(worst.total)} of "
-            f"{fmt_bytes(result.device_memory)} "
-            f"({worst.total / result.device_memory:.1%})"
-        )
+
+def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> None:
+    budget = result.budget
+    if budget is None:
+        console.print("no verdict: hardware.device_memory is not set")
+        return
+    worst = max(result.ranks, key=lambda r: r.total)
+    verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
+    share = result.memory.inputs.get("gpu_memory_utilization")
+    of = fmt_in(budget, unit)
+    if result.memory.mode == "inference" and share is not None:
+        of += f" (gpu_memory_utilization {share} × {fmt_in(result.device_memory or 0, unit)})"
+    console.print(
+        f"{verdict}: largest rank {worst.rank} needs {fmt_in(worst.total, unit)} of the "
+        f"budget {of}: {worst.total / budget:.1%}, headroom {fmt_in(budget - worst.total, unit)}"
+    )
 
 
 def render_search(result: Any, *, top: int, console: Console | None = None) -> None:
-    from shardctl.plan.search import render_search_table
+    from shardctl.plan.report import render_search_table
 
-    render_search_table(result, top=top, console=console or Console())
+    render_search_table(result, top=top, console=console or console_for_output())

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import UsageError
+from shardctl.plan.groups import fold
+from shardctl.units import fmt_in, pick_unit
 
 COMPONENTS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
 COLORS = {  # colour-blind-safe (Okabe–Ito)
@@ -48,10 +50,10 @@ class Bar:
         return sum(self.parts.values())
 
 
-def bars(plan: Any) -> list[Bar]:
-    """One bar per ``(pp, ep, tp)`` from a plan: anything with ``ranks`` whose items have
-    ``rank``, ``coord``, ``stage`` and a ``memory`` dict (the CLI's ``PlanResult``), or a
-    :class:`~shardctl.plan.memory.MemoryPlan`."""
+def bars(plan: Any, *, all_ranks: bool = False) -> list[Bar]:
+    """Bars of a plan: for a ``PlanResult`` one per group of identical neighbouring ranks
+    (:mod:`shardctl.plan.groups`; one per rank with ``all_ranks``), for a
+    :class:`~shardctl.plan.memory.MemoryPlan` one per ``(pp, ep, tp)``."""
     out = []
     if hasattr(plan, "coords"):
         mesh = plan.mesh
@@ -59,13 +61,12 @@ def bars(plan: Any) -> list[Bar]:
             rank = mesh.rank(pp=p, ep=e, tp=t)
             out.append(Bar(_label(rank, p, e, t, mesh), p, {k: getattr(m, k) for k in COMPONENTS}))
         return out
-    mesh = plan.mesh
-    for r in plan.ranks:
-        c = r.coord
-        if c["dp"]:
-            continue
-        parts = {k: int(r.memory.get(k, 0)) for k in COMPONENTS}
-        out.append(Bar(_label(r.rank, c["pp"], c["ep"], c["tp"], mesh), r.stage, parts))
+    from shardctl.plan.groups import group_ranks
+
+    rows = ((r.rank, r.coord, r.stage, r.memory) for r in plan.ranks)
+    for g in group_ranks(rows, all_ranks=all_ranks):
+        parts = {k: int(g.memory.get(k, 0)) for k in COMPONENTS}
+        out.append(Bar(g.label(plan.mesh), g.stage, parts))
     return out
 
 
@@ -94,36 +95,38 @@ def stage_balance(items: Sequence[Bar]) -> tuple[float, list[str]]:
     return max(peaks.values()) / mean, warnings
 
 
-def _fold(items: list[Bar]) -> list[Bar | None]:
-    if len(items) <= MAX_BARS:
-        return list(items)
-    half = MAX_BARS // 2
-    return [*items[:half], None, *items[-half:]]
-
-
-def _gib(n: float) -> str:
-    return f"{n / 2**30:.2f} GiB"
+def _fold(items: list[Bar], *, all_ranks: bool = False) -> list[Bar | None]:
+    return list(items) if all_ranks else fold(items, MAX_BARS)
 
 
 # -- terminal ----------------------------------------------------------------------------
 
 
-def render_bars(plan: Any, *, console: Any = None, width: int = 48) -> None:
-    """Stacked bars per rank in the terminal, a legend, the load-balance line and warnings."""
+def render_bars(
+    plan: Any,
+    *,
+    console: Any = None,
+    width: int = 48,
+    all_ranks: bool = False,
+    unit: tuple[str, int] | None = None,
+) -> None:
+    """Stacked bars in the terminal (one per group of identical ranks, or per rank with
+    ``all_ranks``), a legend, the load-balance line and warnings; the ``│`` marks the budget."""
     from rich.console import Console
     from rich.markup import escape
     from rich.text import Text
 
     console = console or Console()
-    items = bars(plan)
-    limit = getattr(plan, "device_memory", None)
+    items = bars(plan, all_ranks=all_ranks)
+    limit = getattr(plan, "budget", None)
     scale = max([b.total for b in items] + ([limit] if limit else []) + [1])
+    unit = unit or pick_unit(scale)
     label_w = max((len(b.label) for b in items), default=4)
     legend = Text("  ")
     for k in COMPONENTS:
         legend.append("■ ", style=RICH_COLORS[k]).append(k.replace("_", " ") + "  ")
     console.print(legend)
-    for b in _fold(items):
+    for b in _fold(items, all_ranks=all_ranks):
         if b is None:
             console.print("  …")
             continue
@@ -136,7 +139,7 @@ def render_bars(plan: Any, *, console: Any = None, width: int = 48) -> None:
             used += cells
         mark = width if limit is None else round(limit / scale * width)
         line.append(" " * max(mark - used, 0) + ("│" if limit else ""))
-        line.append(f" {_gib(b.total)}")
+        line.append(f" {fmt_in(b.total, unit)}")
         console.print(line)
     ratio, warnings = stage_balance(items)
     console.print(f"  load balance (max/mean of stage peaks): {ratio:.3f}")
@@ -151,6 +154,7 @@ def render_search_table(result: Any, *, top: int, console: Any = None) -> None:
     from rich.table import Table
 
     console = console or Console()
+    unit = pick_unit(max([c.peak for c in result.candidates] + [result.budget or 0, 1]))
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     cols = ["#", "gpus", "tp", "pp", "dp", "ep"]
     if result.mode == "training":
@@ -164,8 +168,8 @@ def render_search_table(result: Any, *, top: int, console: Any = None) -> None:
         if result.mode == "training":
             row += [str(c.zero), str(c.recompute)]
         row += [
-            _gib(c.peak),
-            "—" if c.headroom is None else _gib(c.headroom),
+            fmt_in(c.peak, unit),
+            "—" if c.headroom is None else fmt_in(c.headroom, unit),
             _fmt_time(c.comm_time),
         ]
         table.add_row(*row)
@@ -194,8 +198,9 @@ def svg(plan: Any, *, title: str = "shardctl plan: memory per rank") -> str:
     """The stacked-bar picture as a standalone SVG document."""
     items = bars(plan)
     shown = _fold(items)
-    limit = getattr(plan, "device_memory", None)
+    limit = getattr(plan, "budget", None)
     scale = max([b.total for b in items] + ([limit] if limit else []) + [1])
+    unit = pick_unit(scale)
     row_h, label_w, bar_w, top = 18, 170, 560, 56
     ratio, warnings = stage_balance(items)
     height = top + row_h * len(shown) + 40 + 16 * len(warnings)
@@ -224,10 +229,10 @@ def svg(plan: Any, *, title: str = "shardctl plan: memory per rank") -> str:
             if w > 0:
                 out.append(
                     f'<rect x="{bx:.1f}" y="{y + 2}" width="{w:.1f}" height="{row_h - 4}" '
-                    f'fill="{COLORS[k]}"><title>{k}: {_gib(b.parts[k])}</title></rect>'
+                    f'fill="{COLORS[k]}"><title>{k}: {fmt_in(b.parts[k], unit)}</title></rect>'
                 )
             bx += w
-        out.append(f'<text x="{bx + 4:.1f}" y="{y + 12}">{_gib(b.total)}</text>')
+        out.append(f'<text x="{bx + 4:.1f}" y="{y + 12}">{fmt_in(b.total, unit)}</text>')
     bottom = top + row_h * len(shown)
     if limit:
         lx = label_w + limit / scale * bar_w
@@ -235,7 +240,7 @@ def svg(plan: Any, *, title: str = "shardctl plan: memory per rank") -> str:
             f'<line x1="{lx:.1f}" y1="{top - 4}" x2="{lx:.1f}" y2="{bottom}" stroke="black" '
             'stroke-dasharray="4 3"/>'
         )
-        out.append(f'<text x="{lx - 40:.1f}" y="{top - 6}">device {_gib(limit)}</text>')
+        out.append(f'<text x="{lx - 40:.1f}" y="{top - 6}">budget {fmt_in(limit, unit)}</text>')
     out.append(
         f'<text x="8" y="{bottom + 20}">load balance (max/mean of stage peaks): {ratio:.3f}</text>'
     )

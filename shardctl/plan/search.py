@@ -14,7 +14,10 @@ Validity rules (first failing rule is the reason counted):
 - ``dp_above_batch`` (inference: a replica would serve no sequence);
   ``batch_not_divisible`` (training: ``global_batch ∤ micro_batch × dp``);
 - ``bare_parameter_count``: a bare count has no layers or heads: only ``dp`` is searched;
-- ``does_not_fit``: priced, some rank above the budget.
+- ``layout_refused``: the layout engine refuses the mesh (e.g. an uneven split of a tensor,
+  ``layout.uneven: error``); ``plan`` on that mesh exits 3 with the engine's message;
+- ``does_not_fit``: priced, some rank above the budget (the same budget and weights as
+  ``plan``: :mod:`shardctl.plan.memory.budget`, :mod:`shardctl.plan.weights`).
 
 Objective (default ``gpus,headroom,comm``): fewest GPUs, then the most headroom (budget
 minus the fullest rank), then the least communication time per token / step.
@@ -24,111 +27,25 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from dataclasses import dataclass, field, replace
+from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from functools import cache
 from typing import Any
 
-from shardctl.errors import InvalidInputError
-from shardctl.layout.pipeline import assign_layers
-from shardctl.layout.types import Mesh, Stage
+from shardctl.errors import LayoutError
+from shardctl.layout.pipeline import DIVISIBLE_ONLY
+from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
-from shardctl.plan.memory.estimate import _Context
+from shardctl.plan.memory.budget import fits as fits_budget
+from shardctl.plan.memory.budget import memory_budget
+from shardctl.plan.memory.context import Context
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
-from shardctl.plan.memory.spec import RECOMPUTE, QuantSpec, TrainingSpec, Workload
-
-OBJECTIVES = ("gpus,headroom,comm", "gpus,comm,headroom", "comm,gpus,headroom")
-
-
-@dataclass(frozen=True)
-class SearchOptions:
-    gpus: int
-    allow_tp_across_nodes: bool = False
-    pipeline: str = "even"
-    zero_stages: tuple[int, ...] = (0, 1, 2, 3)
-    recompute: tuple[str, ...] = RECOMPUTE
-    objective: str = OBJECTIVES[0]
-    vocab_padding: str = "tp"
-
-    def __post_init__(self) -> None:
-        if self.gpus < 1:
-            raise InvalidInputError(
-                f"expected a positive GPU count, got {self.gpus}", where="--gpus"
-            )
-        if self.objective not in OBJECTIVES:
-            raise InvalidInputError(
-                f"unknown objective {self.objective!r}",
-                where="search.objective",
-                hint=f"use one of: {', '.join(OBJECTIVES)}",
-            )
-
-
-@dataclass(frozen=True)
-class Candidate:
-    """One priced layout: its fullest rank, headroom and communication time."""
-
-    mesh: Mesh
-    zero: int | None
-    recompute: str | None
-    peak: int
-    headroom: int | None
-    comm_time: float  # seconds per token (inference) or per step (training), slowest stage
-    comm_bytes: int
-    stage_peaks: tuple[int, ...]  # the stages priced (first, heaviest, last)
-
-    @property
-    def world(self) -> int:
-        return self.mesh.world
-
-    def to_json(self) -> dict[str, Any]:
-        out: dict[str, Any] = {"mesh": self.mesh.as_dict(), "gpus": self.world}
-        if self.zero is not None:
-            out.update(zero=self.zero, recompute=self.recompute)
-        out.update(
-            peak_bytes=self.peak,
-            headroom_bytes=self.headroom,
-            comm_time_s=round(self.comm_time, 9),
-            comm_bytes=self.comm_bytes,
-        )
-        return out
-
-
-@dataclass(frozen=True)
-class SearchResult:
-    mode: str
-    gpus: int
-    budget: int | None
-    objective: str
-    candidates: tuple[Candidate, ...]  # those that fit, best first
-    rejected: dict[str, int]
-    priced: int
-    seconds: float
-    unit: str  # "token" | "step"
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    @property
-    def has_fit(self) -> bool:
-        return bool(self.candidates)
-
-    def top(self, n: int) -> tuple[Candidate, ...]:
-        return self.candidates[:n]
-
-    def to_json(self) -> dict[str, Any]:
-        return {
-            "schema": "shardctl.search/1",
-            "mode": self.mode,
-            "gpus": self.gpus,
-            "budget_bytes": self.budget,
-            "objective": self.objective,
-            "comm_unit": self.unit,
-            "priced": self.priced,
-            "fitting": len(self.candidates),
-            "rejected": dict(sorted(self.rejected.items())),
-            "seconds": round(self.seconds, 4),
-            "notes": list(self.notes),
-            "candidates": [c.to_json() for c in self.candidates],
-        }
+from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
+from shardctl.plan.memory.summaries import stage_comm
+from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
+from shardctl.plan.weights import options_for, weights_per_coord
 
 
 @cache
@@ -152,72 +69,62 @@ def search(
     quant: QuantSpec | None = None,
     hardware: HardwareSpec | None = None,
     overhead: OverheadSpec | None = None,
+    rules: Sequence[RuleSpec] = (),
+    layout: LayoutOptions | None = None,
 ) -> SearchResult:
-    """Price every valid layout on at most ``options.gpus`` GPUs; keep those that fit."""
+    """Price every valid layout on at most ``options.gpus`` GPUs; keep those that fit.
+
+    Weights come from the layout engine (``rules`` and ``layout`` as ``plan`` uses them), and
+    every rank is judged against the same budget as ``plan`` (:mod:`.memory.budget`): for any
+    mesh it prices, the search's verdict is ``plan``'s.
+    """
     t0 = time.perf_counter()
     workload = workload or Workload()
     quant = quant or QuantSpec()
     hw = hardware or HardwareSpec()
     ovh = overhead or OverheadSpec()
+    base = layout or LayoutOptions(pipeline=options.pipeline, vocab_padding=options.vocab_padding)
     n = options.gpus
     rej: Counter[str] = Counter()
     fits: list[Candidate] = []
     priced = 0
-    shape = shape_from_model(model, vocab_padding=options.vocab_padding) if model.dims else None
-    d = model.dims
+    shape = shape_from_model(model, vocab_padding=base.vocab_padding) if model.dims else None
     combos = _state_choices(training, options)
     term_cache: dict[Any, Any] = {}
     count_cache: dict[Any, Any] = {}
 
-    for tp in range(1, n + 1):
-        reason = _tp_reason(model, tp, hw, options)
-        if reason:
-            rej[reason] += _triples(n // tp)
-            continue
-        for pp in range(1, n // tp + 1):
-            reason, stages = _pp_reason(model, pp, options)
+    for tp, pp, ep, stages, per_stage in _model_parallel(model, n, hw, options, base, rules, rej):
+        for dp in range(1, n // (tp * pp * ep) + 1):
+            reason = _dp_reason(dp, workload, training)
             if reason:
-                rej[reason] += _pairs(n // (tp * pp))
+                rej[reason] += 1
                 continue
-            for ep in range(1, n // (tp * pp) + 1):
-                reason = _ep_reason(model, ep)
-                if reason:
-                    rej[reason] += n // (tp * pp * ep)
-                    continue
-                for dp in range(1, n // (tp * pp * ep) + 1):
-                    reason = _dp_reason(dp, workload, training)
-                    if reason:
-                        rej[reason] += 1
-                        continue
-                    mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
-                    for tr in combos:
-                        priced += 1
-                        ctx = _Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
-                        ctx._cache = term_cache.setdefault(
-                            (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None),
-                            {},
-                        )
-                        ctx._counts = count_cache.setdefault((tp, pp, ep), {})
-                        cand = _price(ctx, mesh, stages, tr)
-                        if cand.headroom is not None and cand.headroom < 0:
-                            rej["does_not_fit"] += 1
-                        else:
-                            fits.append(cand)
+            mesh = Mesh(pp=pp, dp=dp, ep=ep, tp=tp)
+            for tr in combos:
+                priced += 1
+                ctx = Context(model, mesh, stages, shape, workload, tr, quant, hw, ovh)
+                # Meshes that agree on these share their per-stage terms and counts.
+                key = (tp, pp, ep, ctx.batch, ctx.microbatches, tr.recompute if tr else None)
+                ctx._cache = term_cache.setdefault(key, {})
+                ctx._counts = count_cache.setdefault((tp, pp, ep), {})
+                cand = _price(ctx, mesh, stages, per_stage, tr)
+                if cand.headroom is not None and cand.headroom < 0:
+                    rej["does_not_fit"] += 1
+                else:
+                    fits.append(cand)
     fits.sort(key=_sort_key(options.objective))
     notes = []
     if hw.device_memory is None:
         notes.append("hardware.device_memory is not set: every valid layout is kept")
-    if d is None:
+    if model.dims is None:
         notes.append("bare parameter count: model states only, dp searched alone")
     return SearchResult(
         mode="training" if training else "inference",
         gpus=n,
-        budget=None
-        if hw.device_memory is None
-        else (
-            hw.device_memory
-            if training
-            else int(hw.device_memory * workload.gpu_memory_utilization)
+        budget=memory_budget(
+            hw.device_memory,
+            training=training is not None,
+            gpu_memory_utilization=workload.gpu_memory_utilization,
         ),
         objective=options.objective,
         candidates=tuple(fits),
@@ -227,6 +134,59 @@ def search(
         unit="step" if training else "token",
         notes=tuple(notes),
     )
+
+
+def _model_parallel(
+    model: ModelInfo,
+    n: int,
+    hw: HardwareSpec,
+    options: SearchOptions,
+    layout: LayoutOptions,
+    rules: Sequence[RuleSpec],
+    rej: Counter[str],
+) -> Iterator[tuple[int, int, int, tuple[Stage, ...], list[tuple[int | None, ...]]]]:
+    """Every valid ``(tp, pp, ep)`` on ``n`` GPUs with its stages and weights; the invalid
+    ones are counted in ``rej`` once for every mesh (every ``dp``, every smaller axis) they
+    would have made."""
+    for tp in range(1, n + 1):
+        reason = _tp_reason(model, tp, hw, options)
+        if reason:
+            rej[reason] += _triples(n // tp)
+            continue
+        for pp in range(1, n // tp + 1):
+            reason = _pp_reason(model, pp, layout)
+            if reason:
+                rej[reason] += _pairs(n // (tp * pp))
+                continue
+            for ep in range(1, n // (tp * pp) + 1):
+                reason = _ep_reason(model, ep)
+                if reason:
+                    rej[reason] += n // (tp * pp * ep)
+                    continue
+                try:
+                    stages, per_stage = _stage_weights(
+                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, layout
+                    )
+                except LayoutError:
+                    rej["layout_refused"] += n // (tp * pp * ep)
+                    continue
+                yield tp, pp, ep, stages, per_stage
+
+
+def _stage_weights(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], layout: LayoutOptions
+) -> tuple[tuple[Stage, ...], list[tuple[int | None, ...]]]:
+    """The stages of ``mesh`` and, per stage, the distinct weight bytes of its ranks (from the
+    layout engine, as ``plan`` has them); ``(None,)`` where the closed form prices weights."""
+    stages, weights = weights_per_coord(
+        model, mesh, rules=rules, options=options_for(layout, mesh.pp)
+    )
+    if weights is None:
+        return stages, [(None,)] * len(stages)
+    per_stage: list[set[int]] = [set() for _ in stages]
+    for (p, _e, _t), w in weights.items():
+        per_stage[p].add(w)
+    return stages, [tuple(sorted(ws)) for ws in per_stage]
 
 
 def _state_choices(
@@ -240,6 +200,34 @@ def _state_choices(
             off_p = training.offload_params if z == 3 else "none"
             out.append(replace(training, zero=z, recompute=rc, offload_params=off_p))
     return out
+
+
+def invalid_reason(
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    options: SearchOptions,
+    hardware: HardwareSpec,
+    workload: Workload,
+    training: TrainingSpec | None = None,
+    rules: Sequence[RuleSpec] = (),
+    layout: LayoutOptions | None = None,
+) -> str | None:
+    """Why :func:`search` does not price ``mesh`` (its rejection reason), or ``None`` when it
+    prices it: then its verdict is ``plan``'s for the same mesh."""
+    base = layout or LayoutOptions(pipeline=options.pipeline, vocab_padding=options.vocab_padding)
+    reason = (
+        _tp_reason(model, mesh.tp, hardware, options)
+        or _pp_reason(model, mesh.pp, base)
+        or _ep_reason(model, mesh.ep)
+    )
+    if reason:
+        return reason
+    try:
+        _stage_weights(model, replace(mesh, dp=1), rules, base)
+    except LayoutError:
+        return "layout_refused"
+    return _dp_reason(mesh.dp, workload, training)
 
 
 def _tp_reason(model: ModelInfo, tp: int, hw: HardwareSpec, o: SearchOptions) -> str | None:
@@ -257,15 +245,16 @@ def _tp_reason(model: ModelInfo, tp: int, hw: HardwareSpec, o: SearchOptions) ->
     return None
 
 
-def _pp_reason(model: ModelInfo, pp: int, o: SearchOptions) -> tuple[str | None, tuple[Stage, ...]]:
+def _pp_reason(model: ModelInfo, pp: int, layout: LayoutOptions) -> str | None:
     d = model.dims
     if d is None:
-        return ("bare_parameter_count", ()) if pp > 1 else (None, (Stage(0, None),))
+        return "bare_parameter_count" if pp > 1 else None
     if pp > d.num_layers:
-        return "pp_above_layers", ()
-    if d.num_layers % pp and o.pipeline in ("even", "megatron"):
-        return "layers_not_divisible", ()
-    return None, assign_layers(d.num_layers, pp, o.pipeline)
+        return "pp_above_layers"
+    explicit = options_for(layout, pp).layers_per_stage is not None
+    if d.num_layers % pp and layout.pipeline in DIVISIBLE_ONLY and not explicit:
+        return "layers_not_divisible"
+    return None
 
 
 def _ep_reason(model: ModelInfo, ep: int) -> str | None:
@@ -290,8 +279,9 @@ def _dp_reason(dp: int, w: Workload, tr: TrainingSpec | None) -> str | None:
 
 
 def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
-    """The stages that can hold the fullest rank: the first (embedding, most micro-batches in
-    flight), the first with the most layers, the last (head, logits)."""
+    """The stages whose communication is priced: the first (embedding), the first with the most
+    layers, the last (head, logits), and a middle one (the most PP traffic). Memory is priced
+    on every stage: with uneven conventions an early short stage can hold the most in flight."""
     most = max(stages, key=lambda s: s.num_layers)
     picks = {stages[0].index: stages[0], most.index: most, stages[-1].index: stages[-1]}
     if len(stages) > 2:  # a middle stage sends and receives: the most PP traffic
@@ -301,15 +291,23 @@ def _probe_stages(stages: tuple[Stage, ...]) -> list[Stage]:
 
 
 def _price(
-    ctx: _Context, mesh: Mesh, stages: tuple[Stage, ...], tr: TrainingSpec | None
+    ctx: Context,
+    mesh: Mesh,
+    stages: tuple[Stage, ...],
+    per_stage: list[tuple[int | None, ...]],
+    tr: TrainingSpec | None,
 ) -> Candidate:
-    probes = _probe_stages(stages)
-    peaks = tuple(ctx.rank(st, None).total for st in probes)
+    """Every stage's fullest rank (ranks of a stage differ only in their weight bytes), the
+    verdict from the one budget, and the communication of the probed stages."""
+    peaks = tuple(
+        max(ctx.rank(st, w).total for w in weights)
+        for st, weights in zip(stages, per_stage, strict=True)
+    )
     peak = max(peaks)
     headroom = None if ctx.budget is None else ctx.budget - peak
     times, sent = [0.0], [0]
-    if headroom is None or headroom >= 0:  # communication is priced for the ones kept
-        comm = [ctx.comm(st) for st in probes]
+    if fits_budget(peak, ctx.budget) is not False:  # communication is priced for the ones kept
+        comm = [stage_comm(ctx, st) for st in _probe_stages(stages)]
         times = [sum(c.time(mesh, ctx.hw).values()) for c in comm]
         sent = [int(sum(c.bytes.values())) for c in comm]
     return Candidate(
@@ -338,8 +336,11 @@ def _sort_key(objective: str) -> Any:
     return key
 
 
-def render_search_table(result: SearchResult, *, top: int, console: Any = None) -> None:
-    """Print the top layouts (rich); lives in :mod:`shardctl.plan.report`."""
-    from shardctl.plan.report import render_search_table as render
-
-    render(result, top=top, console=console)
+__all__ = [
+    "OBJECTIVES",
+    "Candidate",
+    "SearchOptions",
+    "SearchResult",
+    "invalid_reason",
+    "search",
+]

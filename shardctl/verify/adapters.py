@@ -21,7 +21,7 @@ from typing import Any
 
 from shardctl.errors import InvalidInputError
 
-_LLAMA_LIKE = ("llama", "mistral", "qwen2", "gemma", "phi3", "mixtral")
+_LLAMA_LIKE = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral")
 SUPPORTED: tuple[str, ...] = (*_LLAMA_LIKE, "gpt2")
 
 

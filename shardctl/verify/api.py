@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.checkpoint.source import Source, open_source
-from shardctl.errors import UsageError
+from shardctl.errors import EnvironmentFailure, UsageError
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.verify.bitwise import check_bitwise
 from shardctl.verify.dst import Destination, open_destination
@@ -80,6 +80,7 @@ def verify(
     from shardctl.verify.forward import check_forward
 
     reference, sharded = _forward_sides(src, source, dst, dest)
+    _forward_runs(sharded.config, bitwise)
     forward, tolerances, env = check_forward(
         reference, sharded, device=device, seed=seed, simulate=simulate, world=world
     )
@@ -87,6 +88,21 @@ def verify(
     result.tolerances["forward"] = tolerances
     result.environment.update(env)
     return result
+
+
+def _forward_runs(config: dict[str, Any], bitwise: LevelResult) -> None:
+    """Exit 5 "could not verify" when the forward level cannot run this family: a verifier
+    that cannot check must say so, never report a difference (exit 1) it did not find."""
+    from shardctl.verify.adapters import SUPPORTED
+
+    arch = config.get("model_type")
+    if arch not in SUPPORTED:
+        raise EnvironmentFailure(
+            f"could not verify the forward level: it cannot run architecture {arch!r} yet "
+            f"(it runs {', '.join(SUPPORTED)}); structure and bitwise passed "
+            f"({bitwise.figures.get('tensors', 'every')} tensors bit-identical)",
+            hint="rerun with --level bitwise to gate on the levels that ran",
+        )
 
 
 def _check_options(level: str, device: str, launcher: str) -> None:

@@ -13,6 +13,7 @@ import os
 from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -58,6 +59,21 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
             )
         jobs = fw.make_jobs(ck, device="cuda" if cuda else "cpu", simulated=False, seed=seed)
         job = replace(jobs[rank], device=device)  # make_jobs numbers GPUs by global rank
+        # Rank 0 runs the reference first: MoE ranks are pinned to its expert choices.
+        ref, failure = None, None
+        if rank == 0:
+            try:
+                assert result is not None
+                ref = fw.reference_logits(src, job, result.level_result("forward").figures)
+            except Exception as exc:  # the others wait at the broadcast: tell them first
+                failure = exc
+        shared: list[Any] = [None if ref is None else ref.routing, failure is not None]
+        dist.broadcast_object_list(shared, 0)
+        if failure is not None:
+            raise failure
+        if shared[1]:
+            raise EnvironmentFailure("rank 0 could not run the reference model")
+        job = replace(job, routing=shared[0] or None)
         outcome = run_rank(job, DistComm(rank, Topology(*job.topo)))
         problems: list[list[str] | None] | None = [None] * world if rank == 0 else None
         dist.gather_object(outcome.problems, problems, dst=0)
@@ -79,11 +95,18 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
         for r, ps in enumerate(problems or []):
             for p in ps or ():
                 level.fail(p, rank=r)
-        if not level.findings and logits is not None:
+        if not level.findings and logits is not None and ref is not None:
             # ``job`` is rank 0's, on the device LOCAL_RANK chose (jobs[0] says cuda:0)
-            unsharded, reference, dtype = fw.reference_logits(src, job, level.figures)
-            level.figures.update(seed=seed, batch=job.batch, seq_len=job.seq_len, dtype=dtype)
-            result.tolerances["forward"] = fw.compare(level, logits.cpu(), unsharded, reference)
+            level.figures.update(seed=seed, batch=job.batch, seq_len=job.seq_len, dtype=ref.dtype)
+            if ref.routing:
+                level.figures.update(
+                    routing="pinned to the float64 reference's expert choices",
+                    moe_layers=len(ref.routing),
+                    routing_ties_flipped=ref.flips,
+                )
+            result.tolerances["forward"] = fw.compare(
+                level, logits.cpu(), ref.unsharded, ref.reference
+            )
         level.close()
         result.level = "forward"
         result.environment.update(

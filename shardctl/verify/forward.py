@@ -16,16 +16,20 @@ from __future__ import annotations
 
 import re
 import time
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import nn
 
 from shardctl.errors import EnvironmentFailure
-from shardctl.verify import metrics
+from shardctl.verify import metrics, routing
+from shardctl.verify.adapters import adapter_for
 from shardctl.verify.launch import ProcessWorld, run_processes, run_threads
 from shardctl.verify.rank import RankJob, RankOutcome, input_ids
 from shardctl.verify.result import LevelResult
+from shardctl.verify.routing import Routing
 from shardctl.verify.sharded import ShardedCheckpoint
 from shardctl.verify.tp_model import implementations
 
@@ -101,11 +105,22 @@ def run_sharded(
     return run_processes(jobs, backend=env["backend"])
 
 
-def reference_logits(
-    src: Path, job: RankJob, figures: dict[str, Any] | None = None
-) -> tuple[torch.Tensor, torch.Tensor, str]:
-    """(unsharded logits in the checkpoint dtype, float64 logits, dtype name), from SRC (an HF
-    checkpoint, or a shardctl layout merged first; ``figures`` gets how and how long)."""
+@dataclass
+class Reference:
+    """SRC's unsharded model on the job's input: its logits in the checkpoint dtype and in
+    float64, and (MoE) the float64 model's expert choices that both other runs are pinned to."""
+
+    unsharded: torch.Tensor
+    reference: torch.Tensor
+    dtype: str
+    routing: Routing = field(default_factory=dict)
+    flips: int = 0  # token-layer choices the unpinned dtype model would have made differently
+
+
+def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = None) -> Reference:
+    """Run SRC unsharded (an HF checkpoint, or a shardctl layout merged first; ``figures`` gets
+    how and how long): float64 first, recording MoE routing, then the checkpoint dtype with that
+    routing imposed (verify/routing.py says why)."""
     from transformers import AutoModelForCausalLM
 
     from shardctl.verify.reference import hf_reference
@@ -122,12 +137,26 @@ def reference_logits(
     device = torch.device(job.device)
     model = model.to(device).eval()  # type: ignore[arg-type]
     dtype = next(model.parameters()).dtype
+    layers = model.get_submodule(adapter_for(str(job.config.get("model_type"))).layer_prefix)
+    assert isinstance(layers, nn.ModuleList)
     ids = input_ids(job.seed, job.batch, job.seq_len, int(job.config["vocab_size"])).to(device)
+    chosen: Routing = {}
+    own: Routing = {}
     with torch.inference_mode():
-        unsharded = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
+        # bf16/fp16/fp32 -> float64 -> back is exact, so one loaded copy serves both runs
         model = model.to(torch.float64)
-        reference = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
-    return unsharded, reference, str(dtype).removeprefix("torch.")
+        with routing.record(layers, chosen):
+            reference = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
+        model = model.to(dtype)
+        with routing.pin(layers, chosen, normalize=routing.normalizes(job.config), own=own):
+            unsharded = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
+    return Reference(
+        unsharded,
+        reference,
+        str(dtype).removeprefix("torch."),
+        chosen,
+        routing.disagreements(chosen, own),
+    )
 
 
 def compare(
@@ -190,6 +219,16 @@ def check_forward(
     dev = resolve_device(device)
     env = plan_run(dev, ck.world, simulate)
     jobs = make_jobs(ck, device=dev, simulated=env["simulated"], seed=seed)
+    t1 = time.perf_counter()
+    ref = reference_logits(src, jobs[0], level.figures)
+    level.figures.update(dtype=ref.dtype, reference_s=time.perf_counter() - t1)
+    if ref.routing:
+        jobs = [replace(j, routing=ref.routing) for j in jobs]
+        level.figures.update(
+            routing="pinned to the float64 reference's expert choices",
+            moe_layers=len(ref.routing),
+            routing_ties_flipped=ref.flips,
+        )
     outcomes = run_sharded(jobs, env, world)
     level.figures.update(
         seed=seed,
@@ -209,9 +248,6 @@ def check_forward(
         logits = next((o.logits for o in outcomes if o.logits is not None), None)
         if logits is None:
             raise EnvironmentFailure("no rank returned logits (internal: output rank missing)")
-        t1 = time.perf_counter()
-        unsharded, reference, dtype = reference_logits(src, jobs[0], level.figures)
-        level.figures.update(dtype=dtype, reference_s=time.perf_counter() - t1)
-        tolerances = compare(level, logits, unsharded, reference)
+        tolerances = compare(level, logits, ref.unsharded, ref.reference)
     level.seconds = time.perf_counter() - t0
     return level.close(), tolerances, env

@@ -11,7 +11,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import os
 import subprocess
@@ -67,9 +66,12 @@ def run_processes(
 class ProcessWorld:
     """``world`` worker processes in one process group, kept alive to run many jobs.
 
-    Jobs and outcomes travel through the TCP store this process hosts (``job/<k>/<rank>``,
-    ``outcome/<k>/<rank>``); the gloo/NCCL group is formed once, so a test module pays the
-    start-up (~1 s for gloo, plus torch's import) once, not per layout.
+    Jobs travel through the TCP store this process hosts (``job/<k>/<rank>``); outcomes, which
+    carry logits (``tokens × vocab`` float64: 16 MiB at 16 tokens of a 128k vocabulary), are
+    files in this run's private temporary directory, and the store only says which file is
+    done (``outcome/<k>/<rank>``): torch's TCPStore drops values over 8 MiB with a reset
+    connection. The gloo/NCCL group is formed once, so a test module pays the start-up (~1 s
+    for gloo, plus torch's import) once, not per layout.
     """
 
     def __init__(self, world: int, *, backend: str) -> None:
@@ -101,6 +103,7 @@ class ProcessWorld:
                 OMP_NUM_THREADS=str(threads),
                 SHARDCTL_VERIFY_BACKEND=self.backend,
                 SHARDCTL_VERIFY_STORE="client",
+                SHARDCTL_VERIFY_DIR=str(self._tmp_path),
             )
             log = self._tmp_path / f"rank{rank}.log"
             self._logs.append(log)
@@ -146,7 +149,11 @@ class ProcessWorld:
             if dead is not None or time.monotonic() > deadline:
                 self._abort(dead, timeout_s)
             time.sleep(0.02)
-        return [_decode(r, self._store.get(key)) for r, key in enumerate(keys)]
+        assert self._tmp is not None
+        return [
+            read_outcome(r, self._tmp_path, k, self._store.get(key))
+            for r, key in enumerate(keys)
+        ]
 
     def _abort(self, dead: int | None, timeout_s: float) -> None:
         for p in self._procs:
@@ -165,8 +172,13 @@ class ProcessWorld:
         )
 
 
-def encode(outcome: RankOutcome) -> bytes:
-    buf = io.BytesIO()
+def write_outcome(outcome: RankOutcome, directory: Path, job: int) -> str:
+    """Save one rank's outcome as ``outcome-<job>-<rank>.pt`` in ``directory``; its name.
+
+    Written under a temporary name and renamed, so the parent never reads half a file.
+    """
+    name = f"outcome-{job}-{outcome.rank}.pt"
+    tmp = directory / f".{name}.tmp"
     torch.save(
         {
             "problems": outcome.problems,
@@ -174,13 +186,18 @@ def encode(outcome: RankOutcome) -> bytes:
             "forward_s": outcome.forward_s,
             "logits": outcome.logits,
         },
-        buf,
+        tmp,
     )
-    return buf.getvalue()
+    os.replace(tmp, directory / name)
+    return name
 
 
-def _decode(rank: int, data: bytes) -> RankOutcome:
-    d = torch.load(io.BytesIO(data), weights_only=True)
+def read_outcome(rank: int, directory: Path, job: int, name: bytes) -> RankOutcome:
+    """The outcome a worker wrote (:func:`write_outcome`); ``name`` is what it put in the store."""
+    expected = f"outcome-{job}-{rank}.pt"
+    if name != expected.encode():
+        raise EnvironmentFailure(f"forward rank {rank} reported outcome {name!r}, not {expected!r}")
+    d = torch.load(directory / expected, weights_only=True)
     return RankOutcome(
         rank,
         problems=list(d["problems"]),

@@ -21,7 +21,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardctl.verify import routing
 from shardctl.verify.comm import Comm, Topology
+from shardctl.verify.routing import Routing
 from shardctl.verify.tp_model import Role, build_rank_model
 
 
@@ -37,15 +39,22 @@ class RankJob:
     seed: int
     batch: int
     seq_len: int
+    # MoE expert choices of the float64 reference, imposed on this rank (verify/routing.py)
+    routing: Routing | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        if self.routing is not None:  # JSON object keys are strings
+            data["routing"] = {str(k): v for k, v in self.routing.items()}
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RankJob:
         data = dict(data)
         data["topo"] = tuple(data["topo"])
         data["files"] = tuple(data["files"])
+        if data.get("routing") is not None:
+            data["routing"] = {int(k): v for k, v in data["routing"].items()}
         return cls(**data)
 
 
@@ -150,12 +159,19 @@ def _run_stage(
             captured.append(output[0] if isinstance(output, tuple) else output)
 
         handles.append(layers[len(layers) - 1].register_forward_hook(capture))
+    pinned = routing.pin(
+        layers,
+        job.routing or {},
+        normalize=routing.normalizes(job.config),
+        first_layer=job.first_layer,
+    )
     try:
-        if role.first_stage:
-            out = model(input_ids=ids, use_cache=False)
-        else:
-            zeros = torch.zeros(shape, dtype=dtype, device=device)
-            out = model(inputs_embeds=zeros, use_cache=False)
+        with pinned:
+            if role.first_stage:
+                out = model(input_ids=ids, use_cache=False)
+            else:
+                zeros = torch.zeros(shape, dtype=dtype, device=device)
+                out = model(inputs_embeds=zeros, use_cache=False)
     finally:
         for h in handles:
             h.remove()

@@ -61,7 +61,7 @@ def _serve() -> int:
     import torch.distributed as dist
 
     from shardctl.verify.comm import DistComm, Topology
-    from shardctl.verify.launch import encode
+    from shardctl.verify.launch import write_outcome
     from shardctl.verify.rank import RankJob, run_rank
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
@@ -72,6 +72,7 @@ def _serve() -> int:
         is_master=False,
         timeout=timedelta(hours=24),
     )
+    outdir = Path(os.environ["SHARDCTL_VERIFY_DIR"])
     k = 0
     try:
         while True:
@@ -80,7 +81,7 @@ def _serve() -> int:
                 return 0
             job = RankJob.from_json(json.loads(data))
             outcome = run_rank(job, DistComm(job.rank, Topology(*job.topo)))
-            store.set(f"outcome/{k}/{rank}", encode(outcome))  # type: ignore[arg-type]
+            store.set(f"outcome/{k}/{rank}", write_outcome(outcome, outdir, k))
             k += 1
     finally:
         dist.destroy_process_group()

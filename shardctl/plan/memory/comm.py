@@ -80,7 +80,7 @@ class CommTally:
         for key, nbytes in self.bytes.items():
             axis = "tp" if key == "sp" else key
             intra = axis_is_intra_node(mesh, axis, hw.gpus_per_node)
-            bw = (hw.intra_node_bw if intra else hw.inter_node_bw) * hw.efficiency
+            bw = (hw.intra_node_bandwidth if intra else hw.inter_node_bandwidth) * hw.efficiency
             lat = hw.intra_node_latency if intra else hw.inter_node_latency
             out[key] = self.calls[key] * lat + nbytes / bw
         return out

@@ -1,8 +1,9 @@
 """GPU and interconnect presets, and the hardware a plan runs on.
 
-Capacities are the data sheets' HBM capacity in GiB (an "80 GB" H100 is five 16 GiB HBM3
-stacks), as :mod:`shardctl.manifest.presets` states them; B200 is 180 GiB (DGX B200: 1,440 GB
-for 8 GPUs). Bandwidths are per GPU and per
+One table (:data:`GPUS`) and one lookup (:func:`gpu_preset`) for the whole tool: the
+manifest's ``hardware.gpu`` and :meth:`HardwareSpec.preset` both read it. Capacities are the
+data sheets' HBM capacity in GiB (an "80 GB" H100 is five 16 GiB HBM3 stacks); B200 is
+180 GiB (DGX B200: 1,440 GB for 8 GPUs). Bandwidths are per GPU and per
 direction, from the vendors' data sheets:
 
 - NVLink 4 (H100/H200 SXM): 900 GB/s bidirectional → 450 GB/s per direction
@@ -22,8 +23,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardctl.errors import InvalidInputError
-from shardctl.manifest.presets import GPU_ALIASES
-from shardctl.manifest.presets import GPU_PRESETS as _MANIFEST_GPUS
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -32,9 +31,13 @@ GB = 10**9
 
 @dataclass(frozen=True)
 class GpuPreset:
+    """One GPU from its data sheet; bandwidths are per GPU, per direction, in bytes/s."""
+
     name: str
-    memory: int  # bytes, as the driver reports the device's total
-    intra_node_bw: float  # bytes/s per GPU per direction (NVLink / fabric / PCIe)
+    memory: int  # bytes: the data sheet's HBM/GDDR capacity
+    intra_node_bandwidth: float  # NVLink / fabric / PCIe
+    inter_node_bandwidth: float  # the usual one NIC per GPU
+    source: str
     intra_node_latency: float = 5e-6  # seconds per collective step (NCCL small-message latency)
 
 
@@ -45,11 +48,91 @@ class LinkPreset:
     latency: float = 10e-6
 
 
-# One table of GPUs for the whole tool: the manifest's presets (data-sheet sources there).
+# The one GPU table of the tool (``hardware.gpu`` in a manifest, HardwareSpec.preset, search).
+# ``memory`` is the HBM/GDDR capacity the data sheet states (``80GB`` on an H100 is 80 GiB of
+# HBM3: five 16 GiB stacks); the CUDA context, NCCL buffers and fragmentation are the memory
+# model's ``overhead`` terms, not subtracted here. NVLink figures are the data sheet's
+# bidirectional total halved; inter-node assumes ConnectX-7 400 Gb/s on H100/H200/MI300X
+# nodes, HDR 200 Gb/s on A100.
 GPUS: dict[str, GpuPreset] = {
-    name: GpuPreset(name, p.device_memory, float(p.intra_node_bandwidth))
-    for name, p in _MANIFEST_GPUS.items()
+    p.name: p
+    for p in (
+        GpuPreset(
+            "h100-sxm",
+            80 * GiB,
+            450 * GB,
+            50 * GB,
+            "H100 SXM5: 80 GB HBM3; NVLink 4 900 GB/s bidirectional; CX-7 400 Gb/s",
+        ),
+        GpuPreset(
+            "h200",
+            141 * GiB,
+            450 * GB,
+            50 * GB,
+            "H200 SXM: 141 GB HBM3e; NVLink 4 900 GB/s bidirectional; CX-7 400 Gb/s",
+        ),
+        GpuPreset(
+            "a100-80gb",
+            80 * GiB,
+            300 * GB,
+            25 * GB,
+            "A100 SXM4 80GB: HBM2e; NVLink 3 600 GB/s bidirectional; HDR 200 Gb/s",
+        ),
+        GpuPreset(
+            "a100-40gb",
+            40 * GiB,
+            300 * GB,
+            25 * GB,
+            "A100 SXM4 40GB: HBM2; NVLink 3 600 GB/s bidirectional; HDR 200 Gb/s",
+        ),
+        GpuPreset(
+            "l40s",
+            48 * GiB,
+            32 * GB,
+            25 * GB,
+            "L40S: 48 GB GDDR6 (ECC on leaves ~44.5 GiB); no NVLink, PCIe 4.0 x16 "
+            "~32 GB/s; 200 Gb/s NIC",
+        ),
+        GpuPreset(
+            "h100-pcie",
+            80 * GiB,
+            64 * GB,
+            50 * GB,
+            "H100 PCIe: 80 GB HBM2e; PCIe Gen5 x16 ~64 GB/s per direction (NVLink bridge "
+            "optional); 400 Gb/s NIC",
+        ),
+        GpuPreset(
+            "b200",
+            180 * GiB,
+            900 * GB,
+            50 * GB,
+            "B200: 180 GB HBM3e; NVLink 5 1.8 TB/s bidirectional; CX-7 400 Gb/s",
+        ),
+        GpuPreset(
+            "mi300x",
+            192 * GiB,
+            448 * GB,
+            50 * GB,
+            "MI300X: 192 GB HBM3; Infinity Fabric 896 GB/s bidirectional peer "
+            "aggregate; 400 Gb/s NIC",
+        ),
+    )
 }
+
+# Names people write for the same part.
+GPU_ALIASES: dict[str, str] = {
+    "h100": "h100-sxm",
+    "h100-80gb": "h100-sxm",
+    "h200-sxm": "h200",
+    "a100": "a100-80gb",
+    "mi300": "mi300x",
+}
+
+
+def gpu_names() -> tuple[str, ...]:
+    """Every name :func:`gpu_preset` accepts: presets, then aliases."""
+    return (*GPUS, *GPU_ALIASES)
+
 
 LINKS: dict[str, LinkPreset] = {
     p.name: p
@@ -65,7 +148,8 @@ LINKS: dict[str, LinkPreset] = {
 
 @dataclass(frozen=True)
 class HardwareSpec:
-    """The cluster: per-device memory, GPUs per node, nodes, and link speeds.
+    """The cluster: per-device memory, GPUs per node, nodes, and link speeds (bytes/s per
+    GPU per direction). The manifest's ``hardware:`` section builds exactly this.
 
     ``HardwareSpec.preset("h100-sxm", nodes=2)`` is two DGX-H100-like nodes with IB NDR.
     ``device_memory`` ``None`` means "unknown": nothing is said about fit.
@@ -74,13 +158,14 @@ class HardwareSpec:
     device_memory: int | None = None
     gpus_per_node: int = 8
     nodes: int = 1
-    intra_node_bw: float = 450 * GB
-    inter_node_bw: float = 50 * GB
+    intra_node_bandwidth: float = 450 * GB
+    inter_node_bandwidth: float = 50 * GB
     intra_node_latency: float = 5e-6
     inter_node_latency: float = 10e-6
     efficiency: float = 0.8
     gpu: str | None = None
     link: str | None = None
+    allow_tp_across_nodes: bool = False
 
     def __post_init__(self) -> None:
         for name in ("gpus_per_node", "nodes"):
@@ -89,7 +174,7 @@ class HardwareSpec:
                     f"expected a positive integer, got {getattr(self, name)}",
                     where=f"hardware.{name}",
                 )
-        for name in ("intra_node_bw", "inter_node_bw"):
+        for name in ("intra_node_bandwidth", "inter_node_bandwidth"):
             if not getattr(self, name) > 0:
                 raise InvalidInputError(
                     f"expected a positive bandwidth, got {getattr(self, name)}",
@@ -121,8 +206,8 @@ class HardwareSpec:
             device_memory=device_memory if device_memory is not None else g.memory,
             gpus_per_node=gpus_per_node,
             nodes=nodes,
-            intra_node_bw=g.intra_node_bw,
-            inter_node_bw=lk.bandwidth,
+            intra_node_bandwidth=g.intra_node_bandwidth,
+            inter_node_bandwidth=lk.bandwidth,
             intra_node_latency=g.intra_node_latency,
             inter_node_latency=lk.latency,
             gpu=g.name,
@@ -131,13 +216,15 @@ class HardwareSpec:
 
 
 def gpu_preset(name: str) -> GpuPreset:
+    """The one lookup: ``"H100"`` → the ``h100-sxm`` preset; an unknown name raises, naming
+    every known one."""
     key = name.strip().lower().replace("_", "-")
     key = GPU_ALIASES.get(key, key)
     if key not in GPUS:
         raise InvalidInputError(
             f"unknown GPU preset {name!r}",
             where="hardware.gpu",
-            hint=f"use one of: {', '.join(GPUS)}, or give device_memory and bandwidths",
+            hint=f"use one of: {', '.join(gpu_names())}; or give hardware.device_memory",
         )
     return GPUS[key]
 
@@ -148,6 +235,6 @@ def link_preset(name: str) -> LinkPreset:
         raise InvalidInputError(
             f"unknown link preset {name!r}",
             where="hardware.link",
-            hint=f"use one of: {', '.join(LINKS)}, or give inter_node_bw",
+            hint=f"use one of: {', '.join(LINKS)}, or give inter_node_bandwidth",
         )
     return LINKS[key]

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.model.types import ModelDims
+from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.shapes import kv_heads_per_rank
 
 VLLM_BLOCK_SIZE = 16  # tokens per paged KV block (vLLM default ``block_size``)
@@ -35,11 +36,6 @@ def kv_bytes_per_token(
     n_layers = dims.num_layers if layers is None else layers
     heads = kv_heads_per_rank(dims.num_kv_heads, tp)
     return 2 * n_layers * heads * dims.head_dim * DTYPE_BITS[dtype] // 8
-
-
-def kv_cache_bytes(per_token: int, batch: int, sequence_length: int) -> int:
-    """KV bytes for ``batch`` sequences of ``sequence_length`` tokens."""
-    return per_token * batch * sequence_length
 
 
 @dataclass(frozen=True)
@@ -74,7 +70,8 @@ def kv_capacity(
     ...             batch=2, sequence_length=8, block_size=1).tokens
     32
     """
-    budget = int(device_memory * utilization)
+    budget = memory_budget(device_memory, training=False, gpu_memory_utilization=utilization)
+    assert budget is not None
     available = budget - non_kv_bytes
     if per_token <= 0:
         return KvCapacity(budget, available, 0, 0, 0)

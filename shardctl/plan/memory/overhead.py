@@ -27,6 +27,11 @@ from shardctl.errors import InvalidInputError
 MiB = 1 << 20
 
 
+# The ``overhead:`` names, in bytes and as a fraction (the manifest reads these same keys).
+SIZES = ("cuda_context", "nccl_buffers", "framework", "dispatch_buffers", "reserved")
+FRACTIONS = ("fragmentation",)
+
+
 @dataclass(frozen=True)
 class OverheadSpec:
     cuda_context: int = 512 * MiB
@@ -37,7 +42,7 @@ class OverheadSpec:
     dispatch_buffers: int = 0
 
     def __post_init__(self) -> None:
-        for key in ("cuda_context", "nccl_buffers", "framework", "reserved", "dispatch_buffers"):
+        for key in SIZES:
             v = getattr(self, key)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise InvalidInputError(

@@ -19,25 +19,15 @@ Per quantizable matrix of ``n`` elements, ``r`` local rows (out-features) and ``
   NVIDIA TensorRT Model Optimizer NVFP4 docs.
 
 Embeddings, the head and norms (with biases and routers) stay in the model's 16-bit dtype by
-default (``QuantSpec.keep``), as GPTQ, AWQ, bitsandbytes and vLLM's fp8 leave them.
+default (``QuantSpec.keep_16bit``), as GPTQ, AWQ, bitsandbytes and vLLM's fp8 leave them.
+The methods are :data:`~shardctl.plan.memory.spec.QUANT_METHODS`; ``fp8-block`` here is
+``fp8`` with ``fp8_scaling: block``.
 """
 
 from __future__ import annotations
 
 from shardctl.plan.memory.shapes import Counts
-
-METHODS = (
-    "none",
-    "int8",
-    "int4",
-    "gptq",
-    "awq",
-    "nf4",
-    "fp8",
-    "fp8-block",
-    "mxfp4",
-    "nvfp4",
-)
+from shardctl.plan.memory.spec import QUANT_KINDS
 
 
 def matrix_bytes(
@@ -85,7 +75,7 @@ def quantized_weight_bytes(
     dense_bytes: int,
     group_size: int = 128,
     double_quant: bool = True,
-    keep: tuple[str, ...] = ("embedding", "head", "norm"),
+    keep: tuple[str, ...] = QUANT_KINDS,
 ) -> int:
     """One rank's weight bytes under ``method``; kept kinds at ``dense_bytes`` per element."""
     n = counts.linear + counts.expert
@@ -99,7 +89,7 @@ def quantized_weight_bytes(
         double_quant=double_quant,
     )
     other = 0
-    for kind in ("embedding", "head", "norm"):
+    for kind in QUANT_KINDS:
         numel = getattr(counts, kind)
         if kind in keep or kind == "norm":
             other += numel * dense_bytes

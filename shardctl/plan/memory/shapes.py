@@ -2,7 +2,7 @@
 
 The layout engine knows every shard exactly; this module reproduces its totals in O(1) per
 ``(stage, tp, ep)`` so the search can price hundreds of meshes in milliseconds. Default TP
-style (Megatron-LM / vLLM, issue 2 item 6): q/k/v, gate/up and experts' w1/w3 column-parallel
+style (Megatron-LM / vLLM): q/k/v, gate/up and experts' w1/w3 column-parallel
 ``S(0)`` with their biases; o/down and w2 row-parallel ``S(1)`` with replicated biases;
 embedding and head vocab-parallel; norms and routers replicated; experts contiguous over ``ep``.
 

@@ -1,19 +1,24 @@
 """What the memory model is asked about: the workload, training setup and quantization.
 
-Plain frozen data, validated on construction (errors name the manifest key). The manifest
-adapter (:mod:`shardctl.plan.memory_bridge`) builds these from a ``Manifest``; tests and the
-search build them directly.
+Plain frozen data, validated on construction (errors name the manifest key). One type per
+concept: the manifest's ``workload:``, ``training:`` and ``quantization:`` sections build
+exactly these (:mod:`shardctl.manifest.validate_training`); tests and the search build them
+directly. The choices below are the only definitions of these enumerations.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from fnmatch import fnmatchcase
 
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+FP8_SCALING = ("tensor", "block")
+QUANT_KINDS = ("embedding", "head", "norm")
 
 # FSDP sharding strategies -> ZeRO stage (PyTorch FSDP docs: FULL_SHARD is ZeRO-3,
 # SHARD_GRAD_OP is ZeRO-2, NO_SHARD is DDP).
@@ -37,7 +42,8 @@ class Workload:
     generated), shared by the ``dp`` replicas. Training uses :class:`TrainingSpec`'s batch.
 
     ``kv_cache_dtype`` ``None`` means the model dtype (vLLM's ``kv_cache_dtype="auto"``).
-    ``sequence_length`` 0 plans weights only (no KV cache, no activations).
+    ``sequence_length`` 0 (the default, as in a manifest) plans weights only (no KV cache, no
+    activations).
     ``gpu_memory_utilization`` is the share of device memory the run may use (vLLM's flag).
     ``max_num_batched_tokens`` caps the tokens one forward pass processes (vLLM's chunked
     prefill; 8192 is vLLM V1's default for offline inference); ``None`` prefills every
@@ -45,7 +51,7 @@ class Workload:
     """
 
     batch_size: int = 1
-    sequence_length: int = 2048
+    sequence_length: int = 0
     kv_cache_dtype: str | None = None
     gpu_memory_utilization: float = 0.9
     flash_attention: bool = True
@@ -139,7 +145,7 @@ class TrainingSpec:
                 f"expected a non-negative integer, got {self.sequence_length!r}",
                 where="training.sequence_length",
             )
-        if self.pipeline_schedule not in ("1f1b", "gpipe"):
+        if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise InvalidInputError(
                 f"expected 1f1b or gpipe, got {self.pipeline_schedule!r}",
                 where="training.pipeline_schedule",
@@ -190,34 +196,93 @@ def zero_stage(value: int | str) -> int:
     )
 
 
+# Group/block size per quantization method when none is given; 0 = no groups (one scale per
+# output channel or per tensor). MXFP4 (OCP MX spec) and NVFP4 fix theirs by definition;
+# int4/gptq/awq = GPTQ/AWQ's usual 128; nf4 = bitsandbytes' 64-element blocks; int8 =
+# LLM.int8()'s per-channel scales; fp8 = one scale per tensor, or DeepSeek-V3's 128x128 tiles
+# with ``fp8_scaling: block``.
+DEFAULT_GROUP_SIZE: dict[str, int] = {
+    "none": 0,
+    "int8": 0,
+    "int4": 128,
+    "gptq": 128,
+    "awq": 128,
+    "nf4": 64,
+    "fp8": 0,
+    "mxfp4": 32,
+    "nvfp4": 16,
+}
+QUANT_METHODS = tuple(DEFAULT_GROUP_SIZE)
+FP8_BLOCK = 128
+
+# Tensors kept in 16-bit when quantizing, unless ``keep_16bit`` says otherwise: embeddings
+# (llama-style ``embed_tokens``, GPT-2 ``wte``/``wpe``), the LM head, and every norm (``*norm*``
+# covers ``input_layernorm``, ``model.norm``; ``*.ln_*`` covers GPT-2's ``ln_1``, ``ln_f``). This
+# is what GPTQ/AWQ/bitsandbytes do: they quantize the decoder's Linear weights only.
+DEFAULT_KEEP_16BIT: tuple[str, ...] = (
+    "*embed_tokens.*",
+    "*.wte.*",
+    "*.wpe.*",
+    "lm_head.*",
+    "*norm*",
+    "*.ln_*",
+)
+# Representative fqns per tensor kind, matched against ``keep_16bit`` globs.
+_KIND_NAMES = {
+    "embedding": ("model.embed_tokens.weight", "transformer.wte.weight"),
+    "head": ("lm_head.weight",),
+    "norm": ("model.norm.weight", "model.layers.0.input_layernorm.weight"),
+}
+
+
 @dataclass(frozen=True)
 class QuantSpec:
     """How weights are stored on the device (see :mod:`shardctl.plan.memory.quant`).
 
     ``method`` ``"none"`` counts the checkpoint as stored (an already-quantized checkpoint too).
-    ``keep`` lists the tensor kinds left in 16-bit: ``embedding``, ``head``, ``norm``
-    (norms, biases, routers).
+    ``group_size`` ``None`` is the method's :data:`DEFAULT_GROUP_SIZE` (``fp8_scaling: block``:
+    128). ``keep_16bit`` are fqn globs left in 16-bit (:data:`DEFAULT_KEEP_16BIT`).
     """
 
     method: str = "none"
-    group_size: int = 128
-    double_quant: bool = True
-    keep: tuple[str, ...] = ("embedding", "head", "norm")
+    group_size: int | None = None
+    double_quant: bool = False
+    fp8_scaling: str = "tensor"
+    keep_16bit: tuple[str, ...] = DEFAULT_KEEP_16BIT
 
     def __post_init__(self) -> None:
-        from shardctl.plan.memory.quant import METHODS
-
-        if self.method not in METHODS:
+        if self.method not in QUANT_METHODS:
             raise InvalidInputError(
                 f"unknown quantization method {self.method!r}",
                 where="quantization.method",
-                hint=f"use one of: {', '.join(METHODS)}",
+                hint=f"use one of: {', '.join(QUANT_METHODS)}",
             )
-        _positive(self.group_size, "quantization.group_size")
-        bad = [k for k in self.keep if k not in ("embedding", "head", "norm")]
-        if bad:
+        if self.fp8_scaling not in FP8_SCALING:
             raise InvalidInputError(
-                f"unknown tensor kind(s) {bad} in keep",
-                where="quantization.keep",
-                hint="use embedding, head, norm",
+                f"expected one of {', '.join(FP8_SCALING)}, got {self.fp8_scaling!r}",
+                where="quantization.fp8_scaling",
             )
+        if self.group_size is None:
+            block = self.method == "fp8" and self.fp8_scaling == "block"
+            size = FP8_BLOCK if block else DEFAULT_GROUP_SIZE[self.method]
+            object.__setattr__(self, "group_size", size)
+        elif isinstance(self.group_size, bool) or self.group_size < 0:
+            raise InvalidInputError(
+                f"expected a non-negative integer, got {self.group_size!r}",
+                where="quantization.group_size",
+            )
+
+    @property
+    def formula(self) -> str:
+        """The :func:`~shardctl.plan.memory.quant.matrix_bytes` formula: ``fp8`` with block
+        scaling is ``fp8-block``."""
+        return "fp8-block" if self.method == "fp8" and self.fp8_scaling == "block" else self.method
+
+    @property
+    def keep(self) -> tuple[str, ...]:
+        """The tensor kinds (:data:`QUANT_KINDS`) whose names ``keep_16bit`` matches."""
+        return tuple(
+            kind
+            for kind, names in _KIND_NAMES.items()
+            if any(fnmatchcase(n, g) for n in names for g in self.keep_16bit)
+        )

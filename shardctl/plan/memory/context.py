@@ -1,0 +1,124 @@
+"""Per-plan constants and the per-rank arithmetic of the memory model.
+
+:class:`Context` holds what every rank of one layout shares (dtype, batch per replica,
+micro-batches, budget) and prices one rank of a stage; the pieces live beside it:
+:mod:`.terms` (KV cache, activations), :mod:`.states` (training states), :mod:`.summaries`.
+"""
+
+from __future__ import annotations
+
+from shardctl.dtypes import DTYPE_BITS
+from shardctl.layout.types import Mesh, Stage
+from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.budget import memory_budget
+from shardctl.plan.memory.hardware import HardwareSpec
+from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
+from shardctl.plan.memory.quant import quantized_weight_bytes
+from shardctl.plan.memory.result import RankMemory
+from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
+from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
+from shardctl.plan.memory.states import training_states
+from shardctl.plan.memory.terms import inference_terms, training_terms
+
+
+def _dense_bytes(dtype: str) -> int:
+    return DTYPE_BITS[dtype] // 8 if DTYPE_BITS[dtype] >= 8 else 2
+
+
+class Context:
+    """Per-plan constants and the per-rank arithmetic (kept apart from the public API)."""
+
+    def __init__(
+        self,
+        model: ModelInfo,
+        mesh: Mesh,
+        stages: tuple[Stage, ...],
+        shape: ModelShape | None,
+        workload: Workload,
+        training: TrainingSpec | None,
+        quant: QuantSpec,
+        hardware: HardwareSpec,
+        overhead: OverheadSpec,
+    ):
+        self.model, self.mesh, self.stages, self.shape = model, mesh, stages, shape
+        self.workload, self.training, self.quant = workload, training, quant
+        self.hw, self.ovh = hardware, overhead
+        self.dtype = model.dtype if DTYPE_BITS.get(model.dtype, 0) >= 16 else "BF16"
+        self.nb = _dense_bytes(self.dtype)
+        self.kv_dtype = workload.kv_cache_dtype or self.dtype
+        self.batch = -(-workload.batch_size // mesh.dp)  # per dp replica
+        self.microbatches = training.grad_accumulation(mesh.dp) if training else 1
+        self.budget = memory_budget(
+            hardware.device_memory,
+            training=training is not None,
+            gpu_memory_utilization=workload.gpu_memory_utilization,
+        )
+        # Per stage index; the search shares them between meshes that agree on what they key.
+        self._cache: dict[int, tuple[int, int, dict[str, int]]] = {}
+        self._counts: dict[int, Counts] = {}
+
+    # -- weights -------------------------------------------------------------------------
+    def counts(self, st: Stage) -> Counts:
+        hit = self._counts.get(st.index)
+        if hit is not None:
+            return hit
+        if self.shape is None:
+            n = self.model.parameters // (self.mesh.pp * self.mesh.tp * self.mesh.ep)
+            c = Counts(linear=n)
+        else:
+            c = stage_counts(self.shape, st, self.mesh.pp, self.mesh.tp, self.mesh.ep)
+        self._counts[st.index] = c
+        return c
+
+    def weight_bytes(self, c: Counts, given: int | None) -> int:
+        q = self.quant
+        if q.method != "none" and self.shape is not None:
+            return quantized_weight_bytes(
+                c,
+                method=q.formula,
+                dense_bytes=self.nb,
+                group_size=q.group_size or 128,
+                double_quant=q.double_quant,
+                keep=q.keep,
+            )
+        if given is not None:
+            return given
+        return c.total * DTYPE_BITS[self.model.dtype] // 8
+
+    def rank(self, st: Stage, given: int | None) -> RankMemory:
+        """One rank of stage ``st`` whose stored weights are ``given`` bytes (the layout
+        engine's), or the closed form's when ``None``."""
+        c = self.counts(st)
+        weights = self.weight_bytes(c, given)
+        kv, acts, detail = self._stage_terms(st)
+        detail = dict(detail)
+        grads = opt = host = nvme = 0
+        if self.training is not None:
+            s = training_states(self, st, c, weights, given)
+            weights, grads, opt, host, nvme = s.weights, s.gradients, s.optimizer, s.host, s.nvme
+            detail.update(s.detail)
+        tensors = weights + kv + acts + grads + opt
+        frag_base = tensors - kv if self.training is None else tensors
+        items = overhead_bytes(
+            self.ovh, frag_base, distributed=self.mesh.world > 1, expert_parallel=self.mesh.ep > 1
+        )
+        detail.update({f"overhead.{k}": v for k, v in items.items()})
+        return RankMemory(weights, kv, acts, grads, opt, sum(items.values()), detail, host, nvme)
+
+    def _stage_terms(self, st: Stage) -> tuple[int, int, dict[str, int]]:
+        """KV cache and activations of one rank of ``st`` (same for every tp/ep rank)."""
+        hit = self._cache.get(st.index)
+        if hit is not None:
+            return hit
+        no_tokens = (
+            self.workload.sequence_length == 0
+            if self.training is None
+            else self.training.sequence_length == 0
+        )
+        out = (
+            (0, 0, {})
+            if self.shape is None or no_tokens
+            else (inference_terms(self, st) if self.training is None else training_terms(self, st))
+        )
+        self._cache[st.index] = out
+        return out

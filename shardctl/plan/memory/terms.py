@@ -1,0 +1,111 @@
+"""KV cache and activations of one rank of a stage: serving (prefill peak, logits) and
+training (in-flight micro-batches, recompute working set); see docs/memory-model.md."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from shardctl.layout.types import Stage
+from shardctl.plan.memory import activations as act
+from shardctl.plan.memory.kv import kv_bytes_per_token
+from shardctl.plan.memory.shapes import vocab_rows_per_rank
+
+if TYPE_CHECKING:
+    from shardctl.plan.memory.context import Context
+
+
+def inference_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
+    assert ctx.shape is not None
+    d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
+    per_token = kv_bytes_per_token(d, ctx.kv_dtype, layers=st.num_layers, tp=m.tp)
+    kv = per_token * ctx.batch * w.sequence_length
+    tokens = ctx.batch * w.sequence_length
+    if w.max_num_batched_tokens is not None:
+        tokens = min(tokens, w.max_num_batched_tokens)
+    peak = 0
+    if st.num_layers and w.sequence_length:
+        peak = act.prefill_peak_bytes(
+            d,
+            tokens=tokens,
+            context=w.sequence_length,
+            tp=m.tp,
+            ep=m.ep,
+            flash_attention=w.flash_attention,
+            act_bytes=ctx.nb,
+        )
+    last = st.index == m.pp - 1 and w.sequence_length > 0
+    logits = act.logits_buffer_bytes(ctx.batch, d.vocab_size) if last else 0
+    detail = {
+        "activations.prefill_peak": peak,
+        "activations.logits": logits,
+        "kv_cache.bytes_per_token": per_token,
+    }
+    return kv, peak + logits, detail
+
+
+def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
+    assert ctx.shape is not None and ctx.training is not None
+    d, tr, m = ctx.shape.dims, ctx.training, ctx.mesh
+    seq, mb, tp, sp = tr.sequence_length, tr.micro_batch_size, m.tp, tr.sequence_parallel
+    per_layer = act.layer_activation_bytes(
+        d,
+        seq=seq,
+        batch=mb,
+        tp=tp,
+        sequence_parallel=sp,
+        recompute=tr.recompute,
+        flash_attention=tr.flash_attention,
+        dropout=tr.dropout,
+        act_bytes=ctx.nb,
+        capacity_factor=tr.capacity_factor,
+    )
+    layers = per_layer * st.num_layers
+    first = (
+        act.first_stage_activation_bytes(
+            d, seq=seq, batch=mb, tp=tp, sequence_parallel=sp, dropout=tr.dropout
+        )
+        if st.index == 0
+        else 0
+    )
+    last = (
+        act.last_stage_activation_bytes(
+            d,
+            seq=seq,
+            batch=mb,
+            tp=tp,
+            sequence_parallel=sp,
+            act_bytes=ctx.nb,
+            vocab_rows=vocab_rows_per_rank(d.vocab_size, m.tp, ctx.shape.vocab_padding),
+        )
+        if st.index == m.pp - 1
+        else 0
+    )
+    inflight = act.in_flight_microbatches(st.index, m.pp, ctx.microbatches, tr.pipeline_schedule)
+    working = 0
+    if tr.recompute == "full" and st.num_layers:
+        # Backward replays one layer's forward: its full activations are live once.
+        working = act.layer_activation_bytes(
+            d,
+            seq=seq,
+            batch=mb,
+            tp=tp,
+            sequence_parallel=sp,
+            recompute="none",
+            flash_attention=tr.flash_attention,
+            dropout=tr.dropout,
+            act_bytes=ctx.nb,
+            capacity_factor=tr.capacity_factor,
+        )
+    total = inflight * (layers + first + last) + working
+    detail = {
+        "activations.per_layer": per_layer,
+        "activations.in_flight": inflight,
+        "activations.layers": inflight * layers,
+        "activations.first_stage": inflight * first,
+        "activations.logits_and_loss": inflight * last,
+        "activations.recompute_working_set": working,
+    }
+    return 0, total, detail
+
+
+# -- communication and summaries -----------------------------------------------------

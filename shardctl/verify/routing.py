@@ -1,0 +1,120 @@
+"""Pin MoE expert selection to the float64 reference's, so routing ties cannot cry wolf.
+
+Why: in bf16, a token whose router scores for its k-th and (k+1)-th expert are nearly tied
+picks either one depending on the last bit of its hidden state. The sharded model sums
+row-parallel partial products in another order than the unsharded one, so that last bit differs,
+the token goes to another expert, and its logits move by far more than the dtype's noise —
+Mixtral bf16 TP2 failed 3 seeds of 8 (max-abs 0.036 against a bound of 0.019) on shards that
+were byte-identical to the original. A float32 model passes at 2e-7.
+
+What: the float64 reference runs first and records, for every MoE layer, which experts each
+token chose (``router_indices``, ``[tokens, top_k]``). The unsharded model in the checkpoint's
+dtype and every sharded rank then run with those indices imposed; each still computes its own
+router logits and weights its chosen experts by its *own* softmax probabilities at those
+indices (renormalized as the family does). So everything except the discrete choice is each
+model's own arithmetic, and the level stays sharp: a misplaced or swapped expert still computes
+the wrong function for the tokens pinned to it, and a wrong router weight still gives wrong
+routing weights — the tests' negative cases (swapped experts, wrong gate) still fail.
+
+The router is found by shape, not by family: in each decoder layer, ``mlp.gate`` of an ``mlp``
+that has ``experts``, whose forward returns ``(router_logits, scores, indices)`` — the
+transformers 5 top-k router contract.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+# layer index (global) -> [tokens, top_k] expert ids, as nested lists (JSON-able for RankJob)
+Routing = dict[int, list[list[int]]]
+
+
+def routers(layers: nn.ModuleList, first_layer: int = 0) -> dict[int, nn.Module]:
+    """``global layer index -> router module`` for the MoE layers among ``layers``."""
+    found: dict[int, nn.Module] = {}
+    for i, layer in enumerate(layers):
+        mlp = getattr(layer, "mlp", None)
+        gate = getattr(mlp, "gate", None)
+        if mlp is not None and hasattr(mlp, "experts") and isinstance(gate, nn.Module):
+            if hasattr(gate, "top_k"):
+                found[first_layer + i] = gate
+    return found
+
+
+@contextmanager
+def record(layers: nn.ModuleList, into: Routing, first_layer: int = 0) -> Iterator[None]:
+    """Record each MoE layer's chosen experts during the forwards run inside the block."""
+    handles = []
+    for index, gate in routers(layers, first_layer).items():
+
+        def hook(_m: nn.Module, _a: Any, output: Any, index: int = index) -> None:
+            into[index] = output[2].detach().to("cpu").tolist()
+
+        handles.append(gate.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+@contextmanager
+def pin(
+    layers: nn.ModuleList,
+    routing: Routing,
+    *,
+    normalize: bool,
+    first_layer: int = 0,
+    own: Routing | None = None,
+) -> Iterator[None]:
+    """Impose ``routing``'s expert choices on the MoE layers among ``layers``.
+
+    ``normalize``: the family renormalizes the top-k probabilities to sum to 1 (Mixtral
+    always; Qwen-MoE when ``norm_topk_prob``). ``own`` (if given) receives the choices the
+    model would have made itself.
+    """
+    handles = []
+    for index, gate in routers(layers, first_layer).items():
+        if index not in routing:
+            continue
+
+        def hook(_m: nn.Module, _a: Any, output: Any, index: int = index) -> Any:
+            logits, scores, indices = output
+            if own is not None:
+                own[index] = indices.detach().to("cpu").tolist()
+            pinned = torch.tensor(routing[index], dtype=indices.dtype, device=indices.device)
+            if pinned.shape != indices.shape:
+                return output  # a different input shape: nothing to impose
+            probs = torch.softmax(logits.float(), dim=-1)
+            weights = probs.gather(-1, pinned)
+            if normalize:
+                weights = weights / weights.sum(dim=-1, keepdim=True)
+            return logits, weights.to(scores.dtype), pinned
+
+        handles.append(gate.register_forward_hook(hook))
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def normalizes(config: dict[str, Any]) -> bool:
+    """Whether the family renormalizes its top-k routing weights (transformers' behaviour)."""
+    if "norm_topk_prob" in config:
+        return bool(config["norm_topk_prob"])
+    return True  # Mixtral: always
+
+
+def disagreements(a: Routing, b: Routing) -> int:
+    """Token-layer choices where two recorded routings differ (as sets of experts)."""
+    count = 0
+    for index in a.keys() & b.keys():
+        for x, y in zip(a[index], b[index], strict=False):
+            count += set(x) != set(y)
+    return count
