@@ -151,8 +151,7 @@ class ProcessWorld:
             time.sleep(0.02)
         assert self._tmp is not None
         return [
-            read_outcome(r, self._tmp_path, k, self._store.get(key))
-            for r, key in enumerate(keys)
+            read_outcome(r, self._tmp_path, k, self._store.get(key)) for r, key in enumerate(keys)
         ]
 
     def _abort(self, dead: int | None, timeout_s: float) -> None:
