@@ -49,12 +49,12 @@ def tp2(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def no_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if a layout gets built (the bound must be checked before any work)."""
-    import shardctl.reshard.api as api
+    import shardctl.reshard.target as target
 
     def forbidden(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("build_layout called: the bound was checked too late")
 
-    monkeypatch.setattr(api, "build_layout", forbidden)
+    monkeypatch.setattr(target, "build_layout", forbidden)
 
 
 # ---- K1: flags are bounded before any work --------------------------------------------------

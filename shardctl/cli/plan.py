@@ -1,4 +1,5 @@
-"""``shardctl plan``: manifest and overrides → one plan (or search) call → table or JSON."""
+"""``shardctl plan``: manifest and overrides → one :func:`shardctl.api.plan` (or ``search``)
+call → table or JSON."""
 
 from __future__ import annotations
 
@@ -49,11 +50,12 @@ def plan(
 
     Example: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold]
     """
-    from shardctl.plan.api import make_plan, run_search
+    from shardctl.api import plan as make_plan
+    from shardctl.api import search as run_search
 
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     if search:
-        result = run_search(manifest, gpus=gpus, mesh_overrides=overrides)
+        result = run_search(manifest, gpus=gpus)
         if as_json:
             emit_json(result.to_json())
         else:
@@ -65,7 +67,7 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = make_plan(manifest, mesh_overrides=overrides)
+    result_plan = make_plan(manifest, mesh=overrides)
     if report is not None:
         result_plan.write_report(report)
     if as_json:

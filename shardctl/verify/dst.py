@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.checkpoint import record as rec
-from shardctl.checkpoint.hf import read_json_strict
 from shardctl.checkpoint.source import open_source
+from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import SafetensorsHeader, read_header
 from shardctl.layout.types import Layout, Piece
