@@ -49,7 +49,9 @@ def tp2(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture
 def no_layout(monkeypatch: pytest.MonkeyPatch) -> None:
     """Fail the test if a layout gets built (the bound must be checked before any work)."""
-    import shardctl.reshard.target as target
+    import importlib
+
+    target = importlib.import_module("shardctl.reshard.target")  # shardctl.reshard: the API
 
     def forbidden(*_a: Any, **_k: Any) -> Any:
         raise AssertionError("build_layout called: the bound was checked too late")
@@ -83,8 +85,9 @@ def no_layout(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_K1_flag_bounds_exit_2_before_any_work(
     llama: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, args: tuple[str, ...]
 ) -> None:
-    import shardctl.reshard.api as api
+    import importlib
 
+    api = importlib.import_module("shardctl.reshard.api")  # shardctl.reshard is the API verb
     monkeypatch.setattr(api, "open_source", _forbidden)
     manifest = str(Path(__file__).resolve().parents[1] / "manifests" / "llama-3-70b-tp8.yaml")
     real = [
