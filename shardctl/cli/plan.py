@@ -4,12 +4,15 @@ call → table or JSON."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from shardctl.cli._common import MAX_AXIS, MAX_TOP, emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
+
+if TYPE_CHECKING:
+    from shardctl.plan.api import PlanResult
 
 
 def plan(
@@ -29,8 +32,10 @@ def plan(
     gpus: Annotated[
         int | None,
         typer.Option(
-            help="With --search: GPUs available (default: hardware nodes × gpus_per_node).",
-            min=1,
+            help="With --search: GPUs available (default: hardware nodes × gpus_per_node). "
+            "With --device-map: GPUs of the one node (default: hardware.gpus_per_node; 0: CPU "
+            "and disk only).",
+            min=0,
             max=MAX_AXIS,
         ),
     ] = None,
@@ -44,6 +49,49 @@ def plan(
         bool,
         typer.Option("--all-ranks", help="One row and bar per rank (default: identical folded)."),
     ] = False,
+    max_imbalance: Annotated[
+        float | None,
+        typer.Option(
+            "--max-imbalance",
+            help="Exit 1 when max/mean of stage peaks exceeds R (a CI gate on the PP split).",
+            min=1.0,
+            metavar="R",
+        ),
+    ] = None,
+    device_map: Annotated[
+        Path | None,
+        typer.Option(
+            "--device-map",
+            help="Write an accelerate/transformers device_map (JSON) that fits each device's "
+            "budget incl. KV cache and activations, and FILE's .max_memory.json beside it.",
+            metavar="FILE",
+        ),
+    ] = None,
+    offload_folder: Annotated[
+        Path | None,
+        typer.Option(help="With --device-map: allow disk offload into this folder."),
+    ] = None,
+    quant: Annotated[
+        str | None,
+        typer.Option(
+            help="With --search: weight formats searched with the layouts, e.g. "
+            "bf16,fp8,int8,int4-awq,nvfp4, or any.",
+            metavar="FORMATS",
+        ),
+    ] = None,
+    from_layout: Annotated[
+        Path | None,
+        typer.Option(
+            "--from",
+            help="Rebalance: from this shardctl layout or HF dir to --gpus N: the best mesh, "
+            "the bytes each new rank reads from which old files, the reshard command.",
+            metavar="LAYOUT_DIR",
+        ),
+    ] = None,
+    cpu_memory: Annotated[
+        str | None,
+        typer.Option(help="With --device-map: CPU budget, e.g. 200GiB (default: this host's RAM)."),
+    ] = None,
 ) -> None:
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
     (device memory × gpu_memory_utilization when serving, device memory when training).
@@ -53,7 +101,44 @@ def plan(
     from shardctl.api import plan as make_plan
     from shardctl.api import search as run_search
 
+    if search and max_imbalance is not None:
+        raise UsageError("--max-imbalance gates one plan", hint="drop --search")
+    _check_modes(
+        search=search,
+        device_map=device_map,
+        from_layout=from_layout,
+        mesh_given=any(v is not None for v in (tp, pp, dp, ep)),
+        plan_only=max_imbalance is not None or report is not None,
+    )
+    if from_layout is not None:
+        from shardctl.cli.rebalance import run_rebalance
+
+        run_rebalance(manifest, from_layout, gpus=gpus, as_json=as_json, all_ranks=all_ranks)
+        return
+    if device_map is not None:
+        from shardctl.cli.device_map import run_device_map
+
+        run_device_map(
+            manifest,
+            device_map,
+            gpus=gpus,
+            cpu_memory=cpu_memory,
+            offload_folder=offload_folder,
+            as_json=as_json,
+        )
+        return
+    if offload_folder is not None or cpu_memory is not None:
+        raise UsageError("--offload-folder and --cpu-memory go with --device-map")
+    if search and gpus == 0:
+        raise UsageError("--search needs --gpus 1 or more")
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
+    if quant is not None:
+        if not search:
+            raise UsageError("--quant goes with --search", hint="add --search")
+        from shardctl.cli.quant_search import run_quant_search
+
+        run_quant_search(manifest, quant, gpus=gpus, top=top, as_json=as_json)
+        return
     if search:
         result = run_search(manifest, gpus=gpus)
         if as_json:
@@ -76,5 +161,39 @@ def plan(
         from shardctl.plan.render import render_plan
 
         render_plan(result_plan, all_ranks=all_ranks)
+    if max_imbalance is not None:
+        _gate_balance(result_plan, max_imbalance)
     if result_plan.fits is False:
         raise typer.Exit(EXIT_NEGATIVE)
+
+
+def _gate_balance(result_plan: PlanResult, limit: float) -> None:
+    """Exit 1 with one line on stderr when max/mean of stage peaks exceeds ``limit``."""
+    from shardctl.plan.balance import stage_balance
+
+    balance = stage_balance(result_plan)
+    if balance.exceeds(limit):
+        typer.echo(balance.excess_line(limit), err=True)
+        raise typer.Exit(EXIT_NEGATIVE)
+
+
+def _check_modes(
+    *,
+    search: bool,
+    device_map: Path | None,
+    from_layout: Path | None,
+    mesh_given: bool,
+    plan_only: bool,
+) -> None:
+    """``--search``, ``--device-map`` and ``--from`` each choose the layout themselves."""
+    modes = [n for n, on in (("--search", search), ("--device-map", device_map is not None),
+                             ("--from", from_layout is not None)) if on]  # fmt: skip
+    if len(modes) > 1:
+        raise UsageError(f"{' and '.join(modes)} do not go together", hint="pick one")
+    if mesh_given and (device_map is not None or from_layout is not None):
+        raise UsageError(
+            f"{modes[0]} chooses the placement itself; --tp/--pp/--dp/--ep do not apply",
+            hint="drop the mesh flags",
+        )
+    if plan_only and (device_map is not None or from_layout is not None):
+        raise UsageError(f"--max-imbalance and --report go with a plain plan, not {modes[0]}")
