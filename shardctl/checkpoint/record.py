@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl import __version__
+from shardctl.checkpoint import record_check
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import HASHES
@@ -266,8 +267,11 @@ def _str(v: Any, what: str, where: str) -> str:
     return v
 
 
-def read(root: Path) -> LayoutRecord:
-    """Parse and validate ``root/shardctl.layout.json`` (exit 3 on anything malformed)."""
+def read(root: Path, *, exact_tiling: bool = True) -> LayoutRecord:
+    """Parse and validate ``root/shardctl.layout.json`` (exit 3 on anything malformed).
+
+    ``exact_tiling=False`` (verify's DST only): types, bounds and names are still enforced, but
+    gaps and overlaps are left for verify's structure level to report as findings (exit 1)."""
     path = root / RECORD_NAME
     where = str(path)
     obj = load_json(path)
@@ -275,12 +279,37 @@ def read(root: Path) -> LayoutRecord:
         raise InvalidInputError(
             f"unknown record schema {obj.get('schema')!r}, expected {SCHEMA!r}", where=where
         )
+    record_check.check_schema(obj, where)  # types and bounds first: nothing below trusts it
     try:
-        return _parse(obj, where)
+        parsed = _parse(obj, where)
     except (KeyError, TypeError, AttributeError) as exc:
         raise InvalidInputError(
             f"malformed record ({type(exc).__name__}: {exc})", where=where
         ) from None
+    if parsed.layout is not None and exact_tiling:
+        check_tiling(parsed.layout, where, parsed.tensors)
+    return parsed
+
+
+def check_tiling(layout: Layout, where: str, tensors_: tuple[TensorInfo, ...] = ()) -> None:
+    """Every tensor's pieces tile it exactly (exit 3 naming the piece); see record_check.
+
+    Also called by the copy before it writes a byte (``shardctl.reshard.copy``)."""
+    tensors: dict[str, tuple[int, ...]] = {t.fqn: t.shape for t in tensors_}
+    shards: list[Any] = []
+    for i, rl in enumerate(layout.ranks):
+        for j, s in enumerate(rl.shards):
+            tensors[s.fqn] = s.global_shape
+            shards.append(
+                (
+                    f"ranks[{i}].shards[{j}]",
+                    s.fqn,
+                    s.local_shape,
+                    [(p.offsets, p.sizes) for p in s.pieces],
+                    [p.local_offsets for p in s.pieces],
+                )
+            )
+    record_check.check_tiling(tensors, shards, where)
 
 
 def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:

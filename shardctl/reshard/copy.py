@@ -36,6 +36,7 @@ import numpy as np
 
 from shardctl.blocks import flat_index, is_contiguous, scalar_piece, scalar_shape
 from shardctl.checkpoint.plan_files import OutputFile, TargetTensor
+from shardctl.checkpoint.record_check import overlap
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.errors import EnvironmentFailure, InvalidInputError
@@ -66,7 +67,8 @@ class Box:
 def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]) -> list[Box]:
     """Box copies that fill ``pieces`` from ``sources`` (replicas: the first holder wins).
 
-    Raises InvalidInputError when the sources leave part of a piece uncovered or overlap.
+    Raises InvalidInputError when the sources leave part of a piece uncovered or overlap: the
+    boxes of each piece must tile it exactly (count *and* disjointness), before a byte is written.
     """
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[SourceShard, Piece]] = {}
     for s in sources:
@@ -78,6 +80,7 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
         if need == 0:
             continue
         got = 0
+        first = len(boxes)
         for s, q in held.values():
             lo = tuple(max(a, b) for a, b in zip(p.offsets, q.offsets, strict=True))
             hi = tuple(
@@ -95,11 +98,12 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
             )
             boxes.append(Box(s, src_lo, dst_lo, sizes))
             got += math.prod(sizes)
-        if got != need:
+        mine = [((b.dst_lo, b.sizes), str(i)) for i, b in enumerate(boxes[first:])]
+        if got != need or overlap(mine):  # same count can still hide an overlap and a gap
             raise InvalidInputError(
                 f"source shards cover {got} of the {need} elements of box "
                 f"offsets={list(p.offsets)} sizes={list(p.sizes)}"
-                + (" (overlapping source pieces)" if got > need else ""),
+                + (" (overlapping source pieces)" if got >= need else ""),
                 where=fqn,
                 hint="the source layout record is inconsistent; re-create the sharded checkpoint",
             )
