@@ -35,6 +35,13 @@ def plan(
     report: Annotated[
         Path | None, typer.Option(help="Write the memory picture as SVG or HTML (by extension).")
     ] = None,
+    weights_only: Annotated[
+        bool,
+        typer.Option(
+            "--weights-only",
+            help="Plan weights and overhead alone, on purpose (no KV cache, no activations).",
+        ),
+    ] = False,
     all_ranks: Annotated[
         bool,
         typer.Option("--all-ranks", help="One row and bar per rank (default: identical folded)."),
@@ -49,7 +56,9 @@ def plan(
 
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     if search:
-        result = run_search(manifest, gpus=gpus, mesh_overrides=overrides)
+        result = run_search(
+            manifest, gpus=gpus, mesh_overrides=overrides, weights_only=weights_only
+        )
         if as_json:
             emit_json(result.to_json())
         else:
@@ -61,7 +70,7 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = make_plan(manifest, mesh_overrides=overrides)
+    result_plan = make_plan(manifest, mesh_overrides=overrides, weights_only=weights_only)
     if report is not None:
         result_plan.write_report(report)
     if as_json:

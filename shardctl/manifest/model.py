@@ -44,7 +44,7 @@ from shardctl.plan.memory.training import OPTIMIZERS as _OPTIMIZER_TABLE
 # Choices, shared by the validator and the JSON Schema. Each is defined once, where the code
 # that gives it meaning lives; the manifest only names them.
 PIPELINE_CONVENTIONS = CONVENTIONS
-MODES = ("inference", "training")
+MODES = ("inference", "training", "weights-only")
 OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
 RULE_HEADS = HEADS

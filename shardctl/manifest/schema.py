@@ -214,7 +214,11 @@ def _sections() -> dict[str, Any]:
         "workload": _object(
             "workload",
             {
-                "mode": _enum(m.MODES, "inference (default) or training."),
+                "mode": _enum(
+                    m.MODES,
+                    "inference (default), training, or weights-only (no KV cache, no "
+                    "activations: said in the output).",
+                ),
                 "batch_size": _int("Sequences per batch (default 1)."),
                 "sequence_length": _int("Tokens per sequence; 0 = weights only (default).", 0),
                 "kv_cache_dtype": _dtype("KV cache dtype (default: the model's; fp8 or auto)."),

@@ -71,6 +71,18 @@ class PlanResult:
     stages: tuple[Stage, ...]
     ranks: tuple[RankPlan, ...]
     memory: MemoryPlan
+    warnings: tuple[str, ...] = ()
+
+    @property
+    def weights_only(self) -> bool:
+        """No KV cache and no activations counted (asked for, or no tokens in the workload)."""
+        from shardctl.plan.checks import weights_only
+
+        return weights_only(self.model, self.manifest.workload, self.manifest.training)
+
+    def quantized_weight_bytes(self) -> int:
+        """One model replica's weight bytes as priced (quantized when quantization is set)."""
+        return sum(self.stage_weight_bytes())
 
     @property
     def device_memory(self) -> int | None:
@@ -110,7 +122,10 @@ class PlanResult:
                 "weight_bytes": self.model.weight_bytes,
                 "dtype": self.model.dtype,
                 "source": self.model.source,
+                **self._quantization_json(),
             },
+            "weights_only": self.weights_only,
+            "warnings": list(self.warnings),
             "mesh": self.mesh.as_dict(),
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
@@ -131,6 +146,19 @@ class PlanResult:
             **self.memory.to_json(),
         }
 
+    def _quantization_json(self) -> dict[str, Any]:
+        q = self.manifest.quantization
+        if q is None:
+            return {}
+        stored = self.quantized_weight_bytes()
+        return {
+            "quantization": {
+                "method": q.method,
+                "weight_bytes": stored,
+                "bytes_per_parameter": stored / self.model.parameters,
+            }
+        }
+
     def write_report(self, path: Path) -> None:
         from shardctl.plan.report import write_report
 
@@ -138,20 +166,37 @@ class PlanResult:
 
 
 def make_plan(
-    manifest_path: Path, *, mesh_overrides: Mapping[str, int] | None = None
+    manifest_path: Path,
+    *,
+    mesh_overrides: Mapping[str, int] | None = None,
+    weights_only: bool = False,
 ) -> PlanResult:
     manifest = load_manifest(manifest_path)
-    return plan_manifest(manifest, mesh_overrides=mesh_overrides)
+    return plan_manifest(manifest, mesh_overrides=mesh_overrides, weights_only=weights_only)
+
+
+def with_weights_only(manifest: Manifest, weights_only: bool) -> Manifest:
+    """``manifest`` with ``workload.mode: weights-only`` when ``weights_only`` (the flag)."""
+    if not weights_only or manifest.workload.weights_only:
+        return manifest
+    return replace(manifest, workload=replace(manifest.workload, weights_only=True))
 
 
 def plan_manifest(
-    manifest: Manifest, *, mesh_overrides: Mapping[str, int] | None = None
+    manifest: Manifest,
+    *,
+    mesh_overrides: Mapping[str, int] | None = None,
+    weights_only: bool = False,
 ) -> PlanResult:
+    from shardctl.plan.checks import check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
 
+    manifest = with_weights_only(manifest, weights_only)
     model = load_model(manifest)
+    check_workload(model, manifest.workload, manifest.training)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
+    warnings = check_mesh(mesh, manifest.hardware)
     stages, weights = weights_per_coord(model, mesh, rules=manifest.rules, options=manifest.layout)
     memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(
@@ -164,15 +209,27 @@ def plan_manifest(
         for r in range(mesh.world)
     )
     return PlanResult(
-        manifest=manifest, model=model, mesh=mesh, stages=stages, ranks=ranks, memory=memory
+        manifest=manifest,
+        model=model,
+        mesh=mesh,
+        stages=stages,
+        ranks=ranks,
+        memory=memory,
+        warnings=warnings,
     )
 
 
 def run_search(
-    manifest_path: Path, *, gpus: int | None, mesh_overrides: Mapping[str, int] | None = None
+    manifest_path: Path,
+    *,
+    gpus: int | None,
+    mesh_overrides: Mapping[str, int] | None = None,
+    weights_only: bool = False,
 ) -> SearchResult:
+    from shardctl.plan.checks import check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
-    manifest = load_manifest(manifest_path)
+    manifest = with_weights_only(load_manifest(manifest_path), weights_only)
     model = load_model(manifest)
+    check_workload(model, manifest.workload, manifest.training)
     return search_layouts(manifest, model, gpus=gpus)
