@@ -133,20 +133,10 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     if not enabled:
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import Progress
 
     with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
+        *progress_columns(),
         transient=True,
         console=_stderr_console(),
     ) as bar:
@@ -156,6 +146,28 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+def progress_columns() -> tuple[Any, ...]:
+    """The bar's columns, counting in binary units (MiB, GiB) as the summary line does."""
+    from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+    from rich.text import Text
+
+    from shardctl.plan.render import fmt_bytes
+
+    class BinarySpeedColumn(TransferSpeedColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            shown = "?" if speed is None else f"{fmt_bytes(int(speed))}/s"
+            return Text(shown, style="progress.data.speed")
+
+    return (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        BinarySpeedColumn(),
+        TimeRemainingColumn(),
+    )
 
 
 def _stderr_console() -> Any:
