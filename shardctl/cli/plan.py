@@ -1,19 +1,26 @@
-"""``shardctl plan``: manifest and overrides → one plan (or search) call → table or JSON."""
+"""``shardctl plan``: a manifest (or a config / checkpoint plus flags) → one plan (or search)
+call → table or JSON."""
 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
 from shardctl.cli._common import emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
 
+if TYPE_CHECKING:
+    from shardctl.manifest import Manifest
+
 
 def plan(
-    manifest: Annotated[
-        Path, typer.Argument(help="YAML manifest: model, mesh, hardware, workload.")
+    source: Annotated[
+        Path,
+        typer.Argument(
+            help="YAML manifest; or a config.json or checkpoint directory, described by flags."
+        ),
     ],
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan as JSON (schema shardctl.plan/1).")
@@ -22,6 +29,32 @@ def plan(
     pp: Annotated[int | None, typer.Option(help="Override mesh.pp.", min=1)] = None,
     dp: Annotated[int | None, typer.Option(help="Override mesh.dp.", min=1)] = None,
     ep: Annotated[int | None, typer.Option(help="Override mesh.ep.", min=1)] = None,
+    gpu: Annotated[
+        str | None, typer.Option(help="Config/checkpoint only: GPU preset, e.g. h100-sxm.")
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(help="Config/checkpoint only: nodes (default: enough for the mesh).", min=1),
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None, typer.Option(help="Config/checkpoint only: GPUs per node (8).", min=1)
+    ] = None,
+    batch: Annotated[
+        int | None, typer.Option(help="Config/checkpoint only: concurrent sequences.", min=1)
+    ] = None,
+    seq: Annotated[
+        int | None, typer.Option(help="Config/checkpoint only: tokens per sequence.", min=0)
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Config only: weight dtype (default: the config's).")
+    ] = None,
+    quantization: Annotated[
+        str | None, typer.Option(help="Config/checkpoint only: quantization method (mxfp4 …).")
+    ] = None,
+    emit_manifest: Annotated[
+        Path | None,
+        typer.Option(help="Config/checkpoint only: write the manifest the flags imply."),
+    ] = None,
     search: Annotated[
         bool, typer.Option("--search", help="Search every layout that fits the hardware.")
     ] = False,
@@ -50,15 +83,37 @@ def plan(
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
     (device memory × gpu_memory_utilization when serving, device memory when training).
 
-    Example: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold]
+    Examples: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold];
+    [bold]shardctl plan ./Llama-3-8B --tp 8 --gpu h100-sxm --batch 32 --seq 8192[/bold]
     """
-    from shardctl.plan.api import make_plan, run_search
+    from shardctl.manifest.from_flags import PlanFlags, emit, manifest_from_flags, source_kind
+    from shardctl.plan.api import plan_manifest, search_manifest
 
+    flags = PlanFlags(
+        tp, pp, dp, ep, gpu, nodes, gpus_per_node, batch, seq, dtype, quantization, weights_only
+    )
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
+    manifest: Manifest
+    implied: str | None = None
+    if source_kind(source) == "manifest":
+        given = flags.model_flags() + (["--emit-manifest"] if emit_manifest else [])
+        if given:
+            raise UsageError(
+                f"{', '.join(given)}: only with a config.json or checkpoint directory",
+                hint="a manifest says these itself: edit its hardware/workload sections",
+            )
+        from shardctl.manifest import load_manifest
+
+        manifest = load_manifest(source)
+    else:
+        manifest, implied = manifest_from_flags(source, flags)
+        overrides = {}  # the mesh flags are in the manifest already
     if search:
-        result = run_search(
+        result = search_manifest(
             manifest, gpus=gpus, mesh_overrides=overrides, weights_only=weights_only
         )
+        if emit_manifest is not None and implied is not None:
+            emit(emit_manifest, implied)  # only once the input planned: exit 3 writes nothing
         if as_json:
             emit_json(result.to_json())
         else:
@@ -70,7 +125,9 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = make_plan(manifest, mesh_overrides=overrides, weights_only=weights_only)
+    result_plan = plan_manifest(manifest, mesh_overrides=overrides, weights_only=weights_only)
+    if emit_manifest is not None and implied is not None:
+        emit(emit_manifest, implied)
     if report is not None:
         result_plan.write_report(report)
     if as_json:

@@ -226,10 +226,24 @@ def run_search(
     mesh_overrides: Mapping[str, int] | None = None,
     weights_only: bool = False,
 ) -> SearchResult:
+    manifest = load_manifest(manifest_path)
+    return search_manifest(
+        manifest, gpus=gpus, mesh_overrides=mesh_overrides, weights_only=weights_only
+    )
+
+
+def search_manifest(
+    manifest: Manifest,
+    *,
+    gpus: int | None,
+    mesh_overrides: Mapping[str, int] | None = None,
+    weights_only: bool = False,
+) -> SearchResult:
+    """:func:`run_search` of a loaded manifest (``mesh_overrides`` are not searched over)."""
     from shardctl.plan.checks import check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
-    manifest = with_weights_only(load_manifest(manifest_path), weights_only)
+    manifest = with_weights_only(manifest, weights_only)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     return search_layouts(manifest, model, gpus=gpus)
