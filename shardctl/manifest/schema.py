@@ -161,8 +161,17 @@ def _sections() -> dict[str, Any]:
         "mesh": _object(
             "mesh",
             {
-                axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
-                for axis in SECTION_KEYS["mesh"]
+                **{
+                    axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
+                    for axis in SECTION_KEYS["mesh"]
+                    if axis != "expert_placement"
+                },
+                "expert_placement": _enum(
+                    m.EXPERT_PLACEMENTS,
+                    "separate (default): ep is its own mesh axis; shared: experts spread over "
+                    "the tp x dp ranks of attention, ep = tp x dp (vLLM "
+                    "--enable-expert-parallel, Megatron expert groups over dp).",
+                ),
             },
             "Device mesh, outer to inner pp, dp, ep, tp; omitted axes are 1.",
         ),

@@ -179,6 +179,15 @@ def _mesh(section: Map | None, problems: Problems) -> Mesh:
     return Mesh(**{a: problems.get(section, a, "mesh", read_axis, 1) for a in AXES})
 
 
+def _expert_placement(section: Map | None, problems: Problems) -> str:
+    if section is None:
+        return "separate"
+    placement: str = problems.get(
+        section, "expert_placement", "mesh", enum(m.EXPERT_PLACEMENTS), "separate"
+    )
+    return placement
+
+
 def _hardware(section: Map | None, problems: Problems) -> HardwareSpec:
     """The memory model's :class:`HardwareSpec`; a ``gpu`` preset fills what is not given."""
     if section is None:
@@ -301,6 +310,7 @@ def build_manifest(
         quantization=read_quantization(sections["quantization"], problems),
         overhead=MappingProxyType(read_overhead(sections["overhead"], problems)),
         path=path,
+        expert_placement=_expert_placement(sections["mesh"], problems),
     )
     problems.raise_if_any(source)
     return manifest

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
 from shardctl.manifest import Manifest, load_manifest
 from shardctl.model.types import ModelInfo
@@ -72,6 +73,7 @@ class PlanResult:
     ranks: tuple[RankPlan, ...]
     memory: MemoryPlan
     warnings: tuple[str, ...] = ()
+    shared_ep: int = 0  # > 0: experts over the tp×dp ranks, ep = shared_ep (``mesh`` has ep 1)
 
     @property
     def weights_only(self) -> bool:
@@ -124,6 +126,7 @@ class PlanResult:
                 "source": self.model.source,
                 **self._quantization_json(),
             },
+            "expert_parallel": self._expert_parallel_json(),
             "weights_only": self.weights_only,
             "warnings": list(self.warnings),
             "mesh": self.mesh.as_dict(),
@@ -144,6 +147,18 @@ class PlanResult:
                 for r in self.ranks
             ],
             **self.memory.to_json(),
+        }
+
+    def _expert_parallel_json(self) -> dict[str, Any] | None:
+        """How experts are placed: ``separate`` (the ep axis) or ``shared`` (over tp×dp)."""
+        d = self.model.dims
+        if d is None or not d.num_experts:
+            return None
+        ep = self.shared_ep or self.mesh.ep
+        return {
+            "placement": "shared" if self.shared_ep else "separate",
+            "ep": ep,
+            "experts_per_rank": d.num_experts // ep,
         }
 
     def _quantization_json(self) -> dict[str, Any]:
@@ -196,8 +211,23 @@ def plan_manifest(
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
-    warnings = check_mesh(mesh, manifest.hardware)
-    stages, weights = weights_per_coord(model, mesh, rules=manifest.rules, options=manifest.layout)
+    shared_ep = 0
+    if manifest.expert_placement == "shared":
+        from shardctl.plan import shared_ep as sh
+
+        sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
+        full, mesh = mesh, sh.attention_mesh(mesh)
+        warnings = check_mesh(mesh, manifest.hardware)
+        stages, by_dp = sh.shared_ep_weights(
+            model, full, rules=manifest.rules, options=manifest.layout
+        )
+        weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
+        shared_ep = full.ep
+    else:
+        warnings = check_mesh(mesh, manifest.hardware)
+        stages, weights = weights_per_coord(
+            model, mesh, rules=manifest.rules, options=manifest.layout
+        )
     memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(
         RankPlan(
@@ -216,6 +246,7 @@ def plan_manifest(
         ranks=ranks,
         memory=memory,
         warnings=warnings,
+        shared_ep=shared_ep,
     )
 
 
@@ -243,6 +274,12 @@ def search_manifest(
     from shardctl.plan.checks import check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
+    if manifest.expert_placement == "shared":
+        raise InvalidInputError(
+            "--search covers layouts with ep as its own axis, not expert_placement: shared",
+            where="mesh.expert_placement",
+            hint="plan the shared layout without --search, or search with separate placement",
+        )
     manifest = with_weights_only(manifest, weights_only)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)

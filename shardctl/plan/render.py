@@ -54,6 +54,13 @@ def render_plan(
         f"{fmt_in(model.weight_bytes, unit)} ({model.weight_bytes:,} B, {model.dtype})  "
         f"mesh {m} = {m.world} GPUs"
     )
+    if result.shared_ep:
+        experts = model.dims.num_experts if model.dims else 0
+        console.print(
+            f"  experts: EP{result.shared_ep} shared over the TP×DP ranks of attention "
+            f"(vLLM --enable-expert-parallel): {experts // result.shared_ep} of {experts} "
+            "experts whole on each rank"
+        )
     q = result.manifest.quantization
     if q is not None:
         stored = result.quantized_weight_bytes()
