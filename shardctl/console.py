@@ -7,7 +7,6 @@ anything else is a bug (exit 70). ``SHARDCTL_DEBUG=1`` adds the traceback.
 
 from __future__ import annotations
 
-import errno
 import os
 import signal
 import sys
@@ -23,19 +22,8 @@ from shardctl.errors import (
     EXIT_SIGTERM,
     Interrupted,
     ShardctlError,
+    os_error_text,
 )
-
-# errno -> what the user reads. Everything here is exit 5 (environment / I/O).
-_ERRNO_TEXT: dict[int, str] = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.EIO: "I/O error",
-    errno.EFBIG: "file too large for this file system or the process's file-size limit",
-    errno.EMFILE: "too many open files",
-}
 
 
 def debug_enabled() -> bool:
@@ -59,12 +47,11 @@ def exit_code_for(exc: BaseException) -> tuple[int, str]:
         return exc.exit_code, exc.render()
     if isinstance(exc, KeyboardInterrupt):
         return EXIT_SIGINT, "interrupted"
-    if isinstance(exc, OSError) and exc.errno in _ERRNO_TEXT:
-        where = f"{exc.filename}: " if exc.filename else ""
-        return EXIT_ENVIRONMENT, f"{where}{_ERRNO_TEXT[exc.errno]} ({exc.strerror})"
     if isinstance(exc, OSError):
         where = f"{exc.filename}: " if exc.filename else ""
-        return EXIT_ENVIRONMENT, f"{where}{exc.strerror or exc}"
+        what = os_error_text(exc)
+        detail = f" ({exc.strerror})" if exc.strerror and exc.strerror != what else ""
+        return EXIT_ENVIRONMENT, f"{where}{what}{detail}"
     if isinstance(exc, MemoryError):
         return (
             EXIT_INVALID_INPUT,

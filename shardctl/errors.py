@@ -3,7 +3,7 @@
 Library code raises a subclass of :class:`ShardctlError`; the CLI renders it as one line on
 stderr and exits with its ``exit_code``. Nothing below the CLI prints.
 
-Exit codes (every command; DESIGN.md):
+Exit codes (every command; README "Exit codes"):
 
 ====  =====================================================================================
 0     ok
@@ -20,6 +20,8 @@ Exit codes (every command; DESIGN.md):
 
 from __future__ import annotations
 
+import errno
+
 EXIT_OK = 0
 EXIT_NEGATIVE = 1
 EXIT_USAGE = 2
@@ -29,6 +31,25 @@ EXIT_ENVIRONMENT = 5
 EXIT_INTERNAL = 70
 EXIT_SIGINT = 130
 EXIT_SIGTERM = 143
+
+
+# errno -> what the user reads; every one of these is exit 5 (environment / I/O). The one table
+# for both the library (``reshard.safety.os_failure``) and the CLI's last-resort mapping.
+OS_ERROR_TEXT: dict[int, str] = {
+    errno.ENOSPC: "no space left on device",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EIO: "I/O error",
+    errno.EFBIG: "file too large for this file system or the process's file-size limit",
+    errno.EMFILE: "too many open files",
+}
+
+
+def os_error_text(exc: OSError) -> str:
+    """``exc`` in the user's words: the table's phrase, else the OS's own ``strerror``."""
+    return OS_ERROR_TEXT.get(exc.errno or 0, exc.strerror or str(exc))
 
 
 class ShardctlError(Exception):

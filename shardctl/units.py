@@ -1,4 +1,5 @@
-"""Byte-size strings on the command line: ``5GB`` (10**9), ``5GiB`` (2**30), ``500MB``, ``123``."""
+"""Byte sizes: parsed from the command line (``5GB`` = 10**9, ``5GiB`` = 2**30, ``500MB``,
+``123``) and printed for people (``fmt_bytes``)."""
 
 from __future__ import annotations
 
@@ -34,6 +35,18 @@ def parse_size(text: str, *, option: str) -> int:
     if value < 1 or value.denominator != 1:
         raise UsageError(f"{option}: expected a whole positive number of bytes, got {text!r}")
     return int(value)
+
+
+def fmt_bytes(n: int | float | None) -> str:
+    """``16060522496`` -> ``"14.96 GiB"`` (binary units, as GPU memory is sold in GiB)."""
+    if n is None:
+        return "—"
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(value) < 1024 or unit == "PiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
 
 
 # -- printing: one unit per output ---------------------------------------------------------

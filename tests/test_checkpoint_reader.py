@@ -1,6 +1,6 @@
 """The checkpoint directory reader: index validation, path safety, discrepancies, carried files.
 
-RELIABILITY.md B1–B6 and A19, on real checkpoints written by ``save_pretrained`` and then
+Reliability cases B1–B6 and A19, on real checkpoints written by ``save_pretrained`` and then
 edited. Each refusal is an :class:`InvalidInputError` (exit 3) with one line naming the place.
 """
 

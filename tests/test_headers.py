@@ -1,4 +1,4 @@
-"""The hardened safetensors header reader (RELIABILITY.md A1–A12, A17) and the header builder.
+"""The hardened safetensors header reader (reliability cases A1–A12, A17) and the header builder.
 
 Every hostile case is a real file in ``tmp_path``, read through :func:`read_header`; each must
 raise :class:`InvalidInputError` (exit 3) with a message naming the file.

@@ -1,7 +1,7 @@
-"""RELIABILITY.md A15/A16: a flipped bit or a zero-filled data region in an *input* whose digest is
-known (a shardctl layout record, an HF-cache blob name) is exit 3 ``input hash mismatch``, with
-nothing written and the input untouched; without a known digest the input is accepted (only a
-hash can catch it — the README says so)."""
+"""Reliability cases A15/A16: a flipped bit or a zero-filled data region in an *input* whose
+digest is known (a shardctl layout record, an HF-cache blob name) is exit 3 ``input hash
+mismatch``, with nothing written and the input untouched; without a known digest the input is
+accepted (only a hash can catch it — the README says so)."""
 
 from __future__ import annotations
 

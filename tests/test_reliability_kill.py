@@ -1,4 +1,4 @@
-"""RELIABILITY E2 (random-kill smoke test) and E3 (a rerun removes the killed run's staging).
+"""Reliability case E2 (random-kill smoke test) and E3 (a rerun removes the killed run's staging).
 
 Named fault points (E1, ``test_reliability_reshard``) put a kill at each step of the writer;
 this test kills ``python -m shardctl reshard SRC DST --tp 2`` at a uniformly random time in

@@ -1,4 +1,4 @@
-"""RELIABILITY H2: a checkpoint of 10 002 safetensors files under ``ulimit -n 256``.
+"""Reliability case H2: a checkpoint of 10 002 safetensors files under ``ulimit -n 256``.
 
 A llama of 1 111 tiny layers, one tensor per file (``model-00001-of-10002.safetensors`` …),
 written by the ``safetensors`` library with a standard ``model.safetensors.index.json``. Every

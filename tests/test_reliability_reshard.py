@@ -1,6 +1,6 @@
-"""RELIABILITY.md groups E and F (and B7–B9) for ``reshard``: kills at every named point,
+"""Reliability groups E and F (and B7–B9) for ``reshard``: kills at every named point,
 disk full, read-only, permission denied, EFBIG, fsync/close errors, signals, two concurrent
-runs, torchrun scale-out. Subprocess cases run ``python -m shardctl.reshard._runner`` (what
+runs, torchrun scale-out. Subprocess cases run ``python -m shardctl reshard`` (what
 the CLI does); the rest run in-process. Invariants: exit code, one line on stderr, the input's
 sha256 unchanged, the output absent or complete (every file's digest matches the record)."""
 
@@ -26,6 +26,7 @@ from shardctl.io.checksum import new_hash
 from shardctl.io.lock import OutputLock
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Mesh
+from shardctl.reshard import copy as copy_module
 from shardctl.reshard.api import reshard
 from tests._models import make_checkpoint
 
@@ -72,7 +73,7 @@ def leftovers(dst: Path) -> list[str]:
 def run(
     *args: str, env: dict[str, str] | None = None, timeout: float = 120, pre: list[str] = ()
 ) -> subprocess.CompletedProcess[str]:
-    cmd = [*pre, sys.executable, "-m", "shardctl.reshard._runner", *args]
+    cmd = [*pre, sys.executable, "-m", "shardctl", "reshard", *args]
     return subprocess.run(
         cmd,
         cwd=REPO,
@@ -142,10 +143,10 @@ def test_enospc_preflight_and_mid_run(tmp_path: Path) -> None:
     mnt.mkdir()
     script = (
         f"mount -t tmpfs -o size=8M tmpfs {mnt} && "
-        f"{sys.executable} -m shardctl.reshard._runner {big} {mnt}/a; echo rc=$?; ls -A {mnt}; "
+        f"{sys.executable} -m shardctl reshard {big} {mnt}/a; echo rc=$?; ls -A {mnt}; "
         f"SHARDCTL_FAULT=shard_written:1:hook SHARDCTL_FAULT_HOOK='fallocate -l 7M {mnt}/filler' "
-        f"{sys.executable} -m shardctl.reshard._runner {small} {mnt}/b --format hf "
-        f"--max-shard-size 1000000; echo rc=$?; ls -A {mnt}"
+        f"{sys.executable} -m shardctl reshard {small} {mnt}/b --format hf "
+        f"--max-shard-size 1000000 --workers 1; echo rc=$?; ls -A {mnt}"
     )
     p = subprocess.run(
         ["unshare", "-m", "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120
@@ -172,7 +173,7 @@ def test_read_only_output(llama: Path, tmp_path: Path) -> None:
     ro.mkdir()
     script = (
         f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && "
-        f"{sys.executable} -m shardctl.reshard._runner {llama} {ro}/out --tp 2"
+        f"{sys.executable} -m shardctl reshard {llama} {ro}/out --tp 2"
     )
     p = subprocess.run(
         ["unshare", "-m", "sh", "-c", script], cwd=REPO, capture_output=True, text=True, timeout=60
@@ -217,7 +218,7 @@ def test_permission_denied_as_nobody(tmp_path: Path) -> None:
             [
                 *mounts,
                 f"PYTHONPATH={base}/py:{base}/site setpriv --reuid=65534 --regid=65534 "
-                f"--clear-groups {python} -m shardctl.reshard._runner {src} {base}/locked/out",
+                f"--clear-groups {python} -m shardctl reshard {src} {base}/locked/out",
             ]
         )
         p = subprocess.run(
@@ -261,7 +262,7 @@ def test_error_at_close_commits_nothing(
             raise OSError(errno.ENOSPC, "No space left on device")
         real_close(fd)
 
-    monkeypatch.setattr("shardctl.reshard.copy.os.close", failing_close)
+    monkeypatch.setattr(copy_module.os, "close", failing_close)
     with pytest.raises(EnvironmentFailure, match="no space left"):
         reshard(llama, tmp_path / "out", mesh=Mesh(tp=4))
     assert not (tmp_path / "out").exists() and leftovers(tmp_path / "out") == []
@@ -297,7 +298,7 @@ def test_input_touched_during_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signal_cleans_up(llama: Path, tmp_path: Path, sig: int, code: int) -> None:
     dst, log = tmp_path / "out", tmp_path / "reached"
-    cmd = [sys.executable, "-m", "shardctl.reshard._runner", str(llama), str(dst), "--tp", "2"]
+    cmd = [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "2"]
     env = {
         **os.environ,
         "SHARDCTL_FAULT": "staging_created:sleep:30",
@@ -321,7 +322,7 @@ def test_signal_cleans_up(llama: Path, tmp_path: Path, sig: int, code: int) -> N
 def test_second_run_is_locked_out(llama: Path, tmp_path: Path) -> None:
     other = make_checkpoint("llama", tmp_path / "other", seed=1)
     dst, log = tmp_path / "out", tmp_path / "reached"
-    cmd = [sys.executable, "-m", "shardctl.reshard._runner", str(llama), str(dst), "--tp", "2"]
+    cmd = [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "2"]
     env = {
         **os.environ,
         "SHARDCTL_FAULT": "shard_written:1:sleep:4",
@@ -434,7 +435,7 @@ def test_two_workers_split_the_files(llama: Path, tmp_path: Path) -> None:
     for rank in range(2):
         env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": "2", "LOCAL_RANK": str(rank)}
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-        cmd = [sys.executable, "-m", "shardctl.reshard._runner", str(llama), str(dst), "--tp", "4"]
+        cmd = [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "4"]
         procs.append(
             subprocess.Popen(
                 cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True

@@ -1,4 +1,4 @@
-"""RELIABILITY.md groups A and C at the reshard level: hostile or broken inputs are refused
+"""Reliability groups A and C at the reshard level: hostile or broken inputs are refused
 (exit 3) before anything is written; pickle only with the opt-in, only weights-only."""
 
 from __future__ import annotations

@@ -397,3 +397,39 @@ def test_torchrun_device_is_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
         distributed.local_device()
     monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
     assert distributed.local_device() == "cpu"
+
+
+def test_cli_forward_output_scales_and_has_no_third_party_bars(
+    cks: Checkpoints,
+) -> None:
+    """The text report counts what passed instead of listing it; ``--verbose`` lists every
+    tensor; transformers' "Loading weights" bar (the reference load) never leaks into it."""
+    import subprocess
+    import sys
+
+    src, dst = cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2))
+    base = [sys.executable, "-m", "shardctl", "verify", str(src), str(dst)]
+    done = subprocess.run(
+        [*base, "--level", "forward", "--device", "cpu"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout + done.stderr
+    assert "Loading weights" not in out and "it/s]" not in out, out
+    tensors = len(cks_tensors(src))
+    assert f"{tensors} tensors bit-identical" in " ".join(done.stdout.split())
+    assert "model.layers.0.self_attn.q_proj.weight" not in done.stdout  # counted, not listed
+    assert "EQUIVALENT" in done.stdout
+    verbose = subprocess.run(
+        [*base, "--level", "bitwise", "--verbose"], capture_output=True, text=True, timeout=300
+    )
+    assert verbose.returncode == 0, verbose.stderr[-2000:]
+    assert "model.layers.0.self_attn.q_proj.weight" in verbose.stdout
+
+
+def cks_tensors(src):  # type: ignore[no-untyped-def]
+    from shardctl.checkpoint.source import open_source
+
+    return open_source(src).model.tensors

@@ -1,4 +1,4 @@
-"""verify's structure and bitwise levels; RELIABILITY group G; the negative tests and their level.
+"""verify's structure and bitwise levels; reliability group G; the negative tests and their level.
 
 Each negative case asserts *which* level catches it (and that the earlier levels pass where the
 layout is self-consistent): a layout that splits and merges consistently but computes wrongly
@@ -418,3 +418,33 @@ def test_launcher_torchrun_refused_before_any_level(cks: Checkpoints, tmp_path: 
     # the structure and bitwise levels alone still run with it (and find the flipped bit)
     result = verify(cks.ckpt("llama"), dst, level="bitwise", launcher="torchrun")
     assert _statuses(result)["bitwise"] == "fail"
+
+
+def test_render_counts_passes_lists_failures_and_escapes_names() -> None:
+    """Text report: passes counted, failures listed (capped; --verbose lifts the cap), user
+    text (tensor names, files, paths) printed literally, never as rich markup."""
+    from rich.console import Console
+
+    from shardctl.cli.verify import MAX_FINDINGS, render
+    from shardctl.verify.result import LevelResult, VerifyResult
+
+    rows = [{"fqn": f"w{i}", "shards": 2, "bytes": 8, "status": "pass"} for i in range(291)]
+    rows.append({"fqn": "[red]evil[/red]", "shards": 2, "bytes": 8, "status": "fail"})
+    bitwise = LevelResult("bitwise", rows=rows)
+    for i in range(MAX_FINDINGS + 5):
+        bitwise.fail("differs at [0, 1]", fqn="[red]evil[/red]", rank=i, file="[b]f.safetensors")
+    bitwise.close()
+    result = VerifyResult("[i]src", "dst", "bitwise", [LevelResult("structure").close(), bitwise])
+
+    def text(verbose: bool) -> str:
+        console = Console(width=200, record=True)
+        console.print(render(result, verbose=verbose))
+        return console.export_text()
+
+    short, full = text(False), text(True)
+    assert "291 tensors bit-identical" in short and "1 differ" in short
+    assert "w17" not in short and "w17" in full  # passes counted, listed only with --verbose
+    assert "[red]evil[/red]" in short and "[b]f.safetensors" in short and "[i]src" in short
+    assert "differs at [0, 1]" in short
+    assert "5 more (--verbose or --json)" in short and "more (--verbose" not in full
+    assert "NOT EQUIVALENT" in short

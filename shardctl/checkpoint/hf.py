@@ -4,7 +4,7 @@
 (:class:`~shardctl.errors.InvalidInputError`, exit 3) before opening anything outside ``root``:
 
 - an index (``model.safetensors.index.json``) above 10 MiB, not strict JSON (duplicate keys,
-  ``NaN``, ``1e400``), or whose ``weight_map`` is not a string → string map (RELIABILITY B5);
+  ``NaN``, ``1e400``), or whose ``weight_map`` is not a string → string map (reliability case B5);
 - a ``weight_map`` path that is empty, absolute, has a drive (``C:x``), a backslash, a NUL, or a
   ``.`` / ``..`` / empty component, or that resolves outside ``root`` (B1–B3); one that is not
   ``*.safetensors`` (B4: ``index references non-safetensors file``);
@@ -40,16 +40,15 @@ index (e.g. Mistral's ``consolidated.safetensors``), and non-regular files (FIFO
 
 from __future__ import annotations
 
-import json
-import math
 import os
-import re
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from pathlib import Path, PureWindowsPath
+from pathlib import Path
 from typing import Any, NamedTuple
 
+from shardctl.checkpoint.hf_index import compare_index, read_index, unreferenced_series
+from shardctl.checkpoint.paths import PathGuard
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io.safetensors_header import (
     DEFAULT_MAX_HEADER_BYTES,
@@ -61,12 +60,10 @@ from shardctl.io.safetensors_header import (
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 LAYOUT_RECORD = "shardctl.layout.json"
-MAX_INDEX_BYTES = 10 * 2**20
 MAX_LISTED = 20  # discrepancies spelled out in one error line; all are on the exception
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle")
 OTHER_WEIGHT_SUFFIXES = (".h5", ".msgpack", ".gguf", ".onnx", ".npz")
-_SERIES = re.compile(r"^(?P<prefix>.+)-\d{5}-of-\d{5}\.safetensors$")
 
 
 class TensorLocation(NamedTuple):
@@ -159,47 +156,15 @@ def open_checkpoint(
 
 
 def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles:
-    guard = _PathGuard(root, follow)
+    guard = PathGuard(root, follow)
     listing = _list_dir(root)
     safetensors = sorted(n for n in listing.files if n.endswith(".safetensors"))
-    indexes = sorted(n for n in listing.files if n.endswith(".safetensors.index.json"))
     pickles = tuple(Path(n) for n in sorted(listing.files) if n.endswith(PICKLE_SUFFIXES))
-
-    warnings: list[str] = []
-    index_path: Path | None = None
-    index_metadata: Mapping[str, Any] | None = None
-    weight_map: dict[str, str] | None = None
-    if indexes:
-        name = INDEX_NAME if INDEX_NAME in indexes else indexes[0]
-        if name != INDEX_NAME and len(indexes) > 1:
-            raise InvalidInputError(
-                f"several safetensors indexes ({', '.join(indexes)}) and no {INDEX_NAME}",
-                where=str(root),
-                hint="keep one index per checkpoint directory",
-            )
-        index_path = root / name
-        guard.check(name)
-        index_metadata, weight_map = _read_index(index_path)
+    index_path, index_metadata, weight_map = _index_of(root, listing, guard)
+    if weight_map is not None:
         weight_names = sorted(set(weight_map.values()))
-    elif safetensors:
-        if SINGLE_NAME in safetensors:
-            weight_names = [SINGLE_NAME]
-        elif len(safetensors) == 1:
-            weight_names = safetensors
-        else:
-            raise InvalidInputError(
-                f"{len(safetensors)} safetensors files and no {INDEX_NAME}",
-                where=str(root),
-                hint="add the index, or point at one .safetensors file",
-            )
-    elif pickles:
-        raise PickleInputRefused(root, pickles)
     else:
-        raise InvalidInputError(
-            "no safetensors weights found (expected model.safetensors or "
-            f"{INDEX_NAME} with its shards)",
-            where=str(root),
-        )
+        weight_names = _unindexed_weights(root, safetensors, pickles)
 
     # Every path is checked before any weight file is opened (B1–B3, B6).
     for name in weight_names:
@@ -213,15 +178,76 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
     headers = [read_header(root / n, max_header_bytes=max_header_bytes) for n in weight_names]
 
     problems: list[str] = []
+    warnings: list[str] = []
     if weight_map is not None:
         assert index_path is not None and index_metadata is not None
-        problems, warnings = _compare_index(weight_map, headers, index_metadata, root)
-        problems += _unreferenced_series(weight_names, safetensors)
+        problems, warnings = compare_index(weight_map, headers, index_metadata, root)
+        problems += unreferenced_series(weight_names, safetensors)
     if problems:
         raise IndexMismatch(str(index_path), problems)
     locations = _locate(headers)  # weight_map is None: one file, nothing to disagree with
 
     used = set(weight_names) | ({index_path.name} if index_path else set())
+    extras, ignored = _carried(listing, used, guard)
+    return CheckpointFiles(
+        root=root,
+        kind="hf",
+        files=tuple(headers),
+        locations=locations,
+        index_path=index_path,
+        index_metadata=index_metadata,
+        extra_files=extras,
+        ignored=ignored,
+        warnings=tuple(warnings),
+        layout_record=root / LAYOUT_RECORD if LAYOUT_RECORD in listing.files else None,
+        pickle_files=pickles,
+    )
+
+
+def _index_of(
+    root: Path, listing: _Listing, guard: PathGuard
+) -> tuple[Path | None, Mapping[str, Any] | None, dict[str, str] | None]:
+    """``(path, metadata, weight_map)`` of the directory's index; all None without one."""
+    indexes = sorted(n for n in listing.files if n.endswith(".safetensors.index.json"))
+    if not indexes:
+        return None, None, None
+    name = INDEX_NAME if INDEX_NAME in indexes else indexes[0]
+    if name != INDEX_NAME and len(indexes) > 1:
+        raise InvalidInputError(
+            f"several safetensors indexes ({', '.join(indexes)}) and no {INDEX_NAME}",
+            where=str(root),
+            hint="keep one index per checkpoint directory",
+        )
+    guard.check(name)
+    metadata, weight_map = read_index(root / name)
+    return root / name, metadata, weight_map
+
+
+def _unindexed_weights(root: Path, safetensors: list[str], pickles: tuple[Path, ...]) -> list[str]:
+    """Without an index: ``model.safetensors``, or the only ``*.safetensors``; else refuse."""
+    if SINGLE_NAME in safetensors:
+        return [SINGLE_NAME]
+    if len(safetensors) == 1:
+        return safetensors
+    if safetensors:
+        raise InvalidInputError(
+            f"{len(safetensors)} safetensors files and no {INDEX_NAME}",
+            where=str(root),
+            hint="add the index, or point at one .safetensors file",
+        )
+    if pickles:
+        raise PickleInputRefused(root, pickles)
+    raise InvalidInputError(
+        f"no safetensors weights found (expected model.safetensors or {INDEX_NAME} with its "
+        "shards)",
+        where=str(root),
+    )
+
+
+def _carried(
+    listing: _Listing, used: set[str], guard: PathGuard
+) -> tuple[tuple[Path, ...], tuple[tuple[Path, str], ...]]:
+    """(files that travel with the output, files left behind with the reason)."""
     extras: list[Path] = []
     ignored: list[tuple[Path, str]] = [(Path(n), why) for n, why in listing.ignored]
     for name in sorted(listing.files):
@@ -233,19 +259,7 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
             continue
         guard.check(name)
         extras.append(Path(name))
-    return CheckpointFiles(
-        root=root,
-        kind="hf",
-        files=tuple(headers),
-        locations=locations,
-        index_path=index_path,
-        index_metadata=index_metadata,
-        extra_files=tuple(extras),
-        ignored=tuple(sorted(ignored)),
-        warnings=tuple(warnings),
-        layout_record=root / LAYOUT_RECORD if LAYOUT_RECORD in listing.files else None,
-        pickle_files=pickles,
-    )
+    return tuple(extras), tuple(sorted(ignored))
 
 
 # ---- directory listing -----------------------------------------------------------------
@@ -297,207 +311,6 @@ def _not_carried_reason(name: str) -> str | None:
     if name.endswith(OTHER_WEIGHT_SUFFIXES):
         return "weights in another format"
     return None
-
-
-# ---- path safety -----------------------------------------------------------------------
-
-
-class _PathGuard:
-    """Index paths and symlinks must stay inside ``root`` (or the HF cache's ``blobs/``)."""
-
-    def __init__(self, root: Path, follow: bool):
-        self.root = root
-        self.real_root = os.path.realpath(root)
-        self.follow = follow
-        # HF cache: <repo>/snapshots/<rev>/<file> -> ../../blobs/<sha>
-        parent = os.path.dirname(self.real_root)
-        self.blobs = (
-            os.path.join(os.path.dirname(parent), "blobs")
-            if os.path.basename(parent) == "snapshots"
-            else None
-        )
-
-    def check_syntax(self, rel: str, where: str) -> None:
-        """The HF-hub rule: a plain relative POSIX path, no drive, no traversal."""
-        bad = None
-        if rel == "":
-            bad = "empty path"
-        elif "\x00" in rel:
-            bad = "NUL byte in path"
-        elif "\\" in rel:
-            bad = "backslash in path"
-        elif rel.startswith("/") or PureWindowsPath(rel).anchor:
-            bad = "absolute path or drive"
-        elif any(part in ("", ".", "..") for part in rel.split("/")):
-            bad = "'.', '..' or empty component"
-        if bad:
-            raise InvalidInputError(
-                f"unsafe path {rel!r} ({bad})",
-                where=where,
-                hint="weight_map values must be file names inside the checkpoint directory",
-            )
-
-    def check(self, rel: str) -> None:
-        """``root/rel`` must resolve inside ``root`` (or the HF blobs dir, or ``follow``)."""
-        real = os.path.realpath(os.path.join(self.root, rel))
-        if _inside(real, self.real_root) or self.follow:
-            return
-        if self.blobs is not None and os.path.dirname(real) == self.blobs:
-            return
-        raise InvalidInputError(
-            f"{rel!r} resolves to {real}, outside the checkpoint directory",
-            where=str(self.root),
-            hint="pass --follow-external-symlinks if you trust that target",
-        )
-
-
-def _inside(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip(os.sep) + os.sep)
-
-
-# ---- the index -------------------------------------------------------------------------
-
-
-def read_json_strict(path: Path, *, max_bytes: int, what: str) -> Any:
-    """Strict JSON from a regular file of at most ``max_bytes``: no duplicate keys, NaN or inf."""
-    where = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise InvalidInputError(f"{what} not found", where=where) from None
-    except PermissionError as exc:
-        raise EnvironmentFailure(f"cannot open {what}: {exc.strerror}", where=where) from None
-    except OSError as exc:
-        raise InvalidInputError(f"cannot open {what}: {exc.strerror}", where=where) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(f"{what} is not a regular file", where=where)
-        if st.st_size > max_bytes:
-            raise InvalidInputError(
-                f"{what} is {st.st_size} bytes, above the {max_bytes // 2**20} MiB limit",
-                where=where,
-            )
-        raw = os.pread(fd, st.st_size + 1, 0)  # +1: a file that grew since fstat shows
-    finally:
-        os.close(fd)
-    if len(raw) != st.st_size:
-        raise EnvironmentFailure(
-            f"{what} changed while it was read ({st.st_size} bytes, then {len(raw)})",
-            where=where,
-            hint="rerun once nothing is writing to it",
-        )
-    try:
-        return json.loads(
-            raw.decode("utf-8"),
-            object_pairs_hook=_no_duplicates,
-            parse_constant=_no_constant,
-            parse_float=_finite_float,
-        )
-    except RecursionError:
-        raise InvalidInputError(f"{what} nests too deeply", where=where) from None
-    except UnicodeDecodeError:
-        raise InvalidInputError(f"{what} is not valid UTF-8", where=where) from None
-    except ValueError as exc:
-        raise InvalidInputError(f"{what} is not strict JSON: {exc}", where=where) from None
-
-
-def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
-    return out
-
-
-def _no_constant(name: str) -> Any:
-    raise ValueError(f"non-finite number {name}")
-
-
-def _finite_float(text: str) -> float:
-    value = float(text)
-    if not math.isfinite(value):
-        raise ValueError(f"number {text} overflows to infinity")
-    return value
-
-
-def _read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
-    """``(metadata, weight_map)`` of a strict, path-checked index."""
-    where = str(path)
-    data = read_json_strict(path, max_bytes=MAX_INDEX_BYTES, what="index")
-    if not isinstance(data, dict):
-        raise InvalidInputError("index is not a JSON object", where=where)
-    weight_map = data.get("weight_map")
-    if not isinstance(weight_map, dict):
-        raise InvalidInputError(
-            f"index has no 'weight_map' object (got {type(weight_map).__name__})", where=where
-        )
-    metadata = data.get("metadata") or {}
-    if not isinstance(metadata, dict):
-        raise InvalidInputError("index 'metadata' is not an object", where=where)
-    guard = _PathGuard(path.parent, follow=False)
-    for fqn, rel in weight_map.items():
-        if not isinstance(rel, str):
-            raise InvalidInputError(
-                f"weight_map[{fqn!r}]: expected a file name, got {type(rel).__name__}",
-                where=where,
-            )
-        guard.check_syntax(rel, f"{where}: weight_map[{fqn!r}]")
-        if not rel.endswith(".safetensors"):
-            raise InvalidInputError(
-                f"index references non-safetensors file {rel!r} (weight_map[{fqn!r}])",
-                where=where,
-                hint="shardctl reads pickle weights only with --allow-pickle, never via an index",
-            )
-    return metadata, weight_map
-
-
-def _compare_index(
-    weight_map: dict[str, str],
-    headers: list[SafetensorsHeader],
-    metadata: Mapping[str, Any],
-    root: Path,
-) -> tuple[list[str], list[str]]:
-    """Every discrepancy between the index and the shard headers; and warnings."""
-    problems: list[str] = []
-    seen: dict[str, str] = {}
-    for h in headers:
-        file = h.path.relative_to(root).as_posix()
-        for e in h.tensors:
-            if e.name in seen:
-                problems.append(f"{e.name!r} is in both {seen[e.name]} and {file}")
-                continue
-            seen[e.name] = file
-            if e.name not in weight_map:
-                problems.append(f"{e.name!r} is in {file} but not in the index")
-            elif weight_map[e.name] != file:
-                problems.append(f"{e.name!r} is in {file} but the index says {weight_map[e.name]}")
-    for fqn, file in weight_map.items():
-        if fqn not in seen:
-            problems.append(f"{fqn!r}: the index says {file}, which has no such tensor")
-
-    warnings: list[str] = []
-    actual_bytes = sum(e.nbytes for h in headers for e in h.tensors)
-    actual_params = sum(e.numel for h in headers for e in h.tensors)
-    for key, actual in (("total_size", actual_bytes), ("total_parameters", actual_params)):
-        claimed = metadata.get(key)
-        if claimed is not None and claimed != actual:
-            warnings.append(
-                f"index metadata.{key} is {claimed!r} but the shards hold {actual} "
-                f"({'bytes' if key == 'total_size' else 'parameters'}); ignored"
-            )
-    return problems, warnings
-
-
-def _unreferenced_series(referenced: list[str], present: list[str]) -> list[str]:
-    """Files like ``model-00003-of-00004.safetensors`` of the index's series, not in it."""
-    prefixes = {m["prefix"] for n in referenced if (m := _SERIES.match(n))}
-    return [
-        f"shard {n} is not referenced by the index"
-        for n in present
-        if n not in referenced and (m := _SERIES.match(n)) and m["prefix"] in prefixes
-    ]
 
 
 def _locate(headers: list[SafetensorsHeader]) -> dict[str, TensorLocation]:

@@ -1,4 +1,4 @@
-"""Input checksums (RELIABILITY A15/A16): hash every input file whose digest is known.
+"""Input checksums (reliability cases A15/A16): hash every input file whose digest is known.
 
 A shardctl layout records an XXH3-128 (or BLAKE3, sha256) digest per file; an HF-cache snapshot
 names each LFS blob by its sha256. Either way a flipped bit or a zero-filled data region in the

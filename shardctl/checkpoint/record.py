@@ -56,7 +56,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl import __version__
-from shardctl.checkpoint.hf import read_json_strict
+from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import HASHES
 from shardctl.layout.types import (

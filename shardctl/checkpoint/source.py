@@ -18,7 +18,7 @@ from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io.safetensors_header import read_header
-from shardctl.layout.types import Layout, Piece
+from shardctl.layout.types import Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
 
@@ -204,7 +204,3 @@ def _from_record(root: Path) -> Source:
 def open_checkpoint_ignoring_record(root: Path) -> CheckpointFiles:
     """An ``hf`` output of shardctl: read it as a plain HF directory (the record is metadata)."""
     return open_checkpoint(root, ignore_layout_record=True)
-
-
-def source_layout(source: Source) -> Layout | None:
-    return source.record.layout if source.record is not None else None

@@ -3,15 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
+from rich.text import Text
 
 from shardctl.cli._common import emit_json
-from shardctl.inspect import InspectResult
-from shardctl.plan.render import fmt_bytes
+from shardctl.units import fmt_bytes
+
+if TYPE_CHECKING:
+    from shardctl.checkpoint.summary import InspectResult
 
 
 def inspect(
@@ -27,9 +31,9 @@ def inspect(
 
     Example: [bold]shardctl inspect ./Llama-3-8B[/bold]
     """
-    from shardctl.inspect import inspect_path
+    from shardctl.api import inspect as run_inspect
 
-    info = inspect_path(path)
+    info = run_inspect(path)
     if as_json:
         emit_json(info.to_json())
     else:
@@ -37,15 +41,18 @@ def inspect(
 
 
 def render_inspect(info: InspectResult, console: Console | None = None) -> None:
+    """The checkpoint at a glance; names from the checkpoint are printed literally."""
     console = console or Console()
     m = info.model
-    console.print(f"[bold]{info.path}[/bold]  ({info.kind})")
+    console.print(f"[bold]{escape(str(info.path))}[/bold]  ({info.kind})")
     console.print(
-        f"  architecture {m.architecture}  {m.parameters:,} parameters  "
+        f"  architecture {escape(m.architecture)}  {m.parameters:,} parameters  "
         f"{fmt_bytes(m.weight_bytes)} ({m.weight_bytes:,} B)  {len(m.tensors)} tensors"
     )
     if info.dtypes:
-        console.print("  dtypes: " + ", ".join(f"{d} {n:,}" for d, n in info.dtypes.items()))
+        console.print(
+            "  dtypes: " + ", ".join(f"{escape(d)} {n:,}" for d, n in info.dtypes.items())
+        )
     if m.dims is not None:
         d = m.dims
         console.print(
@@ -57,7 +64,7 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         )
     if info.mesh is not None:
         mesh = "×".join(f"{a.upper()}{info.mesh[a]}" for a in ("pp", "dp", "ep", "tp"))
-        console.print(f"  layout: {info.layout_format}, mesh {mesh}")
+        console.print(f"  layout: {escape(str(info.layout_format))}, mesh {mesh}")
         for s in info.stages:
             console.print(f"    stage {s['stage']}: layers {s['layers']}")
     if info.ranks:
@@ -66,7 +73,9 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
             table.add_column(col, justify="right" if col in ("rank", "shards") else "left")
         for r in info.ranks:
             coord = " ".join(f"{k}{v}" for k, v in r.coord.items())
-            table.add_row(str(r.rank), coord, str(r.shards), fmt_bytes(r.bytes), ", ".join(r.files))
+            table.add_row(
+                str(r.rank), coord, str(r.shards), fmt_bytes(r.bytes), Text(", ".join(r.files))
+            )
         console.print(table)
     if info.files and not info.ranks:
         table = Table(box=None, header_style="bold", pad_edge=False)
@@ -74,9 +83,9 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         table.add_column("size", justify="right")
         table.add_column("tensors", justify="right")
         for f in info.files:
-            table.add_row(f.name, fmt_bytes(f.size), str(f.tensors))
+            table.add_row(Text(f.name), fmt_bytes(f.size), str(f.tensors))
         console.print(table)
     if info.carried:
-        console.print("  carried files: " + ", ".join(info.carried))
+        console.print("  carried files: " + escape(", ".join(info.carried)))
     for w in info.warnings:
-        console.print(f"  [yellow]warning[/yellow]: {w}")
+        console.print(f"  [yellow]warning[/yellow]: {escape(w)}")

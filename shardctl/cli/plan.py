@@ -1,5 +1,5 @@
-"""``shardctl plan``: a manifest (or a config / checkpoint plus flags) → one plan (or search)
-call → table or JSON."""
+"""``shardctl plan``: a manifest (or a config / checkpoint plus flags) → one
+:func:`shardctl.api.plan` (or ``search``) call → table or JSON."""
 
 from __future__ import annotations
 
@@ -86,14 +86,15 @@ def plan(
     Examples: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold];
     [bold]shardctl plan ./Llama-3-8B --tp 8 --gpu h100-sxm --batch 32 --seq 8192[/bold]
     """
+    from shardctl.api import plan as make_plan
+    from shardctl.api import search as run_search
     from shardctl.manifest.from_flags import PlanFlags, emit, manifest_from_flags, source_kind
-    from shardctl.plan.api import plan_manifest, search_manifest
 
     flags = PlanFlags(
         tp, pp, dp, ep, gpu, nodes, gpus_per_node, batch, seq, dtype, quantization, weights_only
     )
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
-    manifest: Manifest
+    target: Path | Manifest = source  # a manifest path goes to the API as given
     implied: str | None = None
     if source_kind(source) == "manifest":
         given = flags.model_flags() + (["--emit-manifest"] if emit_manifest else [])
@@ -102,16 +103,11 @@ def plan(
                 f"{', '.join(given)}: only with a config.json or checkpoint directory",
                 hint="a manifest says these itself: edit its hardware/workload sections",
             )
-        from shardctl.manifest import load_manifest
-
-        manifest = load_manifest(source)
     else:
-        manifest, implied = manifest_from_flags(source, flags)
+        target, implied = manifest_from_flags(source, flags)
         overrides = {}  # the mesh flags are in the manifest already
     if search:
-        result = search_manifest(
-            manifest, gpus=gpus, mesh_overrides=overrides, weights_only=weights_only
-        )
+        result = run_search(target, gpus=gpus, weights_only=weights_only)
         if emit_manifest is not None and implied is not None:
             emit(emit_manifest, implied)  # only once the input planned: exit 3 writes nothing
         if as_json:
@@ -125,7 +121,7 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = plan_manifest(manifest, mesh_overrides=overrides, weights_only=weights_only)
+    result_plan = make_plan(target, mesh=overrides, weights_only=weights_only)
     if emit_manifest is not None and implied is not None:
         emit(emit_manifest, implied)
     if report is not None:

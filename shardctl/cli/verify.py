@@ -1,4 +1,4 @@
-"""``shardctl verify``: levels → one :func:`shardctl.verify.api.verify` call → report."""
+"""``shardctl verify``: levels → one :func:`shardctl.api.verify` call → report."""
 
 from __future__ import annotations
 
@@ -8,6 +8,7 @@ from typing import Annotated, Any
 
 import typer
 from rich.console import Group, RenderableType
+from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
@@ -39,6 +40,10 @@ def verify(
     report: Annotated[
         Path | None, typer.Option(help="Also write the JSON result to this file.")
     ] = None,
+    verbose: Annotated[
+        bool,
+        typer.Option("--verbose", "-v", help="List every tensor (default: counts, failures only)."),
+    ] = False,
 ) -> None:
     """Prove DST equivalent to SRC: structure, then bits, then a distributed forward.
 
@@ -46,7 +51,7 @@ def verify(
 
     Example: [bold]shardctl verify ./Llama-3-8B ./llama-tp4 --level forward --json[/bold]
     """
-    from shardctl.verify.api import verify as run_verify
+    from shardctl.api import verify as run_verify
 
     result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
     doc = result.to_json()
@@ -57,12 +62,12 @@ def verify(
     else:
         from rich.console import Console
 
-        Console().print(render(result))
+        Console().print(render(result, verbose=verbose))
     if not result.ok:
         raise typer.Exit(EXIT_NEGATIVE)
 
 
-MAX_ROWS = 40
+MAX_FINDINGS = 40  # failures printed per level without --verbose (--json keeps them all)
 _STYLE = {"pass": "green", "fail": "bold red", "not-run": "dim"}
 
 
@@ -76,8 +81,13 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def _plain(text: object) -> Text:
+    """User-controlled text (tensor names, paths, messages quoting them): never rich markup."""
+    return Text(str(text))
+
+
 def summary(result: VerifyResult) -> Table:
-    t = Table(title=f"verify {result.src} → {result.dst}", title_justify="left")
+    t = Table(title=f"verify {escape(result.src)} → {escape(result.dst)}", title_justify="left")
     t.add_column("level")
     t.add_column("status")
     t.add_column("seconds", justify="right")
@@ -88,38 +98,59 @@ def summary(result: VerifyResult) -> Table:
             lv.name,
             _status(lv.status),
             f"{lv.seconds:.2f}",
-            ", ".join(f"{k}={_fmt(v)}" for k, v in list(figs.items())[:6]),
+            _plain(", ".join(f"{k}={_fmt(v)}" for k, v in list(figs.items())[:6])),
         )
     return t
 
 
-def findings(lv: LevelResult) -> Table:
+def findings(lv: LevelResult, *, verbose: bool = False) -> Table:
     t = Table(title=f"{lv.name}: {len(lv.findings)} finding(s)", title_justify="left")
     for col in ("tensor", "rank", "file", "what"):
         t.add_column(col, overflow="fold")
-    for f in lv.findings[:MAX_ROWS]:
-        t.add_row(f.fqn or "", "" if f.rank is None else str(f.rank), f.file or "", f.message)
-    if len(lv.findings) > MAX_ROWS:
-        t.add_row("…", "", "", f"{len(lv.findings) - MAX_ROWS} more (see --json)")
+    shown = lv.findings if verbose else lv.findings[:MAX_FINDINGS]
+    for f in shown:
+        t.add_row(
+            _plain(f.fqn or ""),
+            "" if f.rank is None else str(f.rank),
+            _plain(f.file or ""),
+            _plain(f.message),
+        )
+    if len(shown) < len(lv.findings):
+        t.add_row("…", "", "", f"{len(lv.findings) - len(shown)} more (--verbose or --json)")
     return t
 
 
+def passed_line(lv: LevelResult) -> Text:
+    """``291 tensors bit-identical (1164 shards)``: what passed, counted, not listed."""
+    passed = sum(1 for r in lv.rows if r.get("status") == "pass")
+    shards = sum(int(r.get("shards", 0)) for r in lv.rows if r.get("status") == "pass")
+    failed = len(lv.rows) - passed
+    line = Text(f"{passed} tensor{'s' if passed != 1 else ''} bit-identical", style="green")
+    line.append(f" ({shards} shards)")
+    if failed:
+        line.append(f"; {failed} differ", style="bold red")
+    return line
+
+
 def tensors(lv: LevelResult) -> Table:
+    """Every tensor of the bitwise level, failures first (``--verbose``)."""
     t = Table(title="bitwise, per tensor", title_justify="left")
     for col in ("tensor", "shards", "bytes", "status"):
         t.add_column(col, justify="right" if col in ("shards", "bytes") else "left")
-    rows = sorted(lv.rows, key=lambda r: r.get("status") != "fail")
-    for r in rows[:MAX_ROWS]:
-        t.add_row(r["fqn"], str(r["shards"]), str(r["bytes"]), _status(r["status"]))
-    if len(rows) > MAX_ROWS:
-        t.add_row(
-            f"… {len(rows) - MAX_ROWS} more, all pass"
-            if rows[MAX_ROWS - 1]["status"] == "pass"
-            else "…",
-            "",
-            "",
-            "",
-        )
+    for r in sorted(lv.rows, key=lambda r: r.get("status") != "fail"):
+        t.add_row(_plain(r["fqn"]), str(r["shards"]), str(r["bytes"]), _status(r["status"]))
+    return t
+
+
+def failed_tensors(lv: LevelResult) -> Table:
+    t = Table(title="bitwise, tensors that differ", title_justify="left")
+    for col in ("tensor", "shards", "bytes"):
+        t.add_column(col, justify="left" if col == "tensor" else "right")
+    failed = [r for r in lv.rows if r.get("status") == "fail"]
+    for r in failed[:MAX_FINDINGS]:
+        t.add_row(_plain(r["fqn"]), str(r["shards"]), str(r["bytes"]))
+    if len(failed) > MAX_FINDINGS:
+        t.add_row(f"… {len(failed) - MAX_FINDINGS} more (--verbose or --json)", "", "")
     return t
 
 
@@ -142,15 +173,21 @@ def forward(lv: LevelResult, result: VerifyResult) -> Table:
     return t
 
 
-def render(result: VerifyResult) -> RenderableType:
+def render(result: VerifyResult, *, verbose: bool = False) -> RenderableType:
+    """The level summary, what passed (counted), and every failure; ``verbose`` lists every
+    tensor of the bitwise level (an 8B model has 291, DeepSeek-V3 about 90,000)."""
     parts: list[RenderableType] = [summary(result)]
     for lv in result.levels:
         if lv.name == "bitwise" and lv.rows:
-            parts.append(tensors(lv))
+            parts.append(passed_line(lv))
+            if verbose:
+                parts.append(tensors(lv))
+            elif any(r.get("status") == "fail" for r in lv.rows):
+                parts.append(failed_tensors(lv))
         if lv.name == "forward" and lv.rows:
             parts.append(forward(lv, result))
         if lv.findings:
-            parts.append(findings(lv))
+            parts.append(findings(lv, verbose=verbose))
     verdict = "EQUIVALENT" if result.ok else "NOT EQUIVALENT"
     parts.append(Text(verdict, style="bold green" if result.ok else "bold red"))
     return Group(*parts)

@@ -10,7 +10,7 @@
 The staging directory is a sibling of the output, never under ``/tmp``, so the final rename can
 not cross a mount (EXDEV). Replacing an existing output (``force``) swaps old and new in one
 ``renameat2(RENAME_EXCHANGE)``, so at every instant either the old or the complete new output is
-at the path (RELIABILITY B8); the old one, now at the staging name, is then removed. Where the
+at the path (reliability case B8); the old one, now at the staging name, is then removed. Where the
 file system lacks ``RENAME_EXCHANGE`` the old output is first renamed aside to
 ``.out.shardctl-old-*`` (a crash in that window leaves it there, and the next run under the lock
 puts it back). Stale staging directories of crashed runs are removed by the next run, under the

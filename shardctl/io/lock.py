@@ -1,7 +1,7 @@
 """One writer per output: an ``flock`` on a sibling lock file ``.<name>.shardctl.lock``.
 
 The kernel drops an ``flock`` when its holder dies (even by ``kill -9``), so a stale lock never
-blocks the next run (RELIABILITY F2). A second run fails at once with exit 4
+blocks the next run (reliability case F2). A second run fails at once with exit 4
 ``output locked by pid N`` (F1). The lock file is removed on release; a racing opener that
 locked an already-unlinked inode notices (its fd's inode differs from the path's) and retries.
 """

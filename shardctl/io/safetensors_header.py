@@ -12,7 +12,7 @@ File layout::
 :func:`read_header` opens with ``os.open(O_RDONLY | O_NONBLOCK)`` and reads with ``os.pread``
 (never mmap, so a truncated file is an error, not SIGBUS), and refuses non-regular files (FIFO,
 directory, device) from ``fstat`` before reading a byte, so a FIFO cannot block. It refuses, with
-:class:`~shardctl.errors.InvalidInputError` (exit 3) naming the file (RELIABILITY.md A1–A12):
+:class:`~shardctl.errors.InvalidInputError` (exit 3) naming the file (reliability cases A1–A12):
 
 - files under 8 bytes; a header length past the end of the file or above ``max_header_bytes``
   (checked before any allocation);

@@ -24,7 +24,8 @@ from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from shardctl.checkpoint.hf import open_checkpoint, read_json_strict
+from shardctl.checkpoint.hf import open_checkpoint
+from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config

@@ -22,18 +22,6 @@ MEMORY_COLUMNS = ("weights", "kv_cache", "activations", "gradients", "optimizer"
 MAX_ROWS = 64
 
 
-def fmt_bytes(n: int | float | None) -> str:
-    """``16060522496`` -> ``"14.96 GiB"`` (binary units, as GPU memory is sold in GiB)."""
-    if n is None:
-        return "—"
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
-        if abs(value) < 1024 or unit == "PiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.2f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
 def console_for_output() -> Console:
     """A console that wraps at the terminal's width, and never off a terminal (CI logs)."""
     console = Console()

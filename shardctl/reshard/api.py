@@ -17,12 +17,10 @@ from __future__ import annotations
 
 import os
 import shutil
-import signal
 import threading
 import time
-from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -30,76 +28,52 @@ from shardctl.checkpoint import plan_files, record
 from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
-from shardctl.errors import Interrupted, ShardctlError, UsageError
+from shardctl.errors import Interrupted, UsageError
 from shardctl.io import atomic, faults
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
-from shardctl.layout.engine import build_layout
-from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
+from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input
 from shardctl.reshard import resume as resume_run
+from shardctl.reshard.carry import carry, digest_file, identity, with_carried
 from shardctl.reshard.copy import BLOCK_BYTES, Executor
+from shardctl.reshard.result import ReshardResult, peak_rss_bytes
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
+from shardctl.reshard.signals import interrupts_raise
+from shardctl.reshard.target import DEFAULT_MAX_SHARD_SIZE, Plan, plan, space_needed
 
-DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
 
+@dataclass
+class _Run:
+    """One run's state, passed between the steps of :func:`reshard`.
 
-@dataclass(frozen=True)
-class ReshardResult:
+    ``source``/``the_plan`` are None for a pickle input until it is converted inside staging;
+    ``dist`` is the torchrun group (None for one process); ``lead`` owns lock, staging, commit.
+    """
+
+    src: Path
     dst: Path
-    format: str  # "ranks" | "hf"
-    mesh: Mesh | None
-    source_kind: str  # "hf" | "shardctl" | "pickle"
-    files: tuple[record.FileDigest, ...]
-    tensor_bytes: int  # bytes of tensor data written (padding included)
-    total_bytes: int  # every file written, headers, index, record and carried files included
-    seconds: float
-    hash: str
-    carried: tuple[str, ...]
+    target: Callable[[Source], Plan]
+    force: bool
+    hash_name: str
     workers: int
-    resumed: tuple[str, ...] = ()  # files reused from a killed identical run (not rewritten)
-
-
-@dataclass(frozen=True)
-class Plan:
-    """Everything decided before writing: format, layout, files and their headers."""
-
-    fmt: str
-    layout: Layout | None
-    files: tuple[plan_files.OutputFile, ...]
-    shard_files: dict[tuple[int, str], str]
-    index: bytes | None
+    block_bytes: int
+    progress: Callable[[int, int], None] | None
+    verify_input: bool
+    resume: bool
+    source: Source | None
+    the_plan: Plan | None
+    kind: str
+    pickle_files: tuple[Path, ...]
+    dist: Any
+    lock: OutputLock | None = None
+    staging: Path | None = None
+    journal: resume_run.Journal | None = None
+    reused: dict[str, str] = field(default_factory=dict)  # killed identical run: name -> digest
 
     @property
-    def data_bytes(self) -> int:
-        return sum(f.size for f in self.files)
-
-
-def plan(
-    source: Source,
-    *,
-    mesh: Mesh | None,
-    rules: Sequence[RuleSpec] = (),
-    options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen
-    fmt: str | None = None,
-    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
-) -> Plan:
-    """The target layout and every output file's header; writes nothing."""
-    if fmt is None:
-        fmt = "ranks" if mesh is not None and mesh.model_parallel > 1 else "hf"
-    if fmt not in ("ranks", "hf"):
-        raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
-    if max_shard_size <= 0:
-        raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
-    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
-    if fmt == "hf":
-        if mesh is not None and mesh.model_parallel > 1:
-            raise UsageError(f"format hf holds whole tensors; mesh {mesh} needs format ranks")
-        files, index = plan_files.hf_files(source.model.tensors, max_shard_size)
-        return Plan("hf", None, tuple(files), {}, index)
-    layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
-    rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
-    return Plan("ranks", layout, tuple(rfiles), where, None)
+    def lead(self) -> bool:
+        return self.dist is None or self.dist.rank == 0
 
 
 def reshard(
@@ -126,13 +100,72 @@ def reshard(
     ``resume``: reuse the finished files of an identical run that was killed hard
     (:mod:`shardctl.reshard.resume`); False always starts clean."""
     t0 = time.monotonic()
-    src, dst = Path(src), Path(dst)
     workers = default_workers() if workers is None else workers
     if workers < 1:
         raise UsageError(f"workers must be >= 1, got {workers}")
+
+    def target(source: Source) -> Plan:
+        return plan(
+            source, mesh=mesh, rules=rules, options=options, fmt=fmt, max_shard_size=max_shard_size
+        )
+
+    run = _prepare(
+        Path(src),
+        Path(dst),
+        target,
+        force=force,
+        allow_pickle=allow_pickle,
+        follow_external_symlinks=follow_external_symlinks,
+    )
+    run.hash_name = hash_name or default_hash()
+    run.workers, run.block_bytes, run.progress = workers, block_bytes, progress
+    run.verify_input, run.resume = verify_input, resume
+    with interrupts_raise():
+        try:
+            work = _open_staging(run)
+            if run.source is None:
+                _convert_pickle(run, work)
+            digests = _write(run, work)
+            if not run.lead:
+                run.dist.done()
+                return _result(run, digests, t0, 0)
+            extra = _commit(run, digests)
+            if run.dist is not None:
+                run.dist.done()
+            return _result(run, digests, t0, extra)
+        except (Interrupted, KeyboardInterrupt) as exc:
+            # torchrun SIGTERMs the survivors as soon as one worker dies, wherever they are:
+            # a lost peer explains the interrupt (exit 5 naming it), not the signal (143).
+            if run.dist is None:
+                raise
+            raise run.dist.explain(exc) from None
+        except OSError as exc:
+            raise os_failure(exc) from None
+        finally:
+            if run.journal is not None:
+                run.journal.close()
+            atomic.discard(run.staging)
+            if run.lock is not None:
+                run.lock.release()
+
+
+# ---- the steps of a run --------------------------------------------------------------------
+
+
+def _prepare(
+    src: Path,
+    dst: Path,
+    target: Callable[[Source], Plan],
+    *,
+    force: bool,
+    allow_pickle: bool,
+    follow_external_symlinks: bool,
+) -> _Run:
+    """Validate paths and input, decide every output file, check free space; nothing written."""
     pickle_input.refuse_untrusted_formats(src)
     dst = check_output(src, dst, force=force)
     source: Source | None
+    the_plan: Plan | None = None
     try:
         source = open_source(src, follow_external_symlinks=follow_external_symlinks)
         kind = source.kind
@@ -143,142 +176,141 @@ def reshard(
         pickle_files, source, kind = exc.files, None, "pickle"
     if source is not None:
         check_output(src, dst, force=force, input_files=[f.path for f in source.files])
-        the_plan = plan(
-            source, mesh=mesh, rules=rules, options=options, fmt=fmt, max_shard_size=max_shard_size
-        )
-        preflight_space(dst.parent, _need(source, the_plan))
-    hash_name = hash_name or default_hash()
-    dist = _distributed()
-    lead = dist is None or dist.rank == 0
-    with _signals():
-        lock: OutputLock | None = None
-        staging: Path | None = None
-        journal: resume_run.Journal | None = None
-        reused: dict[str, str] = {}  # files of a killed identical run: name -> digest
+        the_plan = target(source)
+        preflight_space(dst.parent, space_needed(source, the_plan))
+    return _Run(
+        src=src,
+        dst=dst,
+        target=target,
+        force=force,
+        hash_name="",
+        workers=1,
+        block_bytes=BLOCK_BYTES,
+        progress=None,
+        verify_input=True,
+        resume=True,
+        source=source,
+        the_plan=the_plan,
+        kind=kind,
+        pickle_files=pickle_files,
+        dist=_distributed(),
+    )
+
+
+def _open_staging(run: _Run) -> Path:
+    """Lock DST, adopt a killed identical run's staging (resume) or make a fresh one.
+
+    Under torchrun rank 0 does this and shares the staging path with the other workers."""
+    if run.lead:
         try:
-            if lead:
-                try:
-                    lock = OutputLock(dst)
-                    lock.acquire()
-                    ident = None
-                    if resume and dist is None and source is not None:
-                        ident = resume_run.run_id(source, the_plan, hash_name)
-                        staging, reused = resume_run.adopt(dst, ident, hash_name)
-                    atomic.recover(dst, keep=staging)
-                    if os.path.lexists(dst) and not force:
-                        check_output(src, dst, force=False)
-                    if staging is None:
-                        staging = atomic.make_staging(dst)
-                        if ident is not None:
-                            resume_run.start(staging, ident)
-                    if ident is not None:
-                        journal = resume_run.Journal(staging)
-                except BaseException:
-                    if dist is not None:
-                        dist.share(None)
-                    raise
-            work = staging if dist is None else dist.share(staging)
-            assert work is not None
-            if source is None:  # pickle: convert weights-only into the staging area first
-                conv = pickle_input.convert(
-                    [src / p for p in pickle_files], src, work / ".pickle-input"
-                )
-                source = _with_carried(open_source(conv), src)
-                the_plan = plan(
-                    source,
-                    mesh=mesh,
-                    rules=rules,
-                    options=options,
-                    fmt=fmt,
-                    max_shard_size=max_shard_size,
-                )
-                preflight_space(dst.parent, _need(source, the_plan))
-            mine = list(the_plan.files) if dist is None else dist.mine(list(the_plan.files))
-            mine = [f for f in mine if f.name not in reused]
+            run.lock = OutputLock(run.dst)
+            run.lock.acquire()
+            ident = None
+            if run.resume and run.dist is None and run.source is not None:
+                assert run.the_plan is not None
+                ident = resume_run.run_id(run.source, run.the_plan, run.hash_name)
+                run.staging, run.reused = resume_run.adopt(run.dst, ident, run.hash_name)
+            atomic.recover(run.dst, keep=run.staging)
+            if os.path.lexists(run.dst) and not run.force:
+                check_output(run.src, run.dst, force=False)
+            if run.staging is None:
+                run.staging = atomic.make_staging(run.dst)
+                if ident is not None:
+                    resume_run.start(run.staging, ident)
+            if ident is not None:
+                run.journal = resume_run.Journal(run.staging)
+        except BaseException:
+            if run.dist is not None:
+                run.dist.share(None)
+            raise
+    work = run.staging if run.dist is None else run.dist.share(run.staging)
+    assert work is not None
+    return work
 
-            expected = source.expected_digests() if verify_input else []
-            if dist is not None:  # each worker hashes its share of the inputs
-                expected = expected[dist.rank :: dist.world]
 
-            def write_mine() -> dict[str, str]:
-                check = InputCheck(expected).start()
-                try:
-                    digests = _write_data(
-                        work,
-                        source,
-                        mine,
-                        hash_name,
-                        workers,
-                        block_bytes,
-                        progress,
-                        the_plan.data_bytes,
-                        check,
-                        journal,
-                        sum(f.size for f in the_plan.files if f.name in reused),
-                    )
-                except BaseException:
-                    check.cancel()
-                    raise
-                check.result()  # a corrupt input never commits (exit 3)
-                return {**reused, **digests}
+def _convert_pickle(run: _Run, work: Path) -> None:
+    """A pickle input: convert it weights-only into the staging area, then plan as usual."""
+    conv = pickle_input.convert(
+        [run.src / p for p in run.pickle_files], run.src, work / ".pickle-input"
+    )
+    run.source = with_carried(open_source(conv), run.src)
+    run.the_plan = run.target(run.source)
+    preflight_space(run.dst.parent, space_needed(run.source, run.the_plan))
 
-            if dist is None:
-                digests = write_mine()
-            else:
-                # Under torchrun each worker writes its share; rank 0 gathers every digest.
-                digests = dist.run_and_gather(write_mine)
-                if not lead:
-                    dist.done()
-                    return _result(dst, the_plan, source, kind, digests, hash_name, t0, workers, 0)
-            assert staging is not None
-            if journal is not None:
-                journal.close()
-                resume_run.finish(staging)
-            carried = _carry(source, staging)
-            extra = 0
-            if the_plan.index is not None:
-                extra += atomic.write_file(staging / INDEX_NAME, the_plan.index)
-                faults.point("index_written")
-            source.check_unchanged()
-            files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
-            if the_plan.index is not None:
-                files.append(_digest_file(staging / INDEX_NAME, hash_name))
-            rec = record.build(
-                fmt=the_plan.fmt,
-                architecture=source.model.architecture,
-                layout=the_plan.layout,
-                tensors=source.model.tensors,
-                padded_shapes=dict(the_plan.layout.padded_shapes) if the_plan.layout else {},
-                shard_files=the_plan.shard_files,
-                source=_identity(source, src, kind),
-                hash_name=hash_name,
-                files=files,
-                carried=carried,
+
+def _write(run: _Run, work: Path) -> dict[str, str]:
+    """Write this process's share of the files; every file's digest (rank 0 gathers them)."""
+    source, the_plan = run.source, run.the_plan
+    assert source is not None and the_plan is not None
+    mine = list(the_plan.files) if run.dist is None else run.dist.mine(list(the_plan.files))
+    mine = [f for f in mine if f.name not in run.reused]
+    expected = source.expected_digests() if run.verify_input else []
+    if run.dist is not None:  # each worker hashes its share of the inputs
+        expected = expected[run.dist.rank :: run.dist.world]
+
+    def write_mine() -> dict[str, str]:
+        check = InputCheck(expected).start()
+        try:
+            digests = _write_data(
+                work,
+                source,
+                mine,
+                run.hash_name,
+                run.workers,
+                run.block_bytes,
+                run.progress,
+                the_plan.data_bytes,
+                check,
+                run.journal,
+                sum(f.size for f in the_plan.files if f.name in run.reused),
             )
-            shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
-            record.write(staging, rec)
-            faults.point("record_written")
-            atomic.commit(staging, dst, replace=force)
-            staging = None
-            if dist is not None:
-                dist.done()
-            return _result(
-                dst, the_plan, source, kind, digests, hash_name, t0, workers, extra, reused
-            )
-        except (Interrupted, KeyboardInterrupt) as exc:
-            # torchrun SIGTERMs the survivors as soon as one worker dies, wherever they are:
-            # a lost peer explains the interrupt (exit 5 naming it), not the signal (143).
-            if dist is None:
-                raise
-            raise dist.explain(exc) from None
-        except OSError as exc:
-            raise os_failure(exc) from None
-        finally:
-            if journal is not None:
-                journal.close()
-            atomic.discard(staging)
-            if lock is not None:
-                lock.release()
+        except BaseException:
+            check.cancel()
+            raise
+        check.result()  # a corrupt input never commits (exit 3)
+        return {**run.reused, **digests}
+
+    if run.dist is None:
+        return write_mine()
+    # Under torchrun each worker writes its share; rank 0 gathers every digest.
+    digests: dict[str, str] = run.dist.run_and_gather(write_mine)
+    return digests
+
+
+def _commit(run: _Run, digests: dict[str, str]) -> int:
+    """Carried files, index, input re-check, record, rename into place; the extra bytes."""
+    source, the_plan, staging = run.source, run.the_plan, run.staging
+    assert source is not None and the_plan is not None and staging is not None
+    if run.journal is not None:
+        run.journal.close()
+        resume_run.finish(staging)
+    carried = carry(source, staging)
+    extra = 0
+    if the_plan.index is not None:
+        extra += atomic.write_file(staging / INDEX_NAME, the_plan.index)
+        faults.point("index_written")
+    source.check_unchanged()
+    files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
+    if the_plan.index is not None:
+        files.append(digest_file(staging / INDEX_NAME, run.hash_name))
+    rec = record.build(
+        fmt=the_plan.fmt,
+        architecture=source.model.architecture,
+        layout=the_plan.layout,
+        tensors=source.model.tensors,
+        padded_shapes=dict(the_plan.layout.padded_shapes) if the_plan.layout else {},
+        shard_files=the_plan.shard_files,
+        source=identity(source, run.src, run.kind),
+        hash_name=run.hash_name,
+        files=files,
+        carried=carried,
+    )
+    shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
+    record.write(staging, rec)
+    faults.point("record_written")
+    atomic.commit(staging, run.dst, replace=run.force)
+    run.staging = None
+    return extra
 
 
 def default_workers() -> int:
@@ -288,14 +320,6 @@ def default_workers() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores))
-
-
-# ---- pieces --------------------------------------------------------------------------------
-
-
-def _need(source: Source, the_plan: Plan) -> int:
-    carried = sum(os.path.getsize(source.root / p) for p in source.carried)
-    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"")
 
 
 def _write_data(
@@ -341,106 +365,29 @@ def _write_data(
     ).run(files)
 
 
-def _carry(source: Source, staging: Path) -> list[str]:
-    """config.json, tokenizer and generation files, byte for byte (fsynced)."""
-    names: list[str] = []
-    for rel in source.carried:
-        if rel.name == record.RECORD_NAME:
-            continue
-        with open(source.root / rel, "rb") as f:
-            atomic.write_file(staging / rel.name, f.read())
-        names.append(rel.name)
-    return names
-
-
-def _digest_file(path: Path, hash_name: str) -> record.FileDigest:
-    from shardctl.io.checksum import new_hash
-
-    h = new_hash(hash_name)
-    data = path.read_bytes()
-    h.update(data)
-    return record.FileDigest(path.name, len(data), h.hexdigest())
-
-
-def _with_carried(source: Source, root: Path) -> Source:
-    """A converted pickle input carries the original root's files (absolute paths)."""
-    from dataclasses import replace
-
-    from shardctl.checkpoint.hf import PICKLE_SUFFIXES
-
-    carried = tuple(
-        root / n
-        for n in sorted(os.listdir(root))
-        if (root / n).is_file()
-        and not n.startswith(".")
-        and not n.endswith(PICKLE_SUFFIXES)
-        and not n.endswith(".index.json")
-    )
-    return replace(source, carried=carried)
-
-
-def _identity(source: Source, src: Path, kind: str) -> dict[str, Any]:
-    ident = source.identity()
-    if kind == "pickle":
-        ident["kind"] = "pickle"
-        ident["path"] = str(Path(os.path.abspath(src)))
-        ident["files"] = []
-    return ident
-
-
-def _result(
-    dst: Path,
-    the_plan: Plan,
-    source: Source,
-    kind: str,
-    digests: dict[str, str],
-    hash_name: str,
-    t0: float,
-    workers: int,
-    extra: int,
-    reused: dict[str, str] | None = None,
-) -> ReshardResult:
+def _result(run: _Run, digests: dict[str, str], t0: float, extra: int) -> ReshardResult:
+    the_plan, source = run.the_plan, run.source
+    assert the_plan is not None and source is not None
     files = tuple(
         record.FileDigest(f.name, f.size, digests.get(f.name, "")) for f in the_plan.files
     )
     tensor_bytes = sum(t.nbytes for f in the_plan.files for t in f.tensors)
     return ReshardResult(
-        dst=dst,
+        dst=run.dst,
         format=the_plan.fmt,
         mesh=the_plan.layout.mesh if the_plan.layout else None,
-        source_kind=kind,
+        source_kind=run.kind,
         files=files,
         tensor_bytes=tensor_bytes,
         total_bytes=the_plan.data_bytes + extra,
         seconds=time.monotonic() - t0,
-        hash=hash_name,
+        hash=run.hash_name,
         carried=tuple(p.name for p in source.carried),
-        workers=workers,
-        resumed=tuple(sorted(reused or {})),
+        workers=run.workers,
+        resumed=tuple(sorted(run.reused)),
+        src=run.src,
+        peak_rss_bytes=peak_rss_bytes(),
     )
-
-
-@contextmanager
-def _signals() -> Iterator[None]:
-    """SIGINT/SIGTERM raise Interrupted in the main thread (cleanup runs); SIGXFSZ -> EFBIG."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    old = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM, signal.SIGXFSZ)}
-
-    def handler(signum: int, frame: Any) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # no second interrupt during cleanup
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        raise Interrupted(signum)
-
-    signal.signal(signal.SIGINT, handler)
-    signal.signal(signal.SIGTERM, handler)
-    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # exceeding RLIMIT_FSIZE: EFBIG, not death
-    try:
-        yield
-    finally:
-        for s, h in old.items():
-            signal.signal(s, h)
 
 
 def _distributed() -> Any:
@@ -452,4 +399,4 @@ def _distributed() -> Any:
     return Group()
 
 
-__all__ = ["DEFAULT_MAX_SHARD_SIZE", "Plan", "ReshardResult", "ShardctlError", "plan", "reshard"]
+__all__ = ["DEFAULT_MAX_SHARD_SIZE", "Plan", "ReshardResult", "plan", "reshard"]

@@ -1,6 +1,6 @@
 """Pickle inputs (``.bin`` / ``.pt``), only with ``allow_pickle``, only ``weights_only=True``.
 
-RELIABILITY group C: without the opt-in the checkpoint reader refuses them (exit 3, torch is not
+Reliability group C: without the opt-in the checkpoint reader refuses them (exit 3, torch is not
 even imported). With it, each file goes through ``torch.load(weights_only=True)`` — never a
 retry without it — on torch >= 2.6 only (CVE-2025-32434), and is rewritten as safetensors in a
 private directory that the reshard then reads like any HF checkpoint. torch DCP directories

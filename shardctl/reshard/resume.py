@@ -14,7 +14,7 @@ same checksum algorithm — its finished files are kept and only the rest is wri
 
 A journaled file is reused only if its size matches and it hashes to its journaled digest again
 (one read, no write); everything else in the directory (a half-written file, carried files) is
-removed and rewritten. Any other stale staging directory is removed as before (RELIABILITY E3).
+removed and rewritten. Any other stale staging directory is removed as before (reliability case E3).
 Input checksums are still checked in full: inputs the reused files came from are hashed on the
 side. Under ``torchrun`` a restart is always clean (the workers' shares may differ).
 """
@@ -35,7 +35,7 @@ from shardctl.io import atomic
 
 if TYPE_CHECKING:
     from shardctl.checkpoint.source import Source
-    from shardctl.reshard.api import Plan
+    from shardctl.reshard.target import Plan
 
 IDENT = ".shardctl-run.json"
 JOURNAL = ".shardctl-journal"

@@ -1,18 +1,17 @@
 """Checks made before any write: output location, overlap with the input, free space.
 
-RELIABILITY B7–B9 and E4 (preflight): DST equal to SRC, inside it, containing it, a symlink to
+Reliability cases B7–B9 and E4 (preflight): DST equal to SRC, inside it, containing it, a symlink to
 it, or a hard link to an input file → exit 4; DST existing without ``force`` → exit 4; DST's
 parent missing → exit 5; not enough free space → exit 5 ``need X GiB, Y available``.
 """
 
 from __future__ import annotations
 
-import errno
 import os
 from collections.abc import Iterable
 from pathlib import Path
 
-from shardctl.errors import EnvironmentFailure, OutputConflictError
+from shardctl.errors import EnvironmentFailure, OutputConflictError, os_error_text
 
 _GIB = 2**30
 
@@ -75,18 +74,6 @@ def _size(n: int) -> str:
     return f"{n / _GIB:.2f} GiB" if n >= _GIB else f"{n / 2**20:.1f} MiB"
 
 
-_MESSAGES = {
-    errno.ENOSPC: "no space left on device",
-    errno.EDQUOT: "disk quota exceeded",
-    errno.EROFS: "read-only file system",
-    errno.EACCES: "permission denied",
-    errno.EPERM: "operation not permitted",
-    errno.EFBIG: "file too large for this file system or ulimit",
-    errno.EIO: "I/O error",
-}
-
-
 def os_failure(exc: OSError, where: Path | str | None = None) -> EnvironmentFailure:
     """An OSError as one line (exit 5)."""
-    what = _MESSAGES.get(exc.errno or 0, exc.strerror or str(exc))
-    return EnvironmentFailure(what, where=str(exc.filename or where or "") or None)
+    return EnvironmentFailure(os_error_text(exc), where=str(exc.filename or where or "") or None)

@@ -5,7 +5,7 @@
     forward    the sharded checkpoint runs as a sharded model (torch.distributed) and its logits
                match SRC's unsharded model within the dtype's own noise
 
-Outcomes (DESIGN.md exit codes): ``VerifyResult.ok`` true → 0; false → 1 (not equivalent,
+Outcomes (README "Exit codes"): ``VerifyResult.ok`` true → 0; false → 1 (not equivalent,
 naming the level, tensor, rank, file); :class:`InvalidInputError` → 3 (SRC/DST unreadable, a
 malformed record); :class:`EnvironmentFailure` → 5 (could not verify: backend unavailable,
 no CUDA for ``--device cuda``, a rank died).

@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import re
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -105,6 +107,23 @@ def run_sharded(
     return run_processes(jobs, backend=env["backend"])
 
 
+@contextmanager
+def quiet_transformers() -> Iterator[None]:
+    """No transformers progress bar ("Loading weights") in verify's output; restored after.
+
+    Uses transformers' own switch (``transformers.utils.logging``), which its tqdm bars obey.
+    """
+    from transformers.utils import logging as hf_logging
+
+    was_enabled = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            hf_logging.enable_progress_bar()
+
+
 @dataclass
 class Reference:
     """SRC's unsharded model on the job's input: its logits in the checkpoint dtype and in
@@ -125,7 +144,7 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
 
     from shardctl.verify.reference import hf_reference
 
-    with hf_reference(src, figures) as path:
+    with hf_reference(src, figures) as path, quiet_transformers():
         try:
             model = AutoModelForCausalLM.from_pretrained(
                 path, dtype="auto", **implementations(job.config)

@@ -19,6 +19,12 @@ Two ways in, both reading ``RANK`` / ``WORLD_SIZE`` / ``MASTER_ADDR`` / ``MASTER
    sharded) and writes the report (schema ``shardctl.verify/1``). Exit: 0 equivalent, 1 not,
    3 invalid, 5 could not verify — on rank 0; other ranks exit 0 unless their run broke.
    Errors are one line on stderr, as for the CLI.
+
+Why a module of its own rather than a ``shardctl`` subcommand: torchrun starts the same
+``python -m MODULE ARGS`` on every rank of every node, and ``shardctl verify`` spawns its local
+ranks the same way; both need an entry that reads torchrun's environment, joins the process
+group and runs rank jobs, which is not a user command (``--serve`` speaks a private protocol
+with the parent) and must not carry the CLI's option surface.
 """
 
 from __future__ import annotations
@@ -106,6 +112,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--report")
     args = p.parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # a rank prints nothing of its own: no third-party bars
     if args.serve:
         return _serve()
     if not (args.src and args.dst):

@@ -1,0 +1,66 @@
+"""What a reshard writes, decided before writing: format, layout, every file and its header.
+
+``plan(source, mesh=Mesh(tp=4))`` builds the target layout with the one layout engine and lays
+its shards into output files (``checkpoint.plan_files``); nothing is written.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from shardctl.checkpoint import plan_files
+from shardctl.checkpoint.source import Source
+from shardctl.errors import UsageError
+from shardctl.layout.engine import build_layout
+from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
+
+DEFAULT_MAX_SHARD_SIZE = 5 * 10**9
+
+
+@dataclass(frozen=True)
+class Plan:
+    """Everything decided before writing: format, layout, files and their headers."""
+
+    fmt: str
+    layout: Layout | None
+    files: tuple[plan_files.OutputFile, ...]
+    shard_files: dict[tuple[int, str], str]
+    index: bytes | None
+
+    @property
+    def data_bytes(self) -> int:
+        return sum(f.size for f in self.files)
+
+
+def plan(
+    source: Source,
+    *,
+    mesh: Mesh | None,
+    rules: Sequence[RuleSpec] = (),
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen
+    fmt: str | None = None,
+    max_shard_size: int = DEFAULT_MAX_SHARD_SIZE,
+) -> Plan:
+    """The target layout and every output file's header; writes nothing."""
+    if fmt is None:
+        fmt = "ranks" if mesh is not None and mesh.model_parallel > 1 else "hf"
+    if fmt not in ("ranks", "hf"):
+        raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
+    if max_shard_size <= 0:
+        raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
+    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    if fmt == "hf":
+        if mesh is not None and mesh.model_parallel > 1:
+            raise UsageError(f"format hf holds whole tensors; mesh {mesh} needs format ranks")
+        files, index = plan_files.hf_files(source.model.tensors, max_shard_size)
+        return Plan("hf", None, tuple(files), {}, index)
+    layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
+    rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
+    return Plan("ranks", layout, tuple(rfiles), where, None)
+
+
+def space_needed(source: Source, the_plan: Plan) -> int:
+    carried = sum(os.path.getsize(source.root / p) for p in source.carried)
+    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"")
