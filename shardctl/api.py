@@ -64,24 +64,24 @@ def _manifest(manifest: ManifestLike) -> Manifest:
 
 
 def plan(
-    manifest: ManifestLike, *, mesh: MeshLike | None = None, weights_only: bool = False
+    manifest: ManifestLike, *, mesh: MeshLike | None = None, only_weights: bool = False
 ) -> PlanResult:
     """Per-rank memory of the manifest's layout; never imports torch.
 
     ``manifest``: a YAML path or a loaded :class:`shardctl.manifest.Manifest`. ``mesh``: a
     :class:`Mesh` replaces the manifest's mesh; a mapping (``{"tp": 4}``) overrides those axes.
-    ``weights_only``: no KV cache, no activations, on purpose (the result says so).
+    ``only_weights``: no KV cache, no activations, on purpose (the result says so).
     The result's ``fits`` is the verdict the CLI's exit code uses (False -> exit 1).
     """
     from shardctl.plan.api import plan_manifest
 
     return plan_manifest(
-        _manifest(manifest), mesh_overrides=_overrides(mesh), weights_only=weights_only
+        _manifest(manifest), mesh_overrides=_overrides(mesh), only_weights=only_weights
     )
 
 
 def search(
-    manifest: ManifestLike, *, gpus: int | None = None, weights_only: bool = False
+    manifest: ManifestLike, *, gpus: int | None = None, only_weights: bool = False
 ) -> SearchResult:
     """Every layout of ``gpus`` devices (default: the manifest's hardware) that fits, best first.
 
@@ -91,7 +91,7 @@ def search(
 
     if gpus is not None and gpus < 1:
         raise UsageError(f"gpus: expected a whole number >= 1, got {gpus}")
-    return search_manifest(_manifest(manifest), gpus=gpus, weights_only=weights_only)
+    return search_manifest(_manifest(manifest), gpus=gpus, only_weights=only_weights)
 
 
 def reshard(

@@ -68,7 +68,7 @@ def plan(
     report: Annotated[
         Path | None, typer.Option(help="Write the memory picture as SVG or HTML (by extension).")
     ] = None,
-    weights_only: Annotated[
+    only_weights: Annotated[
         bool,
         typer.Option(
             "--weights-only",
@@ -91,7 +91,7 @@ def plan(
     from shardctl.manifest.from_flags import PlanFlags, emit, manifest_from_flags, source_kind
 
     flags = PlanFlags(
-        tp, pp, dp, ep, gpu, nodes, gpus_per_node, batch, seq, dtype, quantization, weights_only
+        tp, pp, dp, ep, gpu, nodes, gpus_per_node, batch, seq, dtype, quantization, only_weights
     )
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
     target: Path | Manifest = source  # a manifest path goes to the API as given
@@ -107,7 +107,7 @@ def plan(
         target, implied = manifest_from_flags(source, flags)
         overrides = {}  # the mesh flags are in the manifest already
     if search:
-        result = run_search(target, gpus=gpus, weights_only=weights_only)
+        result = run_search(target, gpus=gpus, only_weights=only_weights)
         if emit_manifest is not None and implied is not None:
             emit(emit_manifest, implied)  # only once the input planned: exit 3 writes nothing
         if as_json:
@@ -121,7 +121,7 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = make_plan(target, mesh=overrides, weights_only=weights_only)
+    result_plan = make_plan(target, mesh=overrides, only_weights=only_weights)
     if emit_manifest is not None and implied is not None:
         emit(emit_manifest, implied)
     if report is not None:

@@ -35,7 +35,7 @@ class PlanFlags:
     seq: int | None = None
     dtype: str | None = None
     quantization: str | None = None
-    weights_only: bool = False
+    only_weights: bool = False
 
     def model_flags(self) -> list[str]:
         """The flags that only make sense without a manifest (for the usage error)."""
@@ -97,7 +97,7 @@ def manifest_yaml(source: Path, flags: PlanFlags) -> str:
         f"hardware: {_flow(hardware)}",
     ]
     workload = {
-        "mode": "weights-only" if flags.weights_only else None,
+        "mode": "weights-only" if flags.only_weights else None,
         "batch_size": flags.batch,
         "sequence_length": flags.seq,
     }

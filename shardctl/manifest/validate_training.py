@@ -65,7 +65,7 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
             0.9,
         ),
         flash_attention=get(section, "flash_attention", path, read_bool, True),
-        weights_only=mode == "weights-only",
+        only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
         workload,

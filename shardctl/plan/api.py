@@ -184,30 +184,30 @@ def make_plan(
     manifest_path: Path,
     *,
     mesh_overrides: Mapping[str, int] | None = None,
-    weights_only: bool = False,
+    only_weights: bool = False,
 ) -> PlanResult:
     manifest = load_manifest(manifest_path)
-    return plan_manifest(manifest, mesh_overrides=mesh_overrides, weights_only=weights_only)
+    return plan_manifest(manifest, mesh_overrides=mesh_overrides, only_weights=only_weights)
 
 
-def with_weights_only(manifest: Manifest, weights_only: bool) -> Manifest:
-    """``manifest`` with ``workload.mode: weights-only`` when ``weights_only`` (the flag)."""
-    if not weights_only or manifest.workload.weights_only:
+def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
+    """``manifest`` with ``workload.mode: weights-only`` when ``only_weights`` (the flag)."""
+    if not only_weights or manifest.workload.only_weights:
         return manifest
-    return replace(manifest, workload=replace(manifest.workload, weights_only=True))
+    return replace(manifest, workload=replace(manifest.workload, only_weights=True))
 
 
 def plan_manifest(
     manifest: Manifest,
     *,
     mesh_overrides: Mapping[str, int] | None = None,
-    weights_only: bool = False,
+    only_weights: bool = False,
 ) -> PlanResult:
     from shardctl.plan.checks import check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
 
-    manifest = with_weights_only(manifest, weights_only)
+    manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
@@ -255,11 +255,11 @@ def run_search(
     *,
     gpus: int | None,
     mesh_overrides: Mapping[str, int] | None = None,
-    weights_only: bool = False,
+    only_weights: bool = False,
 ) -> SearchResult:
     manifest = load_manifest(manifest_path)
     return search_manifest(
-        manifest, gpus=gpus, mesh_overrides=mesh_overrides, weights_only=weights_only
+        manifest, gpus=gpus, mesh_overrides=mesh_overrides, only_weights=only_weights
     )
 
 
@@ -268,7 +268,7 @@ def search_manifest(
     *,
     gpus: int | None,
     mesh_overrides: Mapping[str, int] | None = None,
-    weights_only: bool = False,
+    only_weights: bool = False,
 ) -> SearchResult:
     """:func:`run_search` of a loaded manifest (``mesh_overrides`` are not searched over)."""
     from shardctl.plan.checks import check_workload
@@ -280,7 +280,7 @@ def search_manifest(
             where="mesh.expert_placement",
             hint="plan the shared layout without --search, or search with separate placement",
         )
-    manifest = with_weights_only(manifest, weights_only)
+    manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     return search_layouts(manifest, model, gpus=gpus)

@@ -25,7 +25,7 @@ from shardctl.plan.memory.spec import TrainingSpec, Workload
 
 def tokens_asked(workload: Workload, training: TrainingSpec | None) -> bool:
     """Whether the workload asks for KV cache or activations (tokens to hold)."""
-    if workload.weights_only:
+    if workload.only_weights:
         return False
     if training is not None:
         return training.sequence_length > 0

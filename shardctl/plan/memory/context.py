@@ -122,7 +122,7 @@ class Context:
         hit = self._cache.get(st.index)
         if hit is not None:
             return hit
-        no_tokens = self.workload.weights_only or (
+        no_tokens = self.workload.only_weights or (
             self.workload.sequence_length == 0
             if self.training is None
             else self.training.sequence_length == 0
