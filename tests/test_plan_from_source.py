@@ -128,3 +128,9 @@ def test_flag_text_is_data_not_yaml(checkpoint: Path) -> None:
     proc = shardctl("plan", str(checkpoint), "--gpu", "h100-sxm}, nodes: 99, x: {")
     assert proc.returncode == 3
     assert "unknown GPU" in proc.stderr
+
+
+def test_manifest_only_modes_with_a_checkpoint_are_usage_errors(checkpoint: Path) -> None:
+    proc = shardctl("plan", str(checkpoint), "--device-map", "map.json")
+    assert proc.returncode == 2
+    assert "--device-map: needs a manifest" in proc.stderr and "--emit-manifest" in proc.stderr

@@ -1,7 +1,8 @@
 """The command line: parse options, make one library call, render the result.
 
 This root only wires the commands; each lives in its own module with its renderer
-(``shardctl.cli.plan``, ``.inspect``, ``.schema``, ``.reshard``, ``.verify``).
+(``shardctl.cli.plan``, ``.inspect``, ``.schema``, ``.reshard``, ``.verify``,
+``.watch``).
 
 Heavy imports (torch, numpy, the reshard and verify engines) happen inside the command that
 needs them, so ``shardctl plan`` starts in a fraction of a second and never imports torch.
@@ -14,7 +15,7 @@ from typing import Annotated
 import typer
 
 from shardctl import __version__
-from shardctl.cli import inspect, plan, reshard, schema, verify
+from shardctl.cli import inspect, plan, reshard, schema, verify, watch
 from shardctl.console import run_cli
 
 app = typer.Typer(
@@ -49,7 +50,14 @@ def _root(
     """Plan, reshard and verify large-language-model checkpoints."""
 
 
-for _command in (plan.plan, inspect.inspect, schema.schema, reshard.reshard, verify.verify):
+for _command in (
+    plan.plan,
+    inspect.inspect,
+    schema.schema,
+    reshard.reshard,
+    verify.verify,
+    watch.watch,
+):
     app.command()(_command)
 
 

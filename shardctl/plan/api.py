@@ -202,7 +202,10 @@ def plan_manifest(
     *,
     mesh_overrides: Mapping[str, int] | None = None,
     only_weights: bool = False,
+    check_hardware: bool = True,
 ) -> PlanResult:
+    """The plan of ``manifest``'s layout. ``check_hardware=False`` prices a mesh that is not a
+    cluster layout (the device map's one stage per layer) without the GPU-count check."""
     from shardctl.plan.checks import check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
@@ -217,14 +220,14 @@ def plan_manifest(
 
         sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
         full, mesh = mesh, sh.attention_mesh(mesh)
-        warnings = check_mesh(mesh, manifest.hardware)
+        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
         stages, by_dp = sh.shared_ep_weights(
             model, full, rules=manifest.rules, options=manifest.layout
         )
         weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
         shared_ep = full.ep
     else:
-        warnings = check_mesh(mesh, manifest.hardware)
+        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
         stages, weights = weights_per_coord(
             model, mesh, rules=manifest.rules, options=manifest.layout
         )

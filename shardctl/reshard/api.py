@@ -29,6 +29,7 @@ from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import Interrupted, UsageError
+from shardctl.gcpause import gc_paused
 from shardctl.io import atomic, faults
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
@@ -76,6 +77,7 @@ class _Run:
         return self.dist is None or self.dist.rank == 0
 
 
+@gc_paused
 def reshard(
     src: Path,
     dst: Path,
