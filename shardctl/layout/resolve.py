@@ -77,9 +77,13 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     names = [t.fqn for t in model.tensors]
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
+    unplaced: list[str] = []
     for info in model.tensors:
         layer = layer_index(info.fqn)
-        match = matcher.match(info.fqn, need_stage=layer is None)
+        match = matcher.find(info.fqn, need_stage=layer is None)
+        if match is None:
+            unplaced.append(info.fqn)  # all of them in one error, after the loop
+            continue
         cr = match.rule
         assert cr.placement is not None
         resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
@@ -95,6 +99,8 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         out.append(
             TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
         )
+    if unplaced:
+        raise matcher.unplaced(unplaced)
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]
     num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)

@@ -38,11 +38,11 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
     problems.keys(section, "workload")
     get, path = problems.get, "workload"
     mode = get(section, "mode", path, enum(m.MODES), default_mode)
-    if training and mode == "inference":
+    if training and mode in ("inference", "weights-only"):
         problems.add(
             Invalid(
                 "workload.mode",
-                "is inference but a training: section is given",
+                f"is {mode} but a training: section is given",
                 section.entries["mode"].line,
                 "set mode: training, or remove the training section",
             )
@@ -65,6 +65,7 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
             0.9,
         ),
         flash_attention=get(section, "flash_attention", path, read_bool, True),
+        only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
         workload,
