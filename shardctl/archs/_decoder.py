@@ -32,6 +32,7 @@ from shardctl.archs._family import (
     get_int,
     local_div,
 )
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -213,10 +214,13 @@ def decoder_family(
     rules: tuple[RuleSpec, ...] = RULES,
     forward: ForwardSpec | None = None,
     follows: str = LLAMA_FOLLOWS,
+    shape_keys: tuple[str, ...] = DECODER_SHAPES,
+    config_keys: tuple[str, ...] = DECODER_OTHER,
 ) -> Family:
     """A Llama-like family. ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: ``None`` follows the
     config's ``attention_bias`` / ``mlp_bias``; a bool fixes it. ``layer`` replaces the whole
-    per-layer tensor list (Mixtral's experts, Phi-3's fused projections)."""
+    per-layer tensor list (Mixtral's experts, Phi-3's fused projections). ``shape_keys`` /
+    ``config_keys``: the manifest's inline ``model:`` keys (see :mod:`shardctl.archs._keys`)."""
 
     def dims(config: Config, tied: bool, where: str) -> ModelDims:
         return decoder_dims(config, tied, where, experts_key=experts_key)
@@ -258,4 +262,6 @@ def decoder_family(
         memory=memory,
         forward=forward or decoder_forward(),
         follows=follows,
+        shape_keys=shape_keys,
+        config_keys=config_keys,
     )

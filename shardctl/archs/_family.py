@@ -98,6 +98,10 @@ class Family:
     memory: Callable[[Config], MemoryFlags]
     forward: ForwardSpec | None
     conv1d: bool = False  # linear weights stored [in, out]: colwise/rowwise dims swap
+    # A manifest's inline ``model:`` keys (shardctl/manifest/model_keys.py): the ones the
+    # inventory reads, and the ones accepted and ignored (no tensor shape depends on them).
+    shape_keys: tuple[str, ...] = ()
+    config_keys: tuple[str, ...] = ()
     follows: str = ""  # the engine code whose placement the rules follow
 
 

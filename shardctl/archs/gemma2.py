@@ -7,10 +7,22 @@ config slices ``layer_types`` to the rank's stage). Placement follows vLLM ``gem
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 
 FAMILY = decoder_family(
     "gemma2",
     tied_default=True,
     extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     follows="vLLM gemma2.py",
+    shape_keys=(*DECODER_SHAPES, "attention_bias"),
+    config_keys=(
+        *DECODER_OTHER,
+        *SLIDING,
+        "hidden_activation",
+        "use_bidirectional_attention",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "sliding_window_pattern",
+    ),
 )

@@ -28,6 +28,7 @@ from shardctl.archs._family import (
     get_int,
     local_div,
 )
+from shardctl.archs._keys import COMMON
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -145,4 +146,32 @@ FAMILY = Family(
     ),
     conv1d=True,
     follows="vLLM gpt2.py / Megatron-LM GPT",
+    shape_keys=(
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+        "n_positions",
+        "vocab_size",
+        "tie_word_embeddings",
+    ),
+    config_keys=(
+        *COMMON,
+        "n_ctx",  # older configs' copy of n_positions; shapes use n_positions
+        "activation_function",
+        "add_cross_attention",
+        "attn_pdrop",
+        "embd_pdrop",
+        "resid_pdrop",
+        "layer_norm_epsilon",
+        "reorder_and_upcast_attn",
+        "scale_attn_by_inverse_layer_idx",
+        "scale_attn_weights",
+        "summary_activation",
+        "summary_first_dropout",
+        "summary_proj_to_labels",
+        "summary_type",
+        "summary_use_proj",
+        "task_specific_params",
+    ),
 )

@@ -9,5 +9,18 @@ and ``logits_scaling`` act on activations, so they survive tensor parallelism un
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 
-FAMILY = decoder_family("granite", mlp_bias=None, follows="vLLM granite.py")
+FAMILY = decoder_family(
+    "granite",
+    mlp_bias=None,
+    follows="vLLM granite.py",
+    shape_keys=(*DECODER_SHAPES, "attention_bias", "mlp_bias"),
+    config_keys=(
+        *DECODER_OTHER,
+        "embedding_multiplier",
+        "residual_multiplier",
+        "attention_multiplier",
+        "logits_scaling",
+    ),
+)

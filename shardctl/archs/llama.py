@@ -6,5 +6,11 @@ Placement follows vLLM ``llama.py`` (``LlamaForCausalLM``) and Megatron-Core ``G
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 
-FAMILY = decoder_family("llama", mlp_bias=None)
+FAMILY = decoder_family(
+    "llama",
+    mlp_bias=None,
+    shape_keys=(*DECODER_SHAPES, "attention_bias", "mlp_bias"),
+    config_keys=(*DECODER_OTHER, "pretraining_tp"),
+)

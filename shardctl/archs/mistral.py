@@ -6,5 +6,6 @@ Placement follows vLLM ``llama.py`` (Mistral is served by ``LlamaForCausalLM``) 
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
-FAMILY = decoder_family("mistral")
+FAMILY = decoder_family("mistral", config_keys=(*DECODER_OTHER, *SLIDING))

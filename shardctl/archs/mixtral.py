@@ -27,6 +27,7 @@ from shardctl.archs._decoder import (
     norms,
 )
 from shardctl.archs._family import Config, ExpertSpec, Shapes
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -92,4 +93,12 @@ FAMILY = decoder_family(
         row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=_localize
     ),
     follows="vLLM mixtral.py / Megatron-Core MoE",
+    shape_keys=(*DECODER_SHAPES, "num_local_experts", "num_experts_per_tok"),
+    config_keys=(
+        *DECODER_OTHER,
+        *SLIDING,
+        "output_router_logits",
+        "router_aux_loss_coef",
+        "router_jitter_noise",
+    ),
 )

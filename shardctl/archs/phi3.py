@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from shardctl.archs._decoder import END_RULES, LAYER_NORMS, NORM_RULES, decoder_family, norms
 from shardctl.archs._family import Config, Shapes
+from shardctl.archs._keys import DECODER_OTHER, SLIDING
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -42,5 +43,17 @@ def _layer(p: str, d: ModelDims, config: Config, where: str) -> Shapes:
 
 
 FAMILY = decoder_family(
-    "phi3", qkv_bias=False, o_bias=False, layer=_layer, rules=RULES, follows="vLLM phi3.py"
+    "phi3",
+    qkv_bias=False,
+    o_bias=False,
+    layer=_layer,
+    rules=RULES,
+    follows="vLLM phi3.py",
+    config_keys=(
+        *DECODER_OTHER,
+        *SLIDING,
+        "embd_pdrop",
+        "resid_pdrop",
+        "original_max_position_embeddings",
+    ),
 )

@@ -6,5 +6,12 @@ Placement follows vLLM ``qwen2.py`` (``Qwen2ForCausalLM``: biases split with the
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
-FAMILY = decoder_family("qwen2", qkv_bias=True, o_bias=False, follows="vLLM qwen2.py")
+FAMILY = decoder_family(
+    "qwen2",
+    qkv_bias=True,
+    o_bias=False,
+    follows="vLLM qwen2.py",
+    config_keys=(*DECODER_OTHER, *SLIDING),
+)

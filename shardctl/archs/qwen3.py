@@ -7,5 +7,12 @@ vLLM ``qwen3.py`` (``Qwen3ForCausalLM``).
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 
-FAMILY = decoder_family("qwen3", qk_norm=True, follows="vLLM qwen3.py")
+FAMILY = decoder_family(
+    "qwen3",
+    qk_norm=True,
+    follows="vLLM qwen3.py",
+    shape_keys=(*DECODER_SHAPES, "attention_bias"),
+    config_keys=(*DECODER_OTHER, *SLIDING),
+)
