@@ -45,6 +45,7 @@ from shardctl.plan.memory.training import OPTIMIZERS as _OPTIMIZER_TABLE
 # that gives it meaning lives; the manifest only names them.
 PIPELINE_CONVENTIONS = CONVENTIONS
 MODES = ("inference", "training")
+ENGINES = ("generic", "vllm")  # the memory profiles (shardctl.plan.memory.vllm.ENGINES)
 OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
 RULE_HEADS = HEADS

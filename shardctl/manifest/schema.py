@@ -225,6 +225,19 @@ def _sections() -> dict[str, Any]:
                     "description": "Fraction of memory usable (default 0.9).",
                 },
                 "flash_attention": _bool("Flash attention (default true)."),
+                "engine": _enum(
+                    m.ENGINES,
+                    "Memory profile: generic (default) or vllm (vLLM's start-up accounting; "
+                    "sequence_length is then max_model_len).",
+                ),
+                "max_num_seqs": _int("vLLM max_num_seqs: sequences in the profile (256)."),
+                "max_num_batched_tokens": _int(
+                    "vLLM max_num_batched_tokens of the profile run "
+                    "(default max(sequence_length, 2048))."
+                ),
+                "block_size": _int("vLLM KV block size in tokens (default 16)."),
+                "non_torch_memory": _size("vLLM non-torch memory per rank (default: measured)."),
+                "cuda_graph_memory": _size("CUDA graph memory charged before the KV cache (0)."),
                 "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
                 "gradient_accumulation_steps": _int("Default 1."),
             },

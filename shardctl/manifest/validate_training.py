@@ -65,6 +65,12 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
             0.9,
         ),
         flash_attention=get(section, "flash_attention", path, read_bool, True),
+        engine=get(section, "engine", path, enum(m.ENGINES), "generic"),
+        max_num_seqs=get(section, "max_num_seqs", path, read_positive, 256),
+        block_size=get(section, "block_size", path, read_positive, 16),
+        profile_tokens=get(section, "max_num_batched_tokens", path, read_positive, None),
+        non_torch_memory=get(section, "non_torch_memory", path, read_size, None),
+        cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, 0),
     )
     return WorkloadKeys(
         workload,
