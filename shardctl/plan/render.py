@@ -105,6 +105,15 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
         f"{verdict}: largest rank {worst.rank} needs {fmt_in(worst.total, unit)} of the "
         f"budget {of}: {worst.total / budget:.1%}, headroom {fmt_in(budget - worst.total, unit)}"
     )
+    kv = result.memory.kv
+    if kv is not None and kv.capacity is not None and kv.sequence_length:
+        c = kv.capacity
+        # vLLM's own units: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency".
+        console.print(
+            f"KV cache per rank: {fmt_in(c.kv_bytes, unit)} = {c.blocks:,} blocks of "
+            f"{c.block_size} tokens = {c.tokens:,} tokens; max concurrency at "
+            f"{kv.sequence_length:,} tokens: {c.max_concurrency:.2f}x"
+        )
 
 
 def render_search(result: Any, *, top: int, console: Console | None = None) -> None:
