@@ -14,12 +14,15 @@ import traceback
 from collections.abc import Callable
 from types import FrameType
 
+import typer
+
 from shardctl.errors import (
     EXIT_ENVIRONMENT,
     EXIT_INTERNAL,
     EXIT_INVALID_INPUT,
     EXIT_SIGINT,
     EXIT_SIGTERM,
+    EXIT_USAGE,
     Interrupted,
     ShardctlError,
     os_error_text,
@@ -64,21 +67,68 @@ def exit_code_for(exc: BaseException) -> tuple[int, str]:
     )
 
 
+def usage_line(exc: typer.TyperException) -> tuple[int, str]:
+    """typer's usage exception (raised with ``standalone_mode=False``) as one line.
+
+    typer would print a multi-line box; the README promises one line on stderr, e.g.
+    ``reshard: No such option: --tpp (Possible options: --ep, --pp, --tp); see 'shardctl
+    reshard --help'``. Only typer's public surface: ``TyperException`` and its attributes."""
+    if isinstance(exc, typer.Abort):
+        return EXIT_SIGINT, "aborted"
+    code = getattr(exc, "exit_code", EXIT_USAGE)
+    code = code if isinstance(code, int) else EXIT_USAGE
+    try:
+        message = exc.format_message()
+    except Exception:
+        message = str(exc)
+    ctx = getattr(exc, "ctx", None)
+    path = getattr(ctx, "command_path", None) or "shardctl"
+    where = path.split(" ", 1)[1] + ": " if " " in path else ""
+    text = " ".join(f"{where}{message}".split()).rstrip(".")
+    return code, f"{text}; see '{path} --help'" if message else ""
+
+
+def safe_streams() -> None:
+    """Never crash on output encoding (``PYTHONIOENCODING=ascii`` and a non-ASCII name):
+    unencodable characters are replaced instead (``?``)."""
+    for stream in (sys.stdout, sys.stderr):
+        reconfigure = getattr(stream, "reconfigure", None)
+        if reconfigure is not None:
+            try:
+                reconfigure(errors="replace")
+            except (ValueError, OSError):
+                pass
+
+
 def run_cli(fn: Callable[[], object]) -> None:
-    """Run ``fn`` (the typer app) and exit with the documented code; never a bare traceback."""
+    """Run ``fn`` (the typer app, called with ``standalone_mode=False``) and exit with the
+    documented code; never a bare traceback, never a multi-line usage box."""
+    safe_streams()
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:
-        fn()
+        rc = fn()
     except SystemExit:
         raise
+    except typer.TyperException as exc:  # usage errors: bad option, missing argument, ...
+        code, line = usage_line(exc)
+        if line:
+            _say(line)
+        sys.exit(code)
     except BaseException as exc:
         code, line = exit_code_for(exc)
         if debug_enabled():
             traceback.print_exc()
         _say(line)
         sys.exit(code)
-    sys.exit(0)
+    sys.exit(rc if isinstance(rc, int) and not isinstance(rc, bool) else 0)
 
 
-__all__ = ["EXIT_SIGINT", "EXIT_SIGTERM", "exit_code_for", "run_cli"]
+__all__ = [
+    "EXIT_SIGINT",
+    "EXIT_SIGTERM",
+    "exit_code_for",
+    "run_cli",
+    "safe_streams",
+    "usage_line",
+]

@@ -164,7 +164,7 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
     if weight_map is not None:
         weight_names = sorted(set(weight_map.values()))
     else:
-        weight_names = _unindexed_weights(root, safetensors, pickles)
+        weight_names = _unindexed_weights(root, safetensors, pickles, guard)
 
     # Every path is checked before any weight file is opened (B1–B3, B6).
     for name in weight_names:
@@ -223,7 +223,9 @@ def _index_of(
     return root / name, metadata, weight_map
 
 
-def _unindexed_weights(root: Path, safetensors: list[str], pickles: tuple[Path, ...]) -> list[str]:
+def _unindexed_weights(
+    root: Path, safetensors: list[str], pickles: tuple[Path, ...], guard: PathGuard
+) -> list[str]:
     """Without an index: ``model.safetensors``, or the only ``*.safetensors``; else refuse."""
     if SINGLE_NAME in safetensors:
         return [SINGLE_NAME]
@@ -236,6 +238,8 @@ def _unindexed_weights(root: Path, safetensors: list[str], pickles: tuple[Path, 
             hint="add the index, or point at one .safetensors file",
         )
     if pickles:
+        for p in pickles:  # the symlink rule of safetensors inputs, before any opt-in
+            guard.check(str(p))
         raise PickleInputRefused(root, pickles)
     raise InvalidInputError(
         f"no safetensors weights found (expected model.safetensors or {INDEX_NAME} with its "

@@ -23,7 +23,7 @@ from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceShard:
     """A local tensor in an input file: ``local_shape`` bytes at ``begin``, made of ``pieces``."""
 

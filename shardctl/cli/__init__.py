@@ -62,7 +62,9 @@ for _command in (
 
 
 def main() -> None:
-    run_cli(lambda: app(prog_name="shardctl"))
+    # standalone_mode=False: typer raises its usage exception instead of printing a box, and
+    # shardctl.console renders it as one line (exit 2).
+    run_cli(lambda: app(prog_name="shardctl", standalone_mode=False))
 
 
 if __name__ == "__main__":

@@ -11,7 +11,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
 from shardctl.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -26,6 +26,7 @@ def inspect(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print as JSON (schema shardctl.inspect/1).")
     ] = False,
+    max_header_bytes: MaxHeaderBytes = None,
 ) -> None:
     """Show a checkpoint at a glance without reading tensor data.
 
@@ -33,7 +34,8 @@ def inspect(
     """
     from shardctl.api import inspect as run_inspect
 
-    info = run_inspect(path)
+    with header_limit(max_header_bytes):
+        info = run_inspect(path)
     if as_json:
         emit_json(info.to_json())
     else:

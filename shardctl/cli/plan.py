@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MAX_AXIS, MAX_TOP, emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
 
 if TYPE_CHECKING:
@@ -22,10 +22,10 @@ def plan(
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan as JSON (schema shardctl.plan/1).")
     ] = False,
-    tp: Annotated[int | None, typer.Option(help="Override mesh.tp.", min=1)] = None,
-    pp: Annotated[int | None, typer.Option(help="Override mesh.pp.", min=1)] = None,
-    dp: Annotated[int | None, typer.Option(help="Override mesh.dp.", min=1)] = None,
-    ep: Annotated[int | None, typer.Option(help="Override mesh.ep.", min=1)] = None,
+    tp: Annotated[int | None, typer.Option(help="Override mesh.tp.", min=1, max=MAX_AXIS)] = None,
+    pp: Annotated[int | None, typer.Option(help="Override mesh.pp.", min=1, max=MAX_AXIS)] = None,
+    dp: Annotated[int | None, typer.Option(help="Override mesh.dp.", min=1, max=MAX_AXIS)] = None,
+    ep: Annotated[int | None, typer.Option(help="Override mesh.ep.", min=1, max=MAX_AXIS)] = None,
     search: Annotated[
         bool, typer.Option("--search", help="Search every layout that fits the hardware.")
     ] = False,
@@ -36,9 +36,12 @@ def plan(
             "With --device-map: GPUs of the one node (default: hardware.gpus_per_node; 0: CPU "
             "and disk only).",
             min=0,
+            max=MAX_AXIS,
         ),
     ] = None,
-    top: Annotated[int, typer.Option(help="With --search: rows to print.", min=1)] = 10,
+    top: Annotated[
+        int, typer.Option(help="With --search: rows to print.", min=1, max=MAX_TOP)
+    ] = 10,
     report: Annotated[
         Path | None, typer.Option(help="Write the memory picture as SVG or HTML (by extension).")
     ] = None,

@@ -12,7 +12,7 @@ import typer
 from rich.console import Console
 from rich.text import Text
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MAX_AXIS, MAX_WORKERS, MaxHeaderBytes, emit_json, header_limit
 from shardctl.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -21,9 +21,11 @@ if TYPE_CHECKING:
 
 Src = Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
-Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1)]
-Pp = Annotated[int | None, typer.Option(help="Target pipeline-parallel degree.", min=1)]
-Ep = Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1)]
+Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1, max=MAX_AXIS)]
+Pp = Annotated[
+    int | None, typer.Option(help="Target pipeline-parallel degree.", min=1, max=MAX_AXIS)
+]
+Ep = Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1, max=MAX_AXIS)]
 ManifestOpt = Annotated[
     Path | None,
     typer.Option(
@@ -46,9 +48,17 @@ Workers = Annotated[
     typer.Option(
         help="Writer threads (each output file has one); default: usable cores, at most 4.",
         min=1,
+        max=MAX_WORKERS,
     ),
 ]
-Force = Annotated[bool, typer.Option("--force", help="Replace an existing DST atomically.")]
+Force = Annotated[
+    bool,
+    typer.Option(
+        "--force",
+        help="Replace an existing DST atomically: only an empty directory or a previous "
+        "shardctl output (it has shardctl.layout.json); anything else is exit 4.",
+    ),
+]
 AllowPickle = Annotated[
     bool,
     typer.Option(
@@ -73,7 +83,9 @@ NoResume = Annotated[
     bool,
     typer.Option(
         "--no-resume",
-        help="Start clean: do not reuse the finished files of an identical killed run.",
+        help="Start clean: do not reuse the finished files of an identical killed run. "
+        "Resume trusts inputs whose name, size, mtime, inode and ctime are unchanged (their "
+        "bytes are not re-hashed unless their digests are known).",
     ),
 ]
 AsJson = Annotated[bool, typer.Option("--json", help="Print the result as JSON.")]
@@ -97,6 +109,7 @@ def reshard(
     no_resume: NoResume = False,
     as_json: AsJson = False,
     quiet: Quiet = False,
+    max_header_bytes: MaxHeaderBytes = None,
 ) -> None:
     """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
 
@@ -109,7 +122,7 @@ def reshard(
 
     axes = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep}.items() if v is not None}
     show = not quiet and not as_json and sys.stderr.isatty()
-    with _progress(show) as progress:
+    with header_limit(max_header_bytes), _progress(show) as progress:
         result = run_reshard(
             src,
             dst,

@@ -12,7 +12,7 @@ from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
 
-from shardctl.cli._common import emit_json
+from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
 from shardctl.errors import EXIT_NEGATIVE
 from shardctl.verify.result import LevelResult, VerifyResult
 
@@ -33,13 +33,16 @@ def verify(
     launcher: Annotated[
         str, typer.Option(help="local (spawn one process per rank) | torchrun (see README).")
     ] = "local",
-    seed: Annotated[int, typer.Option(help="Seed of the random input ids.")] = 0,
+    seed: Annotated[
+        int, typer.Option(help="Seed of the random input ids.", min=0, max=2**63 - 1)
+    ] = 0,
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the result as JSON (schema shardctl.verify/1).")
     ] = False,
     report: Annotated[
         Path | None, typer.Option(help="Also write the JSON result to this file.")
     ] = None,
+    max_header_bytes: MaxHeaderBytes = None,
     verbose: Annotated[
         bool,
         typer.Option("--verbose", "-v", help="List every tensor (default: counts, failures only)."),
@@ -53,7 +56,8 @@ def verify(
     """
     from shardctl.api import verify as run_verify
 
-    result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
+    with header_limit(max_header_bytes):
+        result = run_verify(src, dst, level=level, device=device, launcher=launcher, seed=seed)
     doc = result.to_json()
     if report is not None:
         report.write_text(json.dumps(doc, indent=2) + "\n", encoding="utf-8")

@@ -66,15 +66,26 @@ def write_file(path: Path, data: bytes, *, exclusive: bool = True) -> int:
     return len(data)
 
 
+def siblings(dst: Path, prefix: str) -> list[Path]:
+    """Entries of DST's parent whose names start with ``prefix``, sorted.
+
+    A literal prefix match on ``os.listdir``: never ``glob``, because DST's name is user data
+    (``m?`` or ``m[0-9]`` would match another output's staging)."""
+    try:
+        names = os.listdir(dst.parent)
+    except OSError:
+        return []
+    return sorted(dst.parent / n for n in names if n.startswith(prefix))
+
+
 def recover(dst: Path, keep: Path | None = None) -> None:
     """Under the lock: remove stale staging of crashed runs (but ``keep``, being resumed);
     restore a set-aside old output."""
-    parent = dst.parent
-    olds = sorted(parent.glob(old_prefix(dst) + "*"))
+    olds = siblings(dst, old_prefix(dst))
     if olds and not os.path.lexists(dst):
         os.rename(olds[-1], dst)  # a crash between the two fallback renames
         olds = olds[:-1]
-    for stale in [*parent.glob(staging_prefix(dst) + "*"), *olds]:
+    for stale in [*siblings(dst, staging_prefix(dst)), *olds]:
         if stale != keep:
             _remove(stale)
 

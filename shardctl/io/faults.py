@@ -30,6 +30,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from shardctl.errors import InvalidInputError
+
 POINTS: tuple[str, ...] = (
     "staging_created",
     "shard_started",
@@ -50,25 +52,37 @@ class FaultSpec:
     arg: str = ""
 
 
+class FaultSpecError(InvalidInputError, ValueError):
+    """A malformed ``SHARDCTL_FAULT``: input the tool cannot accept (exit 3), not a bug."""
+
+
 def parse(text: str) -> list[FaultSpec]:
-    """``"shard_written:2:raise:EIO,before_rename:kill"`` -> specs (ValueError if malformed)."""
+    """``"shard_written:2:raise:EIO,before_rename:kill"`` -> specs (FaultSpecError, a ValueError
+    and an exit-3 InvalidInputError, if malformed)."""
     specs: list[FaultSpec] = []
     for item in filter(None, (s.strip() for s in text.split(","))):
         parts = item.split(":")
         point = parts.pop(0)
         if point not in POINTS:
-            raise ValueError(f"SHARDCTL_FAULT: unknown point {point!r}; known: {', '.join(POINTS)}")
+            raise FaultSpecError(
+                f"SHARDCTL_FAULT: unknown point {point!r}; known: {', '.join(POINTS)}"
+            )
         nth = 1
-        if parts and parts[0].isdigit():
+        if parts and parts[0].isascii() and parts[0].isdigit():
             nth = int(parts.pop(0))
         if not parts or parts[0] not in ("raise", "kill", "sleep", "hook"):
-            raise ValueError(f"SHARDCTL_FAULT: bad action in {item!r}")
+            raise FaultSpecError(f"SHARDCTL_FAULT: bad action in {item!r}")
         action = parts.pop(0)
         arg = ":".join(parts)
-        if action == "raise" and not hasattr(errno, arg):
-            raise ValueError(f"SHARDCTL_FAULT: unknown errno {arg!r} in {item!r}")
+        if action == "raise" and arg not in errno.errorcode.values():
+            raise FaultSpecError(f"SHARDCTL_FAULT: unknown errno {arg!r} in {item!r}")
         if action == "sleep":
-            float(arg)
+            try:
+                seconds = float(arg)
+            except ValueError:
+                seconds = -1.0
+            if not 0 <= seconds <= 3600:
+                raise FaultSpecError(f"SHARDCTL_FAULT: sleep needs 0..3600 seconds in {item!r}")
         specs.append(FaultSpec(point, nth, action, arg))
     return specs
 

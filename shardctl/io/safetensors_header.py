@@ -39,7 +39,8 @@ import json
 import math
 import os
 import stat
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -48,7 +49,37 @@ from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 2**20
+# The largest limit ``--max-header-bytes`` may set: a legal 72 MB header already costs ~18 s and
+# ~1 GiB to open; above 1 GiB nothing legitimate is left.
+MAX_HEADER_LIMIT = 2**30
+_limit = [DEFAULT_MAX_HEADER_BYTES]
+
+
+@contextmanager
+def header_limit(max_header_bytes: int | None) -> Iterator[None]:
+    """``--max-header-bytes``: raise the header cap for every read in this block (one CLI call).
+
+    A process-wide setting rather than a parameter threaded through every reader: the cap
+    guards every header shardctl opens (inputs, outputs, verify's), and the CLI sets it once."""
+    if max_header_bytes is None:
+        yield
+        return
+    if not 8 <= max_header_bytes <= MAX_HEADER_LIMIT:
+        from shardctl.errors import UsageError
+
+        raise UsageError(
+            f"--max-header-bytes: {max_header_bytes} is out of range [8, {MAX_HEADER_LIMIT}]"
+        )
+    old = _limit[0]
+    _limit[0] = max_header_bytes
+    try:
+        yield
+    finally:
+        _limit[0] = old
+
+
 METADATA_KEY = "__metadata__"
+MAX_DIMS = 64  # torch refuses tensors of more dimensions
 
 
 @dataclass(frozen=True)
@@ -100,10 +131,12 @@ def _refuse_constant(name: str) -> Any:
     raise _Refused(f"non-finite number {name}")
 
 
-def read_header(
-    path: Path, *, max_header_bytes: int = DEFAULT_MAX_HEADER_BYTES
-) -> SafetensorsHeader:
-    """Read and validate the header of the safetensors file at ``path``; reads no tensor data."""
+def read_header(path: Path, *, max_header_bytes: int | None = None) -> SafetensorsHeader:
+    """Read and validate the header of the safetensors file at ``path``; reads no tensor data.
+
+    ``max_header_bytes``: default the current limit (16 MiB, or ``--max-header-bytes``)."""
+    if max_header_bytes is None or max_header_bytes == DEFAULT_MAX_HEADER_BYTES:
+        max_header_bytes = _limit[0]
     path = Path(path)
     where = str(path)
     try:
@@ -134,7 +167,7 @@ def read_header(
                 f"header exceeds shardctl limit ({_mib(max_header_bytes)}): "
                 f"header length field says {header_len} bytes",
                 where=where,
-                hint="use --max-header-bytes if the file is trusted",
+                hint="pass --max-header-bytes N (reshard, verify, inspect) if the file is trusted",
             )
         if 8 + header_len > file_size:
             raise InvalidInputError(
@@ -237,6 +270,13 @@ def _metadata(info: Any, where: str) -> dict[str, str]:
 def _entry(name: str, info: Any, where: str) -> HeaderEntry:
     if name == "":
         raise InvalidInputError("empty tensor name in header", where=where)
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        # JSON "\ud800" decodes to a lone surrogate: no file format or terminal can hold it.
+        raise InvalidInputError(
+            f"tensor name {name!r} is not valid Unicode (a lone surrogate)", where=where
+        ) from None
     at = f"tensor {name!r}"
     if not isinstance(info, _Object):
         raise InvalidInputError(f"{at}: expected an object, got {_json_type(info)}", where=where)
@@ -256,6 +296,11 @@ def _entry(name: str, info: Any, where: str) -> HeaderEntry:
             hint=f"known: {', '.join(DTYPE_BITS)}",
         )
     shape = fields["shape"]
+    if isinstance(shape, list) and len(shape) > MAX_DIMS:
+        raise InvalidInputError(
+            f"{name!r}: {len(shape)} dimensions, above the limit of {MAX_DIMS} (torch's own)",
+            where=where,
+        )
     if not isinstance(shape, list) or not _all_nonneg_ints(shape):
         raise InvalidInputError(
             f"{at}: shape must be a list of non-negative integers, got {_short(shape)}",

@@ -87,7 +87,7 @@ class Placement:
 REPLICATE = Placement(None)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Piece:
     """A rectangular block of the global tensor and where it sits in the rank's local tensor."""
 
@@ -100,7 +100,7 @@ class Piece:
         return math.prod(self.sizes)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class Shard:
     """One rank's piece of one tensor (DCP ``ChunkStorageMetadata`` generalized to fused parts)."""
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 from shardctl.plan.groups import fold, group_ranks
@@ -38,7 +39,7 @@ def render_plan(
     largest = max([r.total for r in result.ranks] + [result.device_memory or 0, 1])
     unit = pick_unit(largest)
     console.print(
-        f"[bold]{model.architecture}[/bold]  {model.parameters:,} parameters  "
+        f"[bold]{escape(model.architecture)}[/bold]  {model.parameters:,} parameters  "
         f"{fmt_in(model.weight_bytes, unit)} ({model.weight_bytes:,} B, {model.dtype})  "
         f"mesh {m} = {m.world} GPUs"
     )

@@ -113,6 +113,7 @@ def render_bars(
     """Stacked bars in the terminal (one per group of identical ranks, or per rank with
     ``all_ranks``), a legend, the load-balance line and warnings; the ``│`` marks the budget."""
     from rich.console import Console
+    from rich.markup import escape
     from rich.text import Text
 
     console = console or Console()
@@ -143,7 +144,7 @@ def render_bars(
     ratio, warnings = stage_balance(items)
     console.print(f"  load balance (max/mean of stage peaks): {ratio:.3f}")
     for w in warnings:
-        console.print(f"  [yellow]warning:[/yellow] {w}")
+        console.print(f"  [yellow]warning:[/yellow] {escape(w)}")
 
 
 def render_search_table(result: Any, *, top: int, console: Any = None) -> None:

@@ -29,6 +29,7 @@ from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import Interrupted, UsageError
+from shardctl.gcpause import gc_paused
 from shardctl.io import atomic, faults
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
@@ -76,6 +77,7 @@ class _Run:
         return self.dist is None or self.dist.rank == 0
 
 
+@gc_paused
 def reshard(
     src: Path,
     dst: Path,
@@ -390,9 +392,23 @@ def _result(run: _Run, digests: dict[str, str], t0: float, extra: int) -> Reshar
     )
 
 
+def world_size() -> int:
+    """``WORLD_SIZE`` as torchrun sets it; anything else (``abc``, ``-1``) is exit 3."""
+    from shardctl.errors import InvalidInputError
+
+    text = os.environ.get("WORLD_SIZE", "1").strip() or "1"
+    if not (text.isascii() and text.isdigit()) or not 1 <= int(text) <= 2**20:
+        raise InvalidInputError(
+            f"WORLD_SIZE={text[:40]!r} is not a world size (an integer 1..{2**20})",
+            where="environment",
+            hint="unset it, or run under torchrun",
+        )
+    return int(text)
+
+
 def _distributed() -> Any:
     """Under torchrun (``WORLD_SIZE`` > 1): a gloo group that splits the output files."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+    if world_size() <= 1:
         return None
     from shardctl.reshard.scaleout import Group
 

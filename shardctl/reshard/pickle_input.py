@@ -26,7 +26,10 @@ def refuse_untrusted_formats(src: Path) -> None:
     """torch DCP (``.metadata`` + ``*.distcp``) and ``.nemo``: pickles we never open (exit 3)."""
     if src.is_file() and src.suffix == ".nemo":
         raise InvalidInputError(".nemo archive refused (it holds pickles)", where=str(src))
-    if src.is_dir() and ((src / ".metadata").exists() or any(src.glob("*.distcp"))):
+    # os.listdir + endswith, never glob: SRC's name is user data (RELIABILITY J3).
+    if src.is_dir() and (
+        (src / ".metadata").exists() or any(n.endswith(".distcp") for n in os.listdir(src))
+    ):
         raise InvalidInputError(
             "torch DCP checkpoint refused: its .metadata is a plain pickle",
             where=str(src),
@@ -56,7 +59,8 @@ def _load(torch: Any, path: Path) -> dict[str, Any]:
         raise InvalidInputError(
             f"weights-only load failed: {first}",
             where=str(path),
-            hint="shardctl never unpickles arbitrary objects; re-save the weights as safetensors",
+            hint="shardctl loads pickles weights-only and never allow-lists globals; save the "
+            "weights as safetensors (safetensors.torch.save_file) where you trust the file",
         ) from None
     if isinstance(obj, dict) and "state_dict" in obj and isinstance(obj["state_dict"], dict):
         obj = obj["state_dict"]
@@ -65,6 +69,16 @@ def _load(torch: Any, path: Path) -> dict[str, Any]:
     bad = [k for k, v in obj.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
     if bad:
         raise InvalidInputError(f"not a tensor state dict: entries {bad[:5]}", where=str(path))
+    for k, v in obj.items():
+        # A meta tensor has no data, a sparse/quantized one no plain strided bytes: refused
+        # (exit 3) rather than crashing in the conversion below.
+        if v.is_meta or v.layout != torch.strided or v.is_quantized or v.is_nested:
+            kind = "meta" if v.is_meta else str(v.layout).replace("torch.", "")
+            raise InvalidInputError(
+                f"tensor {k!r} is a {kind} tensor; only dense strided tensors with data can be "
+                "resharded",
+                where=str(path),
+            )
     for k in obj:
         if k in ("", "__metadata__"):
             raise InvalidInputError(f"reserved or empty tensor name {k!r}", where=str(path))
@@ -72,15 +86,24 @@ def _load(torch: Any, path: Path) -> dict[str, Any]:
 
 
 def _reason(exc: BaseException) -> str:
-    """torch's multi-paragraph message -> the line naming the refused global, ANSI stripped."""
+    """torch's multi-paragraph message -> one line naming the refused global, ANSI stripped.
+
+    torch's text advises re-running with ``weights_only=False`` (which runs the payload) and
+    allow-listing the global; neither is ever repeated to the user. Only the global's name is
+    kept: ``unsupported global 'posix.system' (the weights-only unpickler refused it)``."""
     import re
 
     text = re.sub(r"\x1b\[[0-9;]*m", "", str(exc))
+    m = re.search(r"GLOBAL\s+([A-Za-z_][\w.]*)", text)
+    if m is not None:
+        return f"unsupported global {m.group(1)!r} (the weights-only unpickler refused it)"
     lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
     for ln in lines:
-        if "Unsupported global" in ln or "Unsupported operand" in ln:
-            return ln.rstrip(".")
-    return lines[0] if lines else type(exc).__name__
+        low = ln.lower()
+        if "weights_only" in low or "weights only" in low or "add_safe_globals" in low:
+            continue
+        return ln.rstrip(".")[:300]
+    return type(exc).__name__
 
 
 def convert(files: Sequence[Path], root: Path, out: Path) -> Path:

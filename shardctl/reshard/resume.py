@@ -15,8 +15,14 @@ same checksum algorithm — its finished files are kept and only the rest is wri
 A journaled file is reused only if its size matches and it hashes to its journaled digest again
 (one read, no write); everything else in the directory (a half-written file, carried files) is
 removed and rewritten. Any other stale staging directory is removed as before (reliability case E3).
-Input checksums are still checked in full: inputs the reused files came from are hashed on the
-side. Under ``torchrun`` a restart is always clean (the workers' shares may differ).
+Under ``torchrun`` a restart is always clean (the workers' shares may differ).
+
+What resume trusts (README, ``reshard --help``): input bytes are **not** re-hashed to decide
+reuse. An input counts as unchanged when its name, size and mtime match the killed run's, and
+— for inputs without a known digest — its device, inode and ctime too: any write to a file
+moves its ctime, which ``touch`` cannot set back, so content rewritten in place never mixes
+with reused output. Inputs with known digests (a shardctl layout record, HF-cache blob names)
+are hashed in full, reused or not. ``--no-resume`` always starts clean.
 """
 
 from __future__ import annotations
@@ -47,11 +53,20 @@ def run_id(source: Source, the_plan: Plan, hash_name: str) -> str:
     what = {
         "version": __version__,
         "source": source.identity(),
+        # inode and ctime of inputs whose digest is unknown (those with one are hashed in
+        # full anyway): a rewrite that keeps size and mtime (``touch -d``) still moves ctime,
+        # which no user can set back; such an input never resumes (no mixed output)
+        "inputs": [_stamp(f.path) for f in source.files if f.recorded is None and f.sha256 is None],
         "fmt": the_plan.fmt,
         "files": files,
         "hash": hash_name,
     }
     return hashlib.sha256(json.dumps(what, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _stamp(path: Path) -> list[int]:
+    st = os.stat(path)
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 def start(staging: Path, ident: str) -> None:
@@ -69,7 +84,7 @@ def finish(staging: Path) -> None:
 def adopt(dst: Path, ident: str, hash_name: str) -> tuple[Path | None, dict[str, str]]:
     """Under the lock: a stale staging directory of an identical run, and its finished files
     (``name -> digest``) that still hash to their digests; ``(None, {})`` if there is none."""
-    found = [p for p in dst.parent.glob(atomic.staging_prefix(dst) + "*") if p.is_dir()]
+    found = [p for p in atomic.siblings(dst, atomic.staging_prefix(dst)) if p.is_dir()]
     for cand in sorted(found, key=_mtime, reverse=True):
         if _ident(cand) != ident:
             continue

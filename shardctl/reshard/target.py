@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from shardctl.checkpoint import plan_files
 from shardctl.checkpoint.source import Source
 from shardctl.errors import UsageError
+from shardctl.layout import bounds
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 
@@ -50,12 +51,15 @@ def plan(
         raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
     if max_shard_size <= 0:
         raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
+    bounds.check_dtypes(source.model)
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
     if fmt == "hf":
         if mesh is not None and mesh.model_parallel > 1:
             raise UsageError(f"format hf holds whole tensors; mesh {mesh} needs format ranks")
         files, index = plan_files.hf_files(source.model.tensors, max_shard_size)
         return Plan("hf", None, tuple(files), {}, index)
+    bounds.check_mesh(source.model, mesh or Mesh())  # before build_layout materializes shards
+    bounds.check_config(source.model)
     layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
     rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
     return Plan("ranks", layout, tuple(rfiles), where, None)

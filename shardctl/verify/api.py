@@ -23,6 +23,7 @@ from typing import Any
 
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import EnvironmentFailure, UsageError
+from shardctl.gcpause import gc_paused
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.verify.bitwise import check_bitwise
 from shardctl.verify.dst import Destination, open_destination
@@ -39,6 +40,7 @@ TORCHRUN_HINT = (
 )
 
 
+@gc_paused
 def verify(
     src: Path,
     dst: Path,

@@ -46,6 +46,8 @@ from typing import Any
 
 import numpy as np
 
+from shardctl import blocks
+from shardctl.blocks import scalar_piece, scalar_shape, strides
 from shardctl.checkpoint.source import Source
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Piece
@@ -57,18 +59,6 @@ BLOCK_BYTES = 2 << 20  # SRC image of one block (1, 2, 4 MiB measured: 2 best)
 DST_CAP_BYTES = 4 << 20  # DST rows read for one block (replicas each count)
 MAX_THREADS = 4
 THREADS_ENV = "SHARDCTL_VERIFY_THREADS"
-
-
-def _scalar(p: Piece) -> Piece:
-    return p if p.sizes else Piece((0,), (1,), (0,))
-
-
-def _shape(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return shape or (1,)
-
-
-def _strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    return tuple(math.prod(shape[d + 1 :]) for d in range(len(shape)))
 
 
 def threads() -> int:
@@ -126,8 +116,8 @@ def _part(
     gshape: tuple[int, ...],
     owner: int,
 ) -> _Part:
-    lshape = _shape(lshape)
-    p = _scalar(p)
+    lshape = scalar_shape(lshape)
+    p = scalar_piece(p)
     inner = range(k + 1, len(gshape))
     ginner = tuple(slice(p.offsets[d], p.offsets[d] + p.sizes[d]) for d in inner)
     linner = tuple(slice(p.local_offsets[d], p.local_offsets[d] + p.sizes[d]) for d in inner)
@@ -139,7 +129,7 @@ def _part(
         path,
         begin,
         lshape,
-        _strides(lshape),
+        strides(lshape),
         p.offsets,
         p.sizes,
         p.local_offsets,
@@ -166,11 +156,8 @@ def _hit(p: _Part, k: int, lead: tuple[int, ...], a: int, b: int) -> tuple[int, 
 
 
 def block_dim(shape: tuple[int, ...], item: int) -> int:
-    """The dim blocks run along: the first whose one index (the dims after it) fits a block."""
-    k = 0
-    while k < len(shape) - 1 and math.prod(shape[k + 1 :]) * item > BLOCK_BYTES:
-        k += 1
-    return k
+    """The dim blocks run along (``blocks.block_dim`` at this level's ``BLOCK_BYTES``)."""
+    return blocks.block_dim(shape, item, BLOCK_BYTES)
 
 
 def src_parts(src: Source, fqn: str, shape: tuple[int, ...], k: int) -> list[_Part]:
@@ -178,7 +165,7 @@ def src_parts(src: Source, fqn: str, shape: tuple[int, ...], k: int) -> list[_Pa
     seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
     parts = []
     for s in src.shards[fqn]:
-        for p in map(_scalar, s.pieces):
+        for p in map(scalar_piece, s.pieces):
             if (p.offsets, p.sizes) in seen:
                 continue
             seen.add((p.offsets, p.sizes))
@@ -227,7 +214,7 @@ def _plan_tensor(
     if kind is None:
         return None
     item = np.dtype(kind).itemsize
-    shape = _shape(shape)
+    shape = scalar_shape(shape)
     k = block_dim(shape, item)
     row = math.prod(shape[k + 1 :])
     src_parts_ = src_parts(src, fqn, shape, k)
@@ -239,7 +226,7 @@ def _plan_tensor(
     # Rows per block: the image within BLOCK_BYTES, the DST rows it needs within DST_CAP_BYTES.
     events: dict[int, int] = {}
     for key in {(p.owner, p.goff[k], p.gsize[k], p.loff[k]) for p in dst_parts}:
-        lrow = math.prod(_shape(shards[key[0]].local_shape)[k + 1 :]) * item
+        lrow = math.prod(scalar_shape(shards[key[0]].local_shape)[k + 1 :]) * item
         events[key[1]] = events.get(key[1], 0) + lrow
         events[key[1] + key[2]] = events.get(key[1] + key[2], 0) - lrow
     widest, run = 1, 0
@@ -308,7 +295,11 @@ def _key(s: DstShard) -> tuple[Any, ...]:
     return (s.fqn, s.rank, s.path.name, s.begin)
 
 
-def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _Out) -> None:
+def _block(
+    t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _Out, rows_at: int = 0
+) -> int:
+    """Compare one block; its DST rows go to ``w.bufs.rows`` from byte ``rows_at`` (a batch of
+    small tensors keeps each one's rows until they are hashed). Returns the end of its rows."""
     k, item = t.k, t.item
     raw = w.bufs.image.get((b - a) * t.row * item)
     image, filled = fill_image(t.src, t.kind, t.shape, k, (lead, a, b), raw, w.read, w.bufs.copy)
@@ -336,7 +327,7 @@ def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _
             else:
                 reads.append((owner, h[0], h[1], [h]))
     total = sum(e - s for _, s, e, _ in reads) * item
-    dbuf = w.bufs.rows.get(total)
+    dbuf = w.bufs.rows.get(rows_at + total)[rows_at:]
     pos = 0
     for owner, s0, e0, parts in reads:
         shard = t.dst_shards[owner]
@@ -356,6 +347,7 @@ def _block(t: _Tensor, lead: tuple[int, ...], a: int, b: int, w: _Worker, out: _
             if not equal(got, expected):
                 origin = (*lead, g0, *(sl.start for sl in p.ginner))
                 out.findings.append(_difference(shard, got, expected, origin))
+    return rows_at + total
 
 
 def _difference(
@@ -372,11 +364,11 @@ def _difference(
 
 def _padding(s: DstShard, kind: type[np.unsignedinteger], w: _Worker, out: _Out) -> None:
     """Local elements no piece covers must be zero; read only the rows that hold any."""
-    shape = _shape(s.local_shape)
+    shape = scalar_shape(s.local_shape)
     item = np.dtype(kind).itemsize
     row = math.prod(shape[1:])
     rows_per = max(1, BLOCK_BYTES // max(1, row * item))
-    pieces = [_scalar(p) for p in s.pieces]
+    pieces = [scalar_piece(p) for p in s.pieces]
     for a in range(0, shape[0], rows_per):
         b = min(shape[0], a + rows_per)
         mask = np.ones((b - a, *shape[1:]), dtype=bool)
@@ -579,7 +571,9 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
             "status": "pass",
         }
         padded += sum(
-            1 for s in shards if sum(_scalar(p).numel for p in s.pieces) < math.prod(s.local_shape)
+            1
+            for s in shards
+            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
         )
     hash_name = dst.record.hash if dst.record and hashes else None
     feeds: dict[Path, _Feed] = {}
@@ -590,20 +584,47 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     shapes = {t.fqn: t.shape for t in src.model.tensors}
 
     def tasks() -> Iterator[tuple[Any, ...]]:
+        # Tensors of one block or less are batched, up to a block of SRC bytes, into one task:
+        # at 90,000 tensors one task (and one hand-off to the hashing) per tensor cost more
+        # than reading them.
+        batch: list[tuple[Any, ...]] = []
+        size = 0
         for fqn, shards in by_fqn.items():
             t = _plan_tensor(fqn, shapes[fqn], src, shards)
             if t is None:
+                if batch:
+                    yield ("blocks", batch)
+                    batch, size = [], 0
                 for s in shards:
                     yield ("raw", s)
                 continue
+            blocks = list(itertools.islice(_blocks(t), 2))
+            padded = [
+                s
+                for s in shards
+                if sum(scalar_piece(p).numel for p in s.pieces)
+                < math.prod(scalar_shape(s.local_shape))
+            ]
+            if len(blocks) == 1 and not padded:
+                nbytes = math.prod(t.shape) * t.item
+                if batch and size + nbytes > BLOCK_BYTES:
+                    yield ("blocks", batch)
+                    batch, size = [], 0
+                batch.append((t, *blocks[0]))
+                size += nbytes
+                continue
+            if batch:
+                yield ("blocks", batch)
+                batch, size = [], 0
             for lead, a, b in _blocks(t):
                 yield ("block", t, lead, a, b)
-            for s in shards:
-                if sum(_scalar(p).numel for p in s.pieces) < math.prod(_shape(s.local_shape)):
-                    yield ("padding", s, t.kind)
+            for s in padded:
+                yield ("padding", s, t.kind)
+        if batch:
+            yield ("blocks", batch)
 
     workers, results = _run(tasks(), src, feeds)
-    compared = {_key(s): sum(_scalar(p).numel for p in s.pieces) for s in ordered}
+    compared = {_key(s): sum(scalar_piece(p).numel for p in s.pieces) for s in ordered}
     for message, where in _findings(results, compared):
         level.fail(message, **where)
         per_tensor[where["fqn"]]["status"] = "fail"
@@ -725,6 +746,10 @@ def _run(
                 out = _Out()
                 if task[0] == "block":
                     _block(task[1], task[2], task[3], task[4], w, out)
+                elif task[0] == "blocks":
+                    at = 0
+                    for t, lead, a, b in task[1]:
+                        at = _block(t, lead, a, b, w, out, at)
                 elif task[0] == "padding":
                     _padding(task[1], task[2], w, out)
                 else:

@@ -15,15 +15,16 @@ import json
 import os
 import subprocess
 import sys
-import tempfile
 import threading
 import time
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from shardctl.errors import EnvironmentFailure
+from shardctl.io.tempdirs import owned_tempdir
 from shardctl.verify.comm import ThreadComm, ThreadHub, Topology
 from shardctl.verify.rank import RankJob, RankOutcome, run_rank
 from shardctl.verify.tp_model import warm_imports
@@ -78,7 +79,8 @@ class ProcessWorld:
         self.backend = backend
         self._procs: list[subprocess.Popen[bytes]] = []
         self._logs: list[Path] = []
-        self._tmp: tempfile.TemporaryDirectory[str] | None = None
+        self._tmp: AbstractContextManager[Path] | None = None
+        self._tmp_path = Path()
         self._store: Any = None
         self._next = 0
 
@@ -86,7 +88,9 @@ class ProcessWorld:
         import torch.distributed as dist
 
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-        self._tmp = tempfile.TemporaryDirectory(prefix="shardctl-verify-")
+        # owner-locked: a killed run's directory is reaped by the next one (io.tempdirs)
+        self._tmp = owned_tempdir("shardctl-verify-")
+        self._tmp_path = self._tmp.__enter__()
         threads = max(1, (os.cpu_count() or 1) // self.world)
         for rank in range(self.world):
             env = dict(os.environ)
@@ -99,9 +103,9 @@ class ProcessWorld:
                 OMP_NUM_THREADS=str(threads),
                 SHARDCTL_VERIFY_BACKEND=self.backend,
                 SHARDCTL_VERIFY_STORE="client",
-                SHARDCTL_VERIFY_DIR=self._tmp.name,
+                SHARDCTL_VERIFY_DIR=str(self._tmp_path),
             )
-            log = Path(self._tmp.name) / f"rank{rank}.log"
+            log = self._tmp_path / f"rank{rank}.log"
             self._logs.append(log)
             cmd = [sys.executable, "-m", "shardctl.verify.worker", "--serve"]
             with open(log, "wb") as fh:
@@ -126,7 +130,7 @@ class ProcessWorld:
                 p.wait()
         self._procs = []
         if self._tmp is not None:
-            self._tmp.cleanup()
+            self._tmp.__exit__(None, None, None)
             self._tmp = None
 
     def run(
@@ -147,8 +151,7 @@ class ProcessWorld:
             time.sleep(0.02)
         assert self._tmp is not None
         return [
-            read_outcome(r, Path(self._tmp.name), k, self._store.get(key))
-            for r, key in enumerate(keys)
+            read_outcome(r, self._tmp_path, k, self._store.get(key)) for r, key in enumerate(keys)
         ]
 
     def _abort(self, dead: int | None, timeout_s: float) -> None:

@@ -22,7 +22,6 @@ import json
 import math
 import os
 import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -34,6 +33,7 @@ import numpy as np
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.dtypes import nbytes
 from shardctl.errors import EnvironmentFailure
+from shardctl.io.tempdirs import owned_tempdir
 from shardctl.verify import bitwise
 from shardctl.verify.boxes import FdCache, Scratch, pread_into, uint_of
 
@@ -50,8 +50,7 @@ def hf_reference(root: Path, figures: dict[str, Any] | None = None) -> Iterator[
         yield root
         return
     t0 = time.perf_counter()
-    with tempfile.TemporaryDirectory(prefix="shardctl-verify-reference-") as tmp:
-        out = Path(tmp)
+    with owned_tempdir("shardctl-verify-reference-") as out:  # reaped if this run is killed
         try:
             size = write_merged(source, out)
         except OSError as exc:

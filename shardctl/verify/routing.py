@@ -23,8 +23,8 @@ transformers 5 top-k router contract.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from contextlib import contextmanager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
@@ -32,6 +32,7 @@ from torch import nn
 
 # layer index (global) -> [tokens, top_k] expert ids, as nested lists (JSON-able for RankJob)
 Routing = dict[int, list[list[int]]]
+Hook = Callable[[nn.Module, Any, Any], Any]
 
 
 def routers(layers: nn.ModuleList, first_layer: int = 0) -> dict[int, nn.Module]:
@@ -47,15 +48,15 @@ def routers(layers: nn.ModuleList, first_layer: int = 0) -> dict[int, nn.Module]
 
 
 @contextmanager
-def record(layers: nn.ModuleList, into: Routing, first_layer: int = 0) -> Iterator[None]:
-    """Record each MoE layer's chosen experts during the forwards run inside the block."""
+def _hooked(
+    layers: nn.ModuleList, first_layer: int, hook_for: Callable[[int], Hook | None]
+) -> Iterator[None]:
+    """Register ``hook_for(layer index)`` (if not None) on each MoE router while inside."""
     handles = []
     for index, gate in routers(layers, first_layer).items():
-
-        def hook(_m: nn.Module, _a: Any, output: Any, index: int = index) -> None:
-            into[index] = output[2].detach().to("cpu").tolist()
-
-        handles.append(gate.register_forward_hook(hook))
+        hook = hook_for(index)
+        if hook is not None:
+            handles.append(gate.register_forward_hook(hook))
     try:
         yield
     finally:
@@ -63,7 +64,20 @@ def record(layers: nn.ModuleList, into: Routing, first_layer: int = 0) -> Iterat
             h.remove()
 
 
-@contextmanager
+def record(
+    layers: nn.ModuleList, into: Routing, first_layer: int = 0
+) -> AbstractContextManager[None]:
+    """Record each MoE layer's chosen experts during the forwards run inside the block."""
+
+    def hook_for(index: int) -> Hook:
+        def hook(_m: nn.Module, _a: Any, output: Any) -> None:
+            into[index] = output[2].detach().to("cpu").tolist()
+
+        return hook
+
+    return _hooked(layers, first_layer, hook_for)
+
+
 def pin(
     layers: nn.ModuleList,
     routing: Routing,
@@ -71,19 +85,19 @@ def pin(
     normalize: bool,
     first_layer: int = 0,
     own: Routing | None = None,
-) -> Iterator[None]:
+) -> AbstractContextManager[None]:
     """Impose ``routing``'s expert choices on the MoE layers among ``layers``.
 
     ``normalize``: the family renormalizes the top-k probabilities to sum to 1 (Mixtral
     always; Qwen-MoE when ``norm_topk_prob``). ``own`` (if given) receives the choices the
     model would have made itself.
     """
-    handles = []
-    for index, gate in routers(layers, first_layer).items():
-        if index not in routing:
-            continue
 
-        def hook(_m: nn.Module, _a: Any, output: Any, index: int = index) -> Any:
+    def hook_for(index: int) -> Hook | None:
+        if index not in routing:
+            return None
+
+        def hook(_m: nn.Module, _a: Any, output: Any) -> Any:
             logits, scores, indices = output
             if own is not None:
                 own[index] = indices.detach().to("cpu").tolist()
@@ -96,12 +110,9 @@ def pin(
                 weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights.to(scores.dtype), pinned
 
-        handles.append(gate.register_forward_hook(hook))
-    try:
-        yield
-    finally:
-        for h in handles:
-            h.remove()
+        return hook
+
+    return _hooked(layers, first_layer, hook_for)
 
 
 def normalizes(config: dict[str, Any]) -> bool:

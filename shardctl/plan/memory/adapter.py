@@ -111,8 +111,17 @@ def search_layouts(
     Training keeps the manifest's global batch fixed: ``micro_batch × accumulation × mesh.dp``
     sequences, so ``dp`` must divide it (reason ``batch_not_divisible``).
     """
+    from shardctl.errors import ManifestError
+    from shardctl.manifest.fields import MAX_AXIS
     from shardctl.plan.search import search
 
+    n = gpus or manifest.hardware.gpus
+    if n > MAX_AXIS:  # the search is linear in the GPU count: bounded by its own cap (issue 13)
+        raise ManifestError(
+            f"--search over {n} GPUs is above the limit of {MAX_AXIS}",
+            where="hardware.nodes × hardware.gpus_per_node" if gpus is None else "--gpus",
+            hint="pass --gpus N to search a smaller cluster",
+        )
     return search(
         model,
         options=search_options(manifest, gpus=gpus, fixed_states=fixed_states),

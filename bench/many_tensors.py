@@ -1,0 +1,104 @@
+"""Many-tensor MoE checkpoints: reshard, merge and verify against cp, parallel cp and cat.
+
+    python bench/many_tensors.py --src /work/bench-scale/mix12k --work /work/bench-scale/w
+    python bench/many_tensors.py --src DIR --rounds 3 --tp 2 --ep 2
+
+Build the checkpoints first with ``bench/many_tensors_build.py`` (transformers'
+``save_pretrained``, random bf16): ``DIR 256 16 256 512`` gives 12,403 tensors / 3.1 GB,
+``DIR 1000 30 128 64`` gives 90,213 tensors / 1.5 GB.
+
+Page cache warm (one untimed pass of everything first). Each round runs, in this order and on
+the same filesystem: ``cp -r SRC``, ``xargs -P <cores> cp`` of SRC's files, shardctl reshard
+``--tp --ep``, ``cp -r`` of the split output, merge back ``--format hf``, ``cat`` of SRC and the
+split output, ``verify --level bitwise``, then ``plan``-free ``inspect SRC``. Every command
+runs under ``/usr/bin/time`` (wall, peak RSS). Prints per-command medians and the ratios the
+issue asks for: reshard and merge to ``cp -r`` / parallel cp of the same bytes, verify to
+``cat`` of both trees.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+PY = sys.executable
+
+
+def run(cmd: str, log: Path) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of ``sh -c cmd`` under /usr/bin/time."""
+    p = subprocess.run(
+        ["/usr/bin/time", "-o", str(log), "-f", "%e %M", "sh", "-c", cmd],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+    )
+    if p.returncode != 0:
+        print(f"FAILED ({p.returncode}): {cmd}\n{p.stderr[-1500:]}", file=sys.stderr)
+        return float("nan"), float("nan")
+    wall, rss = log.read_text().split()[-2:]
+    return float(wall), float(rss) / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--src", type=Path, required=True)
+    ap.add_argument("--work", type=Path, required=True)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--tp", type=int, default=2)
+    ap.add_argument("--ep", type=int, default=2)
+    a = ap.parse_args()
+    src, w = a.src.resolve(), a.work.resolve()
+    w.mkdir(parents=True, exist_ok=True)
+    cores = len(os.sched_getaffinity(0))
+    sh = f"{PY} -m shardctl"
+    split, merged, cp1, cp2, cp3 = (w / n for n in ("split", "merged", "cp", "pcp", "cpsplit"))
+    steps = {
+        "cp -r src": (f"cp -r {src} {cp1}", [cp1]),
+        f"xargs -P{cores} cp src": (
+            f"mkdir {cp2} && ls {src}/* | xargs -P{cores} -I{{}} cp {{}} {cp2}/",
+            [cp2],
+        ),
+        "reshard": (f"{sh} reshard {src} {split} --tp {a.tp} --ep {a.ep}", [split]),
+        "cp -r split": (f"cp -r {split} {cp3}", [cp3]),
+        "merge": (f"{sh} reshard {split} {merged} --format hf", [merged]),
+        "cat src+split": (f"cat {src}/*.safetensors {split}/*.safetensors > /dev/null", []),
+        "verify bitwise": (f"{sh} verify {src} {split} --level bitwise > /dev/null", []),
+        "inspect src": (f"{sh} inspect {src} > /dev/null", []),
+    }
+    times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
+    for r in range(a.rounds + 1):  # round 0: warm-up, not counted
+        for d in (cp1, cp2, cp3, merged, split):
+            shutil.rmtree(d, ignore_errors=True)
+        for name, (cmd, outs) in steps.items():
+            if name in ("cp -r src", f"xargs -P{cores} cp src"):
+                for d in outs:
+                    shutil.rmtree(d, ignore_errors=True)
+            got = run(cmd, w / ".time")
+            if r:
+                times[name].append(got)
+            print(f"round {r} {name:22s} {got[0]:7.2f} s {got[1]:7.1f} MiB", flush=True)
+            if name in ("cp -r src", f"xargs -P{cores} cp src", "cp -r split"):
+                for d in outs:
+                    shutil.rmtree(d, ignore_errors=True)
+    med = {k: statistics.median(x[0] for x in v) for k, v in times.items()}
+    rss = {k: max(x[1] for x in v) for k, v in times.items()}
+    print(f"\n{'step':24s} {'median s':>9s} {'peak MiB':>9s}  ratio")
+    pc = f"xargs -P{cores} cp src"
+    ratio = {
+        "reshard": f"{med['reshard'] / med['cp -r src']:.2f}× cp -r, "
+        f"{med['reshard'] / med[pc]:.2f}× parallel cp",
+        "merge": f"{med['merge'] / med['cp -r split']:.2f}× cp -r (split)",
+        "verify bitwise": f"{med['verify bitwise'] / med['cat src+split']:.2f}× cat",
+    }
+    for k in steps:
+        print(f"{k:24s} {med[k]:9.2f} {rss[k]:9.1f}  {ratio.get(k, '')}")
+
+
+if __name__ == "__main__":
+    main()
