@@ -121,7 +121,9 @@ def test_manifest_engine_vllm_text_and_json(tmp_path: Any) -> None:
         path.write_text(MANIFEST % length)
         res = runner.invoke(app, ["plan", str(path), "--json"])
         assert res.exit_code == code, res.output
-        kv = json.loads(res.stdout)["kv_cache"]
+        doc = json.loads(res.stdout)
+        kv, inputs = doc["kv_cache"], doc["memory_model"]["inputs"]
+        assert inputs["engine"] == "vllm" and inputs["max_num_batched_tokens"] == length
         assert {"kv_cache_bytes_per_rank", "blocks_per_rank", "block_size", "max_concurrency"} <= (
             kv.keys()
         )

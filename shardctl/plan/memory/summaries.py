@@ -108,7 +108,17 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             flash_attention=w.flash_attention,
             max_num_batched_tokens=w.max_num_batched_tokens,
             gpu_memory_utilization=w.gpu_memory_utilization,
+            engine=w.engine,
         )
+        if ctx.vllm:
+            from shardctl.plan.memory.vllm import profile_tokens
+
+            out.update(
+                max_num_seqs=w.max_num_seqs,
+                block_size=w.block_size,
+                max_num_batched_tokens=profile_tokens(w.sequence_length, w.profile_tokens),
+                device_memory_cuda=ctx.hw.device_memory,
+            )
     else:
         out.update(
             optimizer=tr.optimizer,
