@@ -9,6 +9,8 @@ not out-of-sample predictions.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardctl.layout.types import Mesh
 from shardctl.model.types import ModelDims, ModelInfo
@@ -123,3 +125,21 @@ def test_non_torch_and_cuda_graphs_are_settable() -> None:
     r = plan.coords[(0, 0, 0)]
     assert r.detail["overhead.non_torch"] == 0 and r.detail["overhead.cuda_graphs"] == GIB
     assert r.overhead == GIB
+
+
+@given(
+    length=st.integers(1, 200_000),
+    batch=st.integers(1, 64),
+    tp=st.sampled_from([1, 2, 4]),
+    gpu=st.sampled_from(["h100-sxm", "a100-80gb"]),
+)
+@settings(max_examples=60, deadline=None)
+def test_vllm_verdict_is_the_capacity(length: int, batch: int, tp: int, gpu: str) -> None:
+    # The one verdict and the capacity agree: the workload fits exactly when its sequences,
+    # each rounded up to whole blocks, fit in the blocks vLLM would allocate.
+    model = ModelInfo("llama", LLAMA3_8B, (), "BF16", "inline")
+    w = Workload(batch_size=batch, sequence_length=length, engine="vllm")
+    plan = estimate(model, Mesh(tp=tp), split_layers(32, 1), hardware=HardwareSpec.preset(gpu),
+                    workload=w)  # fmt: skip
+    cap = _capacity(plan)
+    assert plan.fits == (batch * -(-length // 16) * 16 <= cap.tokens)

@@ -8,7 +8,6 @@ once (``dp`` replicas hold the same sizes; ZeRO shards round up) and returns a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import replace
 
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
@@ -21,7 +20,7 @@ from shardctl.plan.memory.result import COMPONENTS, Coord, KvSummary, MemoryPlan
 from shardctl.plan.memory.shapes import shape_from_model
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import kv_summary, plan_inputs, stage_comm
-from shardctl.plan.memory.vllm import cuda_reported_memory
+from shardctl.plan.memory.vllm import engine_hardware
 
 __all__ = ["COMPONENTS", "Coord", "KvSummary", "MemoryPlan", "RankMemory", "estimate"]
 
@@ -49,10 +48,8 @@ def estimate(
     quant = quant or QuantSpec()
     hardware = hardware or HardwareSpec()
     overhead = overhead or OverheadSpec()
-    if workload.engine == "vllm" and training is None:
-        # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
-        memory = cuda_reported_memory(hardware.gpu, hardware.device_memory)
-        hardware = replace(hardware, device_memory=memory)
+    # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
+    hardware = engine_hardware(hardware, workload.engine, training=training is not None)
     if training is not None and quant.method != "none":
         raise InvalidInputError(
             "training with quantized weights (QLoRA-style adapters) is not modeled",

@@ -17,10 +17,10 @@ docs/memory-model.md, "The vLLM profile".
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from shardctl.model.types import ModelDims
-from shardctl.plan.memory.hardware import GiB
+from shardctl.plan.memory.hardware import GiB, HardwareSpec
 
 ENGINES = ("generic", "vllm")
 
@@ -68,6 +68,15 @@ def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | No
     if gpu is not None and gpu in CUDA_REPORTED:
         return CUDA_REPORTED[gpu]
     return device_memory
+
+
+def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> HardwareSpec:
+    """The hardware as the engine sees it: for vLLM serving, the device size CUDA reports. The
+    one place ``plan`` and ``plan --search`` get their budget's device size from."""
+    if engine != "vllm" or training:
+        return hardware
+    memory = cuda_reported_memory(hardware.gpu, hardware.device_memory)
+    return replace(hardware, device_memory=memory)
 
 
 def non_torch_bytes(gpu: str | None, tp: int) -> int:
