@@ -63,30 +63,35 @@ def _manifest(manifest: ManifestLike) -> Manifest:
     return manifest if isinstance(manifest, Manifest) else load_manifest(Path(manifest))
 
 
-def plan(manifest: ManifestLike, *, mesh: MeshLike | None = None) -> PlanResult:
+def plan(
+    manifest: ManifestLike, *, mesh: MeshLike | None = None, only_weights: bool = False
+) -> PlanResult:
     """Per-rank memory of the manifest's layout; never imports torch.
 
     ``manifest``: a YAML path or a loaded :class:`shardctl.manifest.Manifest`. ``mesh``: a
     :class:`Mesh` replaces the manifest's mesh; a mapping (``{"tp": 4}``) overrides those axes.
+    ``only_weights``: no KV cache, no activations, on purpose (the result says so).
     The result's ``fits`` is the verdict the CLI's exit code uses (False -> exit 1).
     """
     from shardctl.plan.api import plan_manifest
 
-    return plan_manifest(_manifest(manifest), mesh_overrides=_overrides(mesh))
+    return plan_manifest(
+        _manifest(manifest), mesh_overrides=_overrides(mesh), only_weights=only_weights
+    )
 
 
-def search(manifest: ManifestLike, *, gpus: int | None = None) -> SearchResult:
+def search(
+    manifest: ManifestLike, *, gpus: int | None = None, only_weights: bool = False
+) -> SearchResult:
     """Every layout of ``gpus`` devices (default: the manifest's hardware) that fits, best first.
 
     ``result.has_fit`` is False when none fits (the CLI exits 1).
     """
-    from shardctl.plan.api import load_model
-    from shardctl.plan.memory.adapter import search_layouts
+    from shardctl.plan.api import search_manifest
 
     if gpus is not None and gpus < 1:
         raise UsageError(f"gpus: expected a whole number >= 1, got {gpus}")
-    loaded = _manifest(manifest)
-    return search_layouts(loaded, load_model(loaded), gpus=gpus)
+    return search_manifest(_manifest(manifest), gpus=gpus, only_weights=only_weights)
 
 
 def reshard(

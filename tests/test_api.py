@@ -158,8 +158,8 @@ def test_cli_plan_verify_inspect_make_one_api_call(monkeypatch: pytest.MonkeyPat
     assert invoke("plan", "m.yaml", "--search", "--gpus", "8", "--json").exit_code == 0
     assert invoke("verify", "s", "d", "--level", "bitwise", "--json").exit_code == 0
     assert invoke("inspect", "p", "--json").exit_code == 0
-    assert recs["plan"].calls == [((Path("m.yaml"),), {"mesh": {"tp": 2}})]
-    assert recs["search"].calls == [((Path("m.yaml"),), {"gpus": 8})]
+    assert recs["plan"].calls == [((Path("m.yaml"),), {"mesh": {"tp": 2}, "only_weights": False})]
+    assert recs["search"].calls == [((Path("m.yaml"),), {"gpus": 8, "only_weights": False})]
     assert recs["verify"].calls == [
         (
             (Path("s"), Path("d")),

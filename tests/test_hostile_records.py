@@ -255,7 +255,7 @@ def test_I8_names_and_shapes(tp2: Path, tmp_path: Path, path: str, value: Any, w
 
 def _src(pieces: list[tuple[int, int]]) -> list[SourceShard]:
     return [
-        SourceShard("w", "U8", (n, 4), (Piece((o, 0), (n, 4), (0, 0)),), i, 0)
+        SourceShard("w", "U8", (n, 4), (Piece((o, 0), (n, 4), (0, 0)),), begin=0, file=i)
         for i, (o, n) in enumerate(pieces)
     ]
 

@@ -293,7 +293,8 @@ def test_d8_every_problem_is_listed_with_its_line() -> None:
         "model: {parameters: 1000}\nmesh:\n  tp: yes\n  pp: 0\nhardware: {nodes: -1}\n"
         "workload: {mode: serving}\n",
         r"mesh\.tp: .*\(line 3\) \| mesh\.pp: .*\(line 4\) \| hardware\.nodes: .*\(line 5\) \| "
-        r"workload\.mode: expected one of inference, training; got 'serving' \(line 6\)",
+        r"workload\.mode: expected one of inference, training, weights-only; "
+        r"got 'serving' \(line 6\)",
     )
     assert err.where == "bad.yaml"
 

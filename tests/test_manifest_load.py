@@ -222,9 +222,9 @@ def test_overhead_named_overrides() -> None:
 def test_inline_config_is_frozen_data_with_yaml12_scalars() -> None:
     m = parse(
         "model:\n"
-        "  model_type: llama\n  hidden_size: 64\n  rms_norm_eps: 1e-05\n"
+        "  model_type: mistral\n  hidden_size: 64\n  rms_norm_eps: 1e-05\n"
         "  rope_scaling: {rope_type: llama3, factor: 8.0}\n  architectures: [LlamaForCausalLM]\n"
-        "  sliding_window: null\n  tie_word_embeddings: false\n  name: '010'\n"
+        "  sliding_window: null\n  tie_word_embeddings: false\n  _name_or_path: '010'\n"
         "  dtype: bf16\n"
     )
     spec = m.model
@@ -234,7 +234,7 @@ def test_inline_config_is_frozen_data_with_yaml12_scalars() -> None:
     assert spec.inline_config["architectures"] == ("LlamaForCausalLM",)
     assert spec.inline_config["sliding_window"] is None
     assert spec.inline_config["tie_word_embeddings"] is False
-    assert spec.inline_config["name"] == "010"  # quoted: a string
+    assert spec.inline_config["_name_or_path"] == "010"  # quoted: a string
     assert "dtype" not in spec.inline_config  # a manifest key, not a config field
     plain = spec.config_dict()
     json.dumps(plain)  # JSON-ready, as json.load would give

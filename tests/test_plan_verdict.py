@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from typer.testing import CliRunner
 
 from shardctl.cli import app
+from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, RuleSpec
 from shardctl.manifest import Manifest, load_manifest
 from shardctl.plan.api import load_model, plan_manifest
@@ -158,9 +159,17 @@ def test_property_search_verdict_is_plan_verdict_is_exit_code(
     verdict = _search_verdict(man, _search(name, mesh.world, batch), mesh)
     if verdict is None:
         return  # not a layout the search prices (e.g. ep on a dense model)
+    flags = [f"--{a}={v}" for a, v in mesh.as_dict().items()]
+    if mesh.world > man.hardware.gpus:
+        # The search was handed mesh.world GPUs; plan checks the mesh against the manifest's
+        # declared hardware and refuses it (exit 3) rather than pricing a cluster not there.
+        with pytest.raises(InvalidInputError, match="hardware declares"):
+            plan_manifest(man, mesh_overrides=mesh.as_dict())
+        r = CliRunner().invoke(app, ["plan", str(MANIFESTS / name), "--json", *flags])
+        assert isinstance(r.exception, InvalidInputError), r.output  # exit 3 in the CLI
+        return
     plan = plan_manifest(man, mesh_overrides=mesh.as_dict())
     assert (plan.fits is not False) == verdict
-    flags = [f"--{a}={v}" for a, v in mesh.as_dict().items()]
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / name
         path.write_text(_batch((MANIFESTS / name).read_text(), batch))

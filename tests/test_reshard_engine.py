@@ -109,7 +109,7 @@ def test_box_copy_matches_numpy(tmp_path_factory: pytest.TempPathFactory, case: 
     head = header_bytes(entries)
     (tmp / "src.safetensors").write_bytes(head + b"".join(blobs))
     sources = tuple(
-        SourceShard("w", dtype, local, tuple(pieces), 0, len(head) + e.begin)
+        SourceShard("w", dtype, local, tuple(pieces), begin=len(head) + e.begin, file=0)
         for (local, pieces), e in zip(src_layout, entries, strict=True)
     )
     # targets: two output files, shards spread over them, lockstep on one fqn
@@ -134,24 +134,24 @@ def test_box_copy_matches_numpy(tmp_path_factory: pytest.TempPathFactory, case: 
 
 def test_zero_size_and_scalar(tmp_path: Path) -> None:
     """A ``[0, 4]`` tensor has no bytes to copy; a scalar is one element."""
-    scalar = SourceShard("x", "F32", (), (Piece((), (), ()),), 0, 8)
+    scalar = SourceShard("x", "F32", (), (Piece((), (), ()),), begin=8, file=0)
     assert plan_boxes("x", (Piece((), (), ()),), [scalar])[0].sizes == (1,)
-    empty = SourceShard("e", "F32", (0, 4), (Piece((0, 0), (0, 4), (0, 0)),), 0, 8)
+    empty = SourceShard("e", "F32", (0, 4), (Piece((0, 0), (0, 4), (0, 0)),), begin=8, file=0)
     assert plan_boxes("e", (Piece((0, 0), (0, 4), (0, 0)),), [empty]) == []
 
 
 def test_uncovered_or_overlapping_sources_refused() -> None:
-    half = SourceShard("w", "U8", (2, 4), (Piece((0, 0), (2, 4), (0, 0)),), 0, 0)
+    half = SourceShard("w", "U8", (2, 4), (Piece((0, 0), (2, 4), (0, 0)),), begin=0, file=0)
     with pytest.raises(InvalidInputError, match="cover 8 of the 16"):
         plan_boxes("w", (Piece((0, 0), (4, 4), (0, 0)),), [half])
-    skew = SourceShard("w", "U8", (3, 4), (Piece((1, 0), (3, 4), (0, 0)),), 0, 0)
+    skew = SourceShard("w", "U8", (3, 4), (Piece((1, 0), (3, 4), (0, 0)),), begin=0, file=0)
     with pytest.raises(InvalidInputError, match="overlapping"):
         plan_boxes("w", (Piece((0, 0), (4, 4), (0, 0)),), [half, skew])
 
 
 def test_short_read_is_input_changed(tmp_path: Path) -> None:
     (tmp_path / "src").write_bytes(b"\0" * 8)
-    src = SourceShard("w", "U8", (64,), (Piece((0,), (64,), (0,)),), 0, 0)
+    src = SourceShard("w", "U8", (64,), (Piece((0,), (64,), (0,)),), begin=0, file=0)
     f = plan_files._file(
         "o.safetensors", [(Shard("w", "U8", (64,), (64,), src.pieces, "R"), src.pieces)], {}, 0
     )

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from shardctl.checkpoint.record import SCHEMA, shard_json
 from shardctl.dtypes import nbytes
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
-from shardctl.layout.types import Layout, Piece, Shard
+from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
 
 # Tensors per output file, at most: each costs ~460 header bytes in a rank file (its
@@ -31,21 +31,6 @@ DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_M
 SHARDCTL_KEY = "shardctl"
 
 
-@dataclass(frozen=True, slots=True)
-class TargetTensor:
-    """One local tensor in an output file, ``nbytes`` at absolute offset ``begin``."""
-
-    fqn: str
-    dtype: str
-    local_shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-    begin: int
-
-    @property
-    def nbytes(self) -> int:
-        return nbytes(self.dtype, math.prod(self.local_shape))
-
-
 @dataclass(frozen=True)
 class OutputFile:
     """One output file. Its header is kept deflated (``header`` inflates it): at 90,000
@@ -54,7 +39,7 @@ class OutputFile:
 
     name: str
     header_size: int
-    tensors: tuple[TargetTensor, ...]
+    tensors: tuple[LocalTensor, ...]
     size: int
     rank: int | None = None
     header_z: bytes = field(default=b"", repr=False)
@@ -90,7 +75,7 @@ def _file(
     header = make()
     base = len(header)
     tensors = tuple(
-        TargetTensor(e.name, e.dtype, e.shape, pieces, base + e.begin)
+        LocalTensor(e.name, e.dtype, e.shape, pieces, base + e.begin)
         for e, (_, pieces) in zip(entries(), items, strict=True)
     )
     end = tensors[-1].begin + tensors[-1].nbytes if tensors else base

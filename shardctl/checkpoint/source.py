@@ -18,21 +18,16 @@ from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io.safetensors_header import read_header
-from shardctl.layout.types import Piece
+from shardctl.layout.types import LocalTensor, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
 
 
 @dataclass(frozen=True, slots=True)
-class SourceShard:
-    """A local tensor in an input file: ``local_shape`` bytes at ``begin``, made of ``pieces``."""
+class SourceShard(LocalTensor):
+    """A local tensor in an input file (``file``: its index in ``Source.files``)."""
 
-    fqn: str
-    dtype: str
-    local_shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
-    file: int  # index into Source.files
-    begin: int  # absolute byte offset in the file
+    file: int
 
 
 @dataclass(frozen=True)
@@ -133,7 +128,9 @@ def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = 
         e = loc.entry
         whole = Piece((0,) * len(e.shape), e.shape, (0,) * len(e.shape))
         shards[fqn] = (
-            SourceShard(fqn, e.dtype, e.shape, (whole,), index[loc.path], loc.file_offset),
+            SourceShard(
+                fqn, e.dtype, e.shape, (whole,), begin=loc.file_offset, file=index[loc.path]
+            ),
         )
         tensors.append(TensorInfo(fqn, e.shape, e.dtype))
     model = from_tensors(root, tuple(tensors))
@@ -173,7 +170,9 @@ def _from_record(root: Path) -> Source:
                     where=str(root / name),
                 )
             shards[s.fqn].append(
-                SourceShard(s.fqn, s.dtype, s.local_shape, s.pieces, findex[name], got[0])
+                SourceShard(
+                    s.fqn, s.dtype, s.local_shape, s.pieces, begin=got[0], file=findex[name]
+                )
             )
     missing = [fqn for fqn, ss in shards.items() if not ss]
     if missing:

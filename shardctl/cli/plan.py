@@ -1,5 +1,5 @@
-"""``shardctl plan``: manifest and overrides → one :func:`shardctl.api.plan` (or ``search``)
-call → table or JSON."""
+"""``shardctl plan``: a manifest (or a config / checkpoint plus flags) and overrides → one
+:func:`shardctl.api.plan` (or ``search``) call → table or JSON."""
 
 from __future__ import annotations
 
@@ -10,14 +10,19 @@ import typer
 
 from shardctl.cli._common import MAX_AXIS, MAX_TOP, emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
+from shardctl.manifest.fields import MAX_DIM
 
 if TYPE_CHECKING:
+    from shardctl.manifest import Manifest
     from shardctl.plan.api import PlanResult
 
 
 def plan(
     manifest: Annotated[
-        Path, typer.Argument(help="YAML manifest: model, mesh, hardware, workload.")
+        Path,
+        typer.Argument(
+            help="YAML manifest; or a config.json or checkpoint directory, described by flags."
+        ),
     ],
     as_json: Annotated[
         bool, typer.Option("--json", help="Print the plan as JSON (schema shardctl.plan/1).")
@@ -26,6 +31,46 @@ def plan(
     pp: Annotated[int | None, typer.Option(help="Override mesh.pp.", min=1, max=MAX_AXIS)] = None,
     dp: Annotated[int | None, typer.Option(help="Override mesh.dp.", min=1, max=MAX_AXIS)] = None,
     ep: Annotated[int | None, typer.Option(help="Override mesh.ep.", min=1, max=MAX_AXIS)] = None,
+    gpu: Annotated[
+        str | None, typer.Option(help="Config/checkpoint only: GPU preset, e.g. h100-sxm.")
+    ] = None,
+    nodes: Annotated[
+        int | None,
+        typer.Option(
+            help="Config/checkpoint only: nodes (default: enough for the mesh).",
+            min=1,
+            max=MAX_AXIS,
+        ),
+    ] = None,
+    gpus_per_node: Annotated[
+        int | None,
+        typer.Option(help="Config/checkpoint only: GPUs per node (8).", min=1, max=MAX_AXIS),
+    ] = None,
+    batch: Annotated[
+        int | None,
+        typer.Option(help="Config/checkpoint only: concurrent sequences.", min=1, max=MAX_DIM),
+    ] = None,
+    seq: Annotated[
+        int | None,
+        typer.Option(help="Config/checkpoint only: tokens per sequence.", min=0, max=MAX_DIM),
+    ] = None,
+    dtype: Annotated[
+        str | None, typer.Option(help="Config only: weight dtype (default: the config's).")
+    ] = None,
+    quantization: Annotated[
+        str | None, typer.Option(help="Config/checkpoint only: quantization method (mxfp4 …).")
+    ] = None,
+    emit_manifest: Annotated[
+        Path | None,
+        typer.Option(help="Config/checkpoint only: write the manifest the flags imply."),
+    ] = None,
+    only_weights: Annotated[
+        bool,
+        typer.Option(
+            "--weights-only",
+            help="Plan weights and overhead alone, on purpose (no KV cache, no activations).",
+        ),
+    ] = False,
     search: Annotated[
         bool, typer.Option("--search", help="Search every layout that fits the hardware.")
     ] = False,
@@ -96,10 +141,34 @@ def plan(
     """Estimate per-device memory of a layout; exit 1 if a rank does not fit its budget
     (device memory × gpu_memory_utilization when serving, device memory when training).
 
-    Example: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold]
+    Examples: [bold]shardctl plan manifests/llama-3-70b-tp8.yaml --json[/bold];
+    [bold]shardctl plan ./Llama-3-8B --tp 8 --gpu h100-sxm --batch 32 --seq 8192[/bold]
     """
     from shardctl.api import plan as make_plan
     from shardctl.api import search as run_search
+    from shardctl.manifest.from_flags import PlanFlags, emit, manifest_from_flags, source_kind
+
+    flags = PlanFlags(
+        tp, pp, dp, ep, gpu, nodes, gpus_per_node, batch, seq, dtype, quantization, only_weights
+    )
+    target: Path | Manifest = manifest  # a manifest path goes to the API as given
+    implied: str | None = None
+    if source_kind(manifest) == "manifest":
+        given = flags.model_flags() + (["--emit-manifest"] if emit_manifest else [])
+        if given:
+            raise UsageError(
+                f"{', '.join(given)}: only with a config.json or checkpoint directory",
+                hint="a manifest says these itself: edit its hardware/workload sections",
+            )
+    else:
+        other = [n for n, v in (("--device-map", device_map), ("--from", from_layout),
+                                ("--quant", quant)) if v is not None]  # fmt: skip
+        if other:
+            raise UsageError(
+                f"{', '.join(other)}: needs a manifest",
+                hint="write one with --emit-manifest FILE, then plan FILE",
+            )
+        target, implied = manifest_from_flags(manifest, flags)
 
     if search and max_imbalance is not None:
         raise UsageError("--max-imbalance gates one plan", hint="drop --search")
@@ -132,6 +201,8 @@ def plan(
     if search and gpus == 0:
         raise UsageError("--search needs --gpus 1 or more")
     overrides = {k: v for k, v in {"tp": tp, "pp": pp, "dp": dp, "ep": ep}.items() if v}
+    if implied is not None:
+        overrides = {}  # the mesh flags are in the implied manifest already
     if quant is not None:
         if not search:
             raise UsageError("--quant goes with --search", hint="add --search")
@@ -140,7 +211,9 @@ def plan(
         run_quant_search(manifest, quant, gpus=gpus, top=top, as_json=as_json)
         return
     if search:
-        result = run_search(manifest, gpus=gpus)
+        result = run_search(target, gpus=gpus, only_weights=only_weights)
+        if emit_manifest is not None and implied is not None:
+            emit(emit_manifest, implied)  # only once the input planned: exit 3 writes nothing
         if as_json:
             emit_json(result.to_json())
         else:
@@ -152,7 +225,9 @@ def plan(
         return
     if gpus is not None:
         raise UsageError("--gpus is used only with --search", hint="add --search or drop --gpus")
-    result_plan = make_plan(manifest, mesh=overrides)
+    result_plan = make_plan(target, mesh=overrides, only_weights=only_weights)
+    if emit_manifest is not None and implied is not None:
+        emit(emit_manifest, implied)
     if report is not None:
         result_plan.write_report(report)
     if as_json:

@@ -6,7 +6,7 @@ import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -149,20 +149,10 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
     if not enabled:
         yield None
         return
-    from rich.progress import (
-        BarColumn,
-        DownloadColumn,
-        Progress,
-        TimeRemainingColumn,
-        TransferSpeedColumn,
-    )
+    from rich.progress import Progress
 
     with Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        TimeRemainingColumn(),
+        *progress_columns(),
         transient=True,
         console=Console(stderr=True),
     ) as bar:
@@ -172,6 +162,25 @@ def _progress(enabled: bool) -> Iterator[Callable[[int, int], None] | None]:
             bar.update(task, completed=done, total=total)
 
         yield update
+
+
+def progress_columns() -> tuple[Any, ...]:
+    """The bar's columns, counting in binary units (MiB, GiB) as the summary line does."""
+    from rich.progress import BarColumn, DownloadColumn, TimeRemainingColumn, TransferSpeedColumn
+
+    class BinarySpeedColumn(TransferSpeedColumn):
+        def render(self, task: Any) -> Text:
+            speed = task.finished_speed or task.speed
+            shown = "?" if speed is None else f"{fmt_bytes(int(speed))}/s"
+            return Text(shown, style="progress.data.speed")
+
+    return (
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(binary_units=True),
+        BinarySpeedColumn(),
+        TimeRemainingColumn(),
+    )
 
 
 def summary(result: ReshardResult) -> Text:

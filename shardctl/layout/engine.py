@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import assign_layers, stage_of_layers
-from shardctl.layout.resolve import TensorRule, model_rules
+from shardctl.layout.resolve import ModelRules, TensorRule, model_rules
 from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, RuleSpec, Shard, Stage
 from shardctl.model.types import ModelInfo, TensorInfo
@@ -153,7 +153,10 @@ def resolve(
         key = (t.info.shape, t.dim, t.parts, t.vocab)
         hit = specs.get(key)
         if hit is None:
-            hit = specs[key] = _split_spec(t, mesh.tp, options)
+            try:
+                hit = specs[key] = _split_spec(t, mesh.tp, options)
+            except LayoutError as err:
+                raise _all_constraints_hint(err, static, mesh.tp, options) from None
         spec, placement = hit
         if t.layer is not None:
             on: tuple[int, ...] = (layer_stage[t.layer],)
@@ -192,6 +195,15 @@ def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSp
             hint=err.hint,
         ) from None
     return spec, _describe(spec, tp)
+
+
+def _all_constraints_hint(
+    err: LayoutError, static: ModelRules, tp: int, options: LayoutOptions
+) -> LayoutError:
+    """``err`` whose remedy lists the tp degrees every tensor allows, not this one's."""
+    from shardctl.layout.degrees import with_valid_degrees
+
+    return with_valid_degrees(err, static, tp, options, _split_spec)
 
 
 def _describe(spec: SplitSpec, tp: int) -> str:

@@ -75,9 +75,13 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     arch = model.architecture
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch)
     out: list[TensorRule] = []
+    unplaced: list[str] = []
     for info in model.tensors:
         layer = layer_index(info.fqn)
-        match = matcher.match(info.fqn, need_stage=layer is None)
+        match = matcher.find(info.fqn, need_stage=layer is None)
+        if match is None:
+            unplaced.append(info.fqn)  # all of them in one error, after the loop
+            continue
         cr = match.rule
         assert cr.placement is not None
         resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
@@ -93,6 +97,8 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         out.append(
             TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
         )
+    if unplaced:
+        raise matcher.unplaced(unplaced)
     names = [t.fqn for t in model.tensors]
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]

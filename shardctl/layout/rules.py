@@ -3,7 +3,8 @@
 A rule that sets ``tp`` decides the placement (with its ``parts``, ``heads`` and ``expert``,
 which only make sense together). ``stage`` comes from the first matching rule that sets one, so
 a manifest rule may re-place ``lm_head.weight`` without having to repeat that it lives on the
-last stage. A tensor no rule places is an error naming it and the closest pattern; so is a
+last stage. Tensors no rule places are one error listing them all as fqn patterns
+(:mod:`shardctl.layout.unplaced`), with the closest rule pattern; so is a
 manifest rule that matches no tensor (a typo would otherwise silently do nothing).
 """
 
@@ -95,6 +96,13 @@ class Matcher:
         self._used: set[int] = set()
 
     def match(self, fqn: str, *, need_stage: bool) -> Match:
+        found = self.find(fqn, need_stage=need_stage)
+        if found is None:
+            raise self.unplaced([fqn])
+        return found
+
+    def find(self, fqn: str, *, need_stage: bool) -> Match | None:
+        """:meth:`match`, or None when no rule places ``fqn`` (the caller collects them all)."""
         placed: CompiledRule | None = None
         stage: str | None = None
         for i, cr in enumerate(self.rules):
@@ -108,21 +116,17 @@ class Matcher:
                 placed = cr
             if placed is not None and (stage is not None or not need_stage):
                 break
-        if placed is None:
-            raise self._unmatched(fqn)
-        return Match(placed, stage)
+        return None if placed is None else Match(placed, stage)
 
-    def _unmatched(self, fqn: str) -> LayoutError:
-        patterns = [cr.rule.match for cr in self.rules if cr.placement is not None]
-        template = _LAYER_INDEX.sub(".*.", fqn)
-        close = difflib.get_close_matches(template, patterns, n=1, cutoff=0.0)
-        hint = f'closest pattern is "{close[0]}"; ' if close else ""
-        if not any(not cr.manifest for cr in self.rules):
-            hint = f"architecture {self.architecture!r} has no preset; {hint}"
-        return LayoutError(
-            f"no rule places this tensor ({len(patterns)} rules with a placement)",
-            where=fqn,
-            hint=f'{hint}add a manifest rule, e.g. {{match: "{template}", tp: R}}',
+    def unplaced(self, fqns: Sequence[str]) -> LayoutError:
+        """One error listing every tensor no rule places, grouped as fqn patterns."""
+        from shardctl.layout.unplaced import UnplacedTensorsError
+
+        return UnplacedTensorsError(
+            fqns,
+            rule_patterns=[cr.rule.match for cr in self.rules if cr.placement is not None],
+            architecture=self.architecture,
+            preset=any(not cr.manifest for cr in self.rules),
         )
 
     def check_unused(self, fqns: Iterable[str]) -> None:

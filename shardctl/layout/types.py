@@ -101,6 +101,27 @@ class Piece:
 
 
 @dataclass(frozen=True, slots=True)
+class LocalTensor:
+    """A rank's local tensor of one fqn, made of ``pieces`` of the global tensor and stored at
+    byte ``begin`` of a file — the one type behind reshard's source shards and target tensors
+    and verify's DST shards (each adds only where its file is)::
+
+        LocalTensor("model.layers.0.self_attn.q_proj.weight", "BF16", (2048, 4096),
+                    (Piece((2048, 0), (2048, 4096), (0, 0)),), begin=8 + header_len)
+    """
+
+    fqn: str
+    dtype: str
+    local_shape: tuple[int, ...]
+    pieces: tuple[Piece, ...]
+    begin: int  # absolute byte offset in its file
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes(self.dtype, math.prod(self.local_shape))
+
+
+@dataclass(frozen=True, slots=True)
 class Shard:
     """One rank's piece of one tensor (DCP ``ChunkStorageMetadata`` generalized to fused parts)."""
 

@@ -34,7 +34,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "overhead",
     ),
     "model": ("config", "checkpoint", "parameters", "dtype"),
-    "mesh": ("pp", "dp", "tp", "ep"),
+    "mesh": ("pp", "dp", "tp", "ep", "expert_placement"),
     "hardware": (
         "device_memory",
         "gpus_per_node",

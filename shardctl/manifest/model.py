@@ -44,7 +44,11 @@ from shardctl.plan.memory.training import OPTIMIZERS as _OPTIMIZER_TABLE
 # Choices, shared by the validator and the JSON Schema. Each is defined once, where the code
 # that gives it meaning lives; the manifest only names them.
 PIPELINE_CONVENTIONS = CONVENTIONS
-MODES = ("inference", "training")
+MODES = ("inference", "training", "weights-only")
+# separate: ep is a mesh axis of its own (world = pp·dp·ep·tp); shared: experts spread over the
+# tp×dp ranks that run attention (ep = tp·dp, world = pp·dp·tp), as vLLM's
+# --enable-expert-parallel and Megatron's expert-parallel groups over data-parallel ranks.
+EXPERT_PLACEMENTS = ("separate", "shared")
 ENGINES = ("generic", "vllm")  # the memory profiles (shardctl.plan.memory.vllm.ENGINES)
 OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
@@ -110,6 +114,7 @@ class Manifest:
     quantization: QuantSpec | None = None
     overhead: Mapping[str, int | float] = field(default_factory=_empty)
     path: Path | None = None
+    expert_placement: str = "separate"  # mesh.expert_placement (EXPERT_PLACEMENTS)
 
     @property
     def mode(self) -> str:

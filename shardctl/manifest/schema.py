@@ -161,8 +161,17 @@ def _sections() -> dict[str, Any]:
         "mesh": _object(
             "mesh",
             {
-                axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
-                for axis in SECTION_KEYS["mesh"]
+                **{
+                    axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
+                    for axis in SECTION_KEYS["mesh"]
+                    if axis != "expert_placement"
+                },
+                "expert_placement": _enum(
+                    m.EXPERT_PLACEMENTS,
+                    "separate (default): ep is its own mesh axis; shared: experts spread over "
+                    "the tp x dp ranks of attention, ep = tp x dp (vLLM "
+                    "--enable-expert-parallel, Megatron expert groups over dp).",
+                ),
             },
             "Device mesh, outer to inner pp, dp, ep, tp; omitted axes are 1.",
         ),
@@ -214,7 +223,11 @@ def _sections() -> dict[str, Any]:
         "workload": _object(
             "workload",
             {
-                "mode": _enum(m.MODES, "inference (default) or training."),
+                "mode": _enum(
+                    m.MODES,
+                    "inference (default), training, or weights-only (no KV cache, no "
+                    "activations: said in the output).",
+                ),
                 "batch_size": _int("Sequences per batch (default 1)."),
                 "sequence_length": _int("Tokens per sequence; 0 = weights only (default).", 0),
                 "kv_cache_dtype": _dtype("KV cache dtype (default: the model's; fp8 or auto)."),

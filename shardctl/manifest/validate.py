@@ -28,6 +28,7 @@ from shardctl.manifest.fields import (
     section_map,
     unknown,
 )
+from shardctl.manifest.model_keys import known_keys, unknown_key_hint
 from shardctl.manifest.validate_rules import read_rules
 from shardctl.manifest.validate_training import (
     read_overhead,
@@ -130,11 +131,23 @@ def _inline(node: Map, keys: list[str], problems: Problems) -> dict[str, object]
             )
         )
         return {}
-    problems.get(node, "model_type", "model", read_str, "")
+    model_type = problems.get(node, "model_type", "model", read_str, "")
+    known = known_keys(model_type)
     for key in keys:
+        if known is not None and key in known:
+            continue  # rope_parameters is a config key, not a typo of 'parameters'
         typo = _near_manifest_key(key)
         if key not in INLINE_POSITIVE_INTS and typo is not None:
             problems.add(Invalid(f"model.{key}", "unknown key", node.key_lines[key], typo))
+        elif known is not None and key not in known:
+            problems.add(
+                Invalid(
+                    f"model.{key}",
+                    f"unknown {model_type} config key",
+                    node.key_lines[key],
+                    unknown_key_hint(model_type, key),
+                )
+            )
     for key in INLINE_POSITIVE_INTS:
         value = node.entries.get(key)
         if not (isinstance(value, Scalar) and value.plain and value.text in NULLS):
@@ -164,6 +177,15 @@ def _mesh(section: Map | None, problems: Problems) -> Mesh:
         return Mesh()
     problems.keys(section, "mesh")
     return Mesh(**{a: problems.get(section, a, "mesh", read_axis, 1) for a in AXES})
+
+
+def _expert_placement(section: Map | None, problems: Problems) -> str:
+    if section is None:
+        return "separate"
+    placement: str = problems.get(
+        section, "expert_placement", "mesh", enum(m.EXPERT_PLACEMENTS), "separate"
+    )
+    return placement
 
 
 def _hardware(section: Map | None, problems: Problems) -> HardwareSpec:
@@ -288,6 +310,7 @@ def build_manifest(
         quantization=read_quantization(sections["quantization"], problems),
         overhead=MappingProxyType(read_overhead(sections["overhead"], problems)),
         path=path,
+        expert_placement=_expert_placement(sections["mesh"], problems),
     )
     problems.raise_if_any(source)
     return manifest

@@ -38,11 +38,11 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
     problems.keys(section, "workload")
     get, path = problems.get, "workload"
     mode = get(section, "mode", path, enum(m.MODES), default_mode)
-    if training and mode == "inference":
+    if training and mode in ("inference", "weights-only"):
         problems.add(
             Invalid(
                 "workload.mode",
-                "is inference but a training: section is given",
+                f"is {mode} but a training: section is given",
                 section.entries["mode"].line,
                 "set mode: training, or remove the training section",
             )
@@ -71,6 +71,7 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         profile_tokens=get(section, "max_num_batched_tokens", path, read_positive, None),
         non_torch_memory=get(section, "non_torch_memory", path, read_size, None),
         cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, 0),
+        only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
         workload,

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
 from shardctl.manifest import Manifest, load_manifest
 from shardctl.model.types import ModelInfo
@@ -71,6 +72,19 @@ class PlanResult:
     stages: tuple[Stage, ...]
     ranks: tuple[RankPlan, ...]
     memory: MemoryPlan
+    warnings: tuple[str, ...] = ()
+    shared_ep: int = 0  # > 0: experts over the tp×dp ranks, ep = shared_ep (``mesh`` has ep 1)
+
+    @property
+    def weights_only(self) -> bool:
+        """No KV cache and no activations counted (asked for, or no tokens in the workload)."""
+        from shardctl.plan.checks import weights_only
+
+        return weights_only(self.model, self.manifest.workload, self.manifest.training)
+
+    def quantized_weight_bytes(self) -> int:
+        """One model replica's weight bytes as priced (quantized when quantization is set)."""
+        return sum(self.stage_weight_bytes())
 
     @property
     def device_memory(self) -> int | None:
@@ -110,7 +124,11 @@ class PlanResult:
                 "weight_bytes": self.model.weight_bytes,
                 "dtype": self.model.dtype,
                 "source": self.model.source,
+                **self._quantization_json(),
             },
+            "expert_parallel": self._expert_parallel_json(),
+            "weights_only": self.weights_only,
+            "warnings": list(self.warnings),
             "mesh": self.mesh.as_dict(),
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,
@@ -131,6 +149,31 @@ class PlanResult:
             **self.memory.to_json(),
         }
 
+    def _expert_parallel_json(self) -> dict[str, Any] | None:
+        """How experts are placed: ``separate`` (the ep axis) or ``shared`` (over tp×dp)."""
+        d = self.model.dims
+        if d is None or not d.num_experts:
+            return None
+        ep = self.shared_ep or self.mesh.ep
+        return {
+            "placement": "shared" if self.shared_ep else "separate",
+            "ep": ep,
+            "experts_per_rank": d.num_experts // ep,
+        }
+
+    def _quantization_json(self) -> dict[str, Any]:
+        q = self.manifest.quantization
+        if q is None:
+            return {}
+        stored = self.quantized_weight_bytes()
+        return {
+            "quantization": {
+                "method": q.method,
+                "weight_bytes": stored,
+                "bytes_per_parameter": stored / self.model.parameters,
+            }
+        }
+
     def write_report(self, path: Path) -> None:
         from shardctl.plan.report import write_report
 
@@ -138,21 +181,56 @@ class PlanResult:
 
 
 def make_plan(
-    manifest_path: Path, *, mesh_overrides: Mapping[str, int] | None = None
+    manifest_path: Path,
+    *,
+    mesh_overrides: Mapping[str, int] | None = None,
+    only_weights: bool = False,
 ) -> PlanResult:
     manifest = load_manifest(manifest_path)
-    return plan_manifest(manifest, mesh_overrides=mesh_overrides)
+    return plan_manifest(manifest, mesh_overrides=mesh_overrides, only_weights=only_weights)
+
+
+def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
+    """``manifest`` with ``workload.mode: weights-only`` when ``only_weights`` (the flag)."""
+    if not only_weights or manifest.workload.only_weights:
+        return manifest
+    return replace(manifest, workload=replace(manifest.workload, only_weights=True))
 
 
 def plan_manifest(
-    manifest: Manifest, *, mesh_overrides: Mapping[str, int] | None = None
+    manifest: Manifest,
+    *,
+    mesh_overrides: Mapping[str, int] | None = None,
+    only_weights: bool = False,
+    check_hardware: bool = True,
 ) -> PlanResult:
+    """The plan of ``manifest``'s layout. ``check_hardware=False`` prices a mesh that is not a
+    cluster layout (the device map's one stage per layer) without the GPU-count check."""
+    from shardctl.plan.checks import check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
 
+    manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
+    check_workload(model, manifest.workload, manifest.training)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
-    stages, weights = weights_per_coord(model, mesh, rules=manifest.rules, options=manifest.layout)
+    shared_ep = 0
+    if manifest.expert_placement == "shared":
+        from shardctl.plan import shared_ep as sh
+
+        sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
+        full, mesh = mesh, sh.attention_mesh(mesh)
+        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        stages, by_dp = sh.shared_ep_weights(
+            model, full, rules=manifest.rules, options=manifest.layout
+        )
+        weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
+        shared_ep = full.ep
+    else:
+        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        stages, weights = weights_per_coord(
+            model, mesh, rules=manifest.rules, options=manifest.layout
+        )
     memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(
         RankPlan(
@@ -164,15 +242,48 @@ def plan_manifest(
         for r in range(mesh.world)
     )
     return PlanResult(
-        manifest=manifest, model=model, mesh=mesh, stages=stages, ranks=ranks, memory=memory
+        manifest=manifest,
+        model=model,
+        mesh=mesh,
+        stages=stages,
+        ranks=ranks,
+        memory=memory,
+        warnings=warnings,
+        shared_ep=shared_ep,
     )
 
 
 def run_search(
-    manifest_path: Path, *, gpus: int | None, mesh_overrides: Mapping[str, int] | None = None
+    manifest_path: Path,
+    *,
+    gpus: int | None,
+    mesh_overrides: Mapping[str, int] | None = None,
+    only_weights: bool = False,
 ) -> SearchResult:
+    manifest = load_manifest(manifest_path)
+    return search_manifest(
+        manifest, gpus=gpus, mesh_overrides=mesh_overrides, only_weights=only_weights
+    )
+
+
+def search_manifest(
+    manifest: Manifest,
+    *,
+    gpus: int | None,
+    mesh_overrides: Mapping[str, int] | None = None,
+    only_weights: bool = False,
+) -> SearchResult:
+    """:func:`run_search` of a loaded manifest (``mesh_overrides`` are not searched over)."""
+    from shardctl.plan.checks import check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
-    manifest = load_manifest(manifest_path)
+    if manifest.expert_placement == "shared":
+        raise InvalidInputError(
+            "--search covers layouts with ep as its own axis, not expert_placement: shared",
+            where="mesh.expert_placement",
+            hint="plan the shared layout without --search, or search with separate placement",
+        )
+    manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
+    check_workload(model, manifest.workload, manifest.training)
     return search_layouts(manifest, model, gpus=gpus)

@@ -147,7 +147,8 @@ def units_of(manifest: Manifest) -> tuple[list[Unit], Overhead, int | None]:
     n = model.dims.num_layers
     mesh = Mesh(pp=n + 2)
     layout = replace(manifest.layout, layers_per_stage=(0, *([1] * n), 0))
-    per_unit = plan_manifest(replace(manifest, mesh=mesh, layout=layout))
+    # one pp stage per unit is a pricing device, not GPUs: no check against hardware's count
+    per_unit = plan_manifest(replace(manifest, mesh=mesh, layout=layout), check_hardware=False)
     modules: list[list[str]] = [[] for _ in range(n + 2)]
     for t in resolve(model, mesh, rules=manifest.rules, options=layout).tensors:
         hit = _LAYER_MODULE.match(t.info.fqn)

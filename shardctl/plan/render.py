@@ -43,6 +43,26 @@ def render_plan(
         f"{fmt_in(model.weight_bytes, unit)} ({model.weight_bytes:,} B, {model.dtype})  "
         f"mesh {m} = {m.world} GPUs"
     )
+    if result.shared_ep:
+        experts = model.dims.num_experts if model.dims else 0
+        console.print(
+            f"  experts: EP{result.shared_ep} shared over the TP×DP ranks of attention "
+            f"(vLLM --enable-expert-parallel): {experts // result.shared_ep} of {experts} "
+            "experts whole on each rank"
+        )
+    q = result.manifest.quantization
+    if q is not None:
+        stored = result.quantized_weight_bytes()
+        console.print(
+            f"  quantized {q.method}: {fmt_in(stored, unit)} ({stored:,} B, "
+            f"{stored / model.parameters:.4f} B/parameter incl. scales)"
+        )
+    if result.weights_only:
+        console.print(
+            "[bold yellow]WEIGHTS ONLY[/bold yellow]: no KV cache and no activations counted"
+        )
+    for warning in result.warnings:
+        console.print(f"[yellow]warning[/yellow]: {warning}", markup=True)
     stage_bytes = result.stage_weight_bytes()
     for s, w in zip(result.stages, stage_bytes, strict=True):
         layers = "no layers" if s.layers is None else f"layers {s.layers[0]}–{s.layers[1]}"
@@ -98,6 +118,8 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
         return
     worst = max(result.ranks, key=lambda r: r.total)
     verdict = "[green]fits[/green]" if result.fits else "[red]does not fit[/red]"
+    if result.weights_only:
+        verdict += " (weights only)"
     share = result.memory.inputs.get("gpu_memory_utilization")
     of = fmt_in(budget, unit)
     if result.memory.mode == "inference" and share is not None:

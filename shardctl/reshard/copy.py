@@ -35,7 +35,7 @@ from typing import Any
 import numpy as np
 
 from shardctl.blocks import flat_index, is_contiguous, scalar_piece, scalar_shape
-from shardctl.checkpoint.plan_files import OutputFile, TargetTensor
+from shardctl.checkpoint.plan_files import OutputFile
 from shardctl.checkpoint.record_check import overlap
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
@@ -43,7 +43,7 @@ from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import faults, writeback
 from shardctl.io.checksum import new_hash
 from shardctl.io.writeback import start_writeback
-from shardctl.layout.types import Piece
+from shardctl.layout.types import LocalTensor, Piece
 
 # 1 MiB blocks stay in the CPU cache between pread, hash and pwrite: measured on tmpfs, 16 MiB
 # blocks cost ~1.5× the time of 1 MiB ones (each buffer pass then goes to memory).
@@ -336,7 +336,7 @@ class Executor:
             w = self.writers[len(self.outs) % len(self.writers)]
             outs.append(_Out(self.directory / f.name, f, self.hash_name, w))
             self.outs.append(outs[-1])
-        order: dict[str, list[tuple[_Out, TargetTensor]]] = {}
+        order: dict[str, list[tuple[_Out, LocalTensor]]] = {}
         last: dict[int, str] = {}
         for out in outs:
             out.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
@@ -373,7 +373,7 @@ class Executor:
 
     # ---- small tensors: many to a buffer -------------------------------------------------
 
-    def _small_boxes(self, t: TargetTensor) -> list[Box] | None:
+    def _small_boxes(self, t: LocalTensor) -> list[Box] | None:
         """``t``'s boxes when it can be batched: it fits a block, and so does every source
         local tensor it reads (a gather reads whole source rows into the one-block scratch)."""
         if not 0 < t.nbytes <= self.block:
@@ -386,7 +386,7 @@ class Executor:
             Box(b.src, *(scalar_shape(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes
         ]
 
-    def _small(self, out: _Out, t: TargetTensor, boxes: list[Box]) -> None:
+    def _small(self, out: _Out, t: LocalTensor, boxes: list[Box]) -> None:
         """Append ``t`` (at most one block) to ``out``'s pending buffer.
 
         Tensors of a file lie back to back, so a file's small tensors fill one buffer that is
@@ -452,7 +452,7 @@ class Executor:
         if self.on_read is not None:
             self.on_read(file, offset, mv)
 
-    def _tensor(self, out: _Out, t: TargetTensor) -> Iterator[None]:
+    def _tensor(self, out: _Out, t: LocalTensor) -> Iterator[None]:
         """Produce ``t`` block by block (a generator: one block per ``next``)."""
         s = itemsize(t.dtype)
         shape = scalar_shape(t.local_shape)
@@ -484,7 +484,7 @@ class Executor:
     def _block(
         self,
         out: _Out,
-        t: TargetTensor,
+        t: LocalTensor,
         s: int,
         shape: tuple[int, ...],
         lo: tuple[int, ...],

@@ -20,23 +20,17 @@ from shardctl.checkpoint.source import open_source
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import SafetensorsHeader, read_header
-from shardctl.layout.types import Layout, Piece
+from shardctl.layout.types import Layout, LocalTensor
 from shardctl.model.types import TensorInfo
 from shardctl.verify.result import Finding
 
 
 @dataclass(frozen=True, slots=True)
-class DstShard:
-    """One local tensor of DST: ``rank`` (None for an HF checkpoint), bytes at ``begin``."""
+class DstShard(LocalTensor):
+    """One local tensor of DST, in file ``path``, held by ``rank`` (None for an HF checkpoint)."""
 
-    rank: int | None
-    fqn: str
-    dtype: str
-    local_shape: tuple[int, ...]
-    pieces: tuple[Piece, ...]
     path: Path
-    begin: int  # absolute byte offset in ``path``
-    nbytes: int
+    rank: int | None
 
 
 @dataclass
@@ -87,14 +81,13 @@ def _hf(root: Path, record: rec.LayoutRecord | None) -> Destination:
     for fqn, ss in src.shards.items():
         shards[fqn] = [
             DstShard(
-                None,
                 fqn,
                 s.dtype,
                 s.local_shape,
                 s.pieces,
-                src.files[s.file].path,
                 s.begin,
-                _nbytes(s.dtype, s.local_shape),
+                path=src.files[s.file].path,
+                rank=None,
             )
             for s in ss
         ]
@@ -102,15 +95,6 @@ def _hf(root: Path, record: rec.LayoutRecord | None) -> Destination:
     return Destination(
         root, "hf", tensors, shards, [f.path for f in src.files], _config(root), record
     )
-
-
-def _nbytes(dtype: str, shape: tuple[int, ...]) -> int:
-    from shardctl.dtypes import nbytes
-
-    n = 1
-    for s in shape:
-        n *= s
-    return nbytes(dtype, n)
 
 
 def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
@@ -171,14 +155,13 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
                 continue
             dest.shards.setdefault(s.fqn, []).append(
                 DstShard(
-                    i,
                     s.fqn,
                     s.dtype,
                     s.local_shape,
                     s.pieces,
-                    root / name,
                     header.data_offset + entry.begin,
-                    entry.nbytes,
+                    path=root / name,
+                    rank=i,
                 )
             )
     for name, header in headers.items():

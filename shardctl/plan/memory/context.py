@@ -14,7 +14,7 @@ from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
-from shardctl.plan.memory.quant import quantized_weight_bytes
+from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
 from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
@@ -78,6 +78,18 @@ class Context:
 
     def weight_bytes(self, c: Counts, given: int | None) -> int:
         q = self.quant
+        if q.method != "none" and self.shape is None:
+            # A bare count has no kinds to keep in 16-bit: every parameter is priced in the
+            # format, payload plus per-group scales (docs/memory-model.md, "bare counts").
+            return matrix_bytes(
+                q.formula,
+                c.total,
+                0,
+                0,
+                1,
+                group_size=q.group_size or 128,
+                double_quant=q.double_quant,
+            )
         if q.method != "none" and self.shape is not None:
             return quantized_weight_bytes(
                 c,
@@ -129,7 +141,7 @@ class Context:
         hit = self._cache.get(st.index)
         if hit is not None:
             return hit
-        no_tokens = (
+        no_tokens = self.workload.only_weights or (
             self.workload.sequence_length == 0
             if self.training is None
             else self.training.sequence_length == 0

@@ -45,6 +45,8 @@ class Workload:
     ``sequence_length`` 0 (the default, as in a manifest) plans weights only (no KV cache, no
     activations).
     ``gpu_memory_utilization`` is the share of device memory the run may use (vLLM's flag).
+    ``only_weights`` (manifest ``mode: weights-only``, ``--weights-only``) prices weights and
+    overhead alone, on purpose: the plan then says "weights only".
     ``max_num_batched_tokens`` caps the tokens one forward pass processes (vLLM's chunked
     prefill; 8192 is vLLM V1's default for offline inference); ``None`` prefills every
     prompt of the batch in one pass, as ``transformers``' ``generate`` does.
@@ -64,6 +66,9 @@ class Workload:
     gpu_memory_utilization: float = 0.9
     flash_attention: bool = True
     max_num_batched_tokens: int | None = 8192
+    # asked for: no KV cache, no activations (``mode: weights-only``). Not named weights_only:
+    # that keyword is torch.load's safety flag, held to True everywhere by a static test.
+    only_weights: bool = False
     engine: str = "generic"
     max_num_seqs: int = 256
     block_size: int = 16
