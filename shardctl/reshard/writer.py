@@ -30,7 +30,7 @@ class OutFile:
         self.pos = 0
         self.flushed = 0  # bytes handed to writeback so far
         self.digest = ""
-        # Small tensors batched into one buffer (see Executor._small): the buffer, the file
+        # Small tensors batched into one buffer (see batching.Batching._small): the buffer, the file
         # offset of its first byte, bytes filled, and the source reads still to issue into it.
         self.pend: bytearray | None = None
         self.pend_at = 0
