@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardctl.console import console_for_output
 from shardctl.plan.groups import fold, group_ranks
 from shardctl.units import fmt_in, pick_unit
 
@@ -21,14 +22,6 @@ if TYPE_CHECKING:
 
 MEMORY_COLUMNS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
 MAX_ROWS = 64
-
-
-def console_for_output() -> Console:
-    """A console that wraps at the terminal's width, and never off a terminal (CI logs)."""
-    console = Console()
-    if console.is_terminal:
-        return console
-    return Console(width=10_000, soft_wrap=True)
 
 
 def render_plan(
