@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardctl.checkpoint import record
+from shardctl.checkpoint import record, record_write
 from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
@@ -295,7 +295,7 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
     files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
     if the_plan.index is not None:
         files.append(digest_file(staging / INDEX_NAME, run.hash_name))
-    rec = record.build(
+    rec = record_write.build(
         fmt=the_plan.fmt,
         architecture=source.model.architecture,
         layout=the_plan.layout,
@@ -308,7 +308,7 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
         carried=carried,
     )
     shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
-    record.write(staging, rec)
+    record_write.write(staging, rec)
     faults.point("record_written")
     atomic.commit(staging, run.dst, replace=run.force)
     run.staging = None
