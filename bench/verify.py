@@ -60,7 +60,7 @@ def _checkpoint(work: Path, size_mb: int) -> Path:
 def _child(src: Path, dst: Path, hashes: bool) -> int:
     """One timed bitwise level in this (fresh) process; prints a JSON line."""
     from shardctl.checkpoint.source import open_source
-    from shardctl.verify.bitwise import check_bitwise
+    from shardctl.verify.bitwise.level import check_bitwise
     from shardctl.verify.dst import open_destination
 
     source, dest = open_source(src), open_destination(dst)

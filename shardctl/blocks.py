@@ -1,5 +1,5 @@
 """Block geometry shared by the copy (``reshard/copy.py``) and the bitwise compare
-(``verify/bitwise.py``): how a local tensor made of pieces is addressed in its file, and how
+(``verify/bitwise/``): how a local tensor made of pieces is addressed in its file, and how
 its rows are cut into blocks. Both engines walk tensors in row-major blocks — rows
 ``[r0, r1)`` of one dim, every dim before it fixed, every dim after it whole — so one set of
 strides, flat offsets and contiguity rules serves both, and a fix lands in both at once.

@@ -13,6 +13,7 @@ import sys
 import traceback
 from collections.abc import Callable
 from types import FrameType
+from typing import Any
 
 import typer
 
@@ -132,3 +133,14 @@ __all__ = [
     "safe_streams",
     "usage_line",
 ]
+
+
+def console_for_output(*, stderr: bool = False) -> Any:
+    """A rich console that wraps at the terminal's width, and never off a terminal: CI logs
+    get whole lines (``mesh PP1×…``, not ``mesh \\nPP1×…``). Every renderer prints through one."""
+    from rich.console import Console
+
+    console = Console(stderr=stderr)
+    if console.is_terminal:
+        return console
+    return Console(stderr=stderr, width=10_000, soft_wrap=True)

@@ -237,6 +237,7 @@ def _on_rank(
 def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Path]]) -> Path:
     """Record ``layout`` as reshard would (``shardctl.layout.json``), so ``verify`` can open it."""
     from shardctl.checkpoint import record as rec
+    from shardctl.checkpoint import record_write
     from shardctl.checkpoint.source import open_source
     from shardctl.io.checksum import new_hash
     from shardctl.model.types import TensorInfo
@@ -252,7 +253,7 @@ def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Pat
         h = new_hash("blake3")
         h.update(path.read_bytes())
         digests.append(rec.FileDigest(path.name, path.stat().st_size, h.hexdigest()))
-    data = rec.build(
+    data = record_write.build(
         fmt="ranks",
         architecture=layout.architecture,
         layout=layout,
@@ -264,4 +265,4 @@ def write_record(src: Path, out: Path, layout: Layout, files: dict[int, list[Pat
         files=digests,
         carried=["config.json"],
     )
-    return rec.write(out, data)
+    return record_write.write(out, data)

@@ -21,6 +21,7 @@ from shardctl.checkpoint.source import SourceShard
 from shardctl.console import exit_code_for
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Piece
+from shardctl.reshard import boxes as boxes_mod
 from shardctl.reshard import copy as copy_mod
 from shardctl.reshard.api import reshard
 from tests._hostile import cli, one_line, tree_sha
@@ -262,11 +263,11 @@ def _src(pieces: list[tuple[int, int]]) -> list[SourceShard]:
 
 def test_I9_copy_refuses_overlap_with_the_right_count() -> None:
     target = [Piece((0, 0), (16, 4), (0, 0))]
-    assert len(copy_mod.plan_boxes("w", target, _src([(0, 8), (8, 8)]))) == 2
+    assert len(boxes_mod.plan_boxes("w", target, _src([(0, 8), (8, 8)]))) == 2
     with pytest.raises(InvalidInputError, match="overlapping"):
-        copy_mod.plan_boxes("w", target, _src([(0, 8), (6, 8), (14, 2)]))  # 8+8+2 != 16
+        boxes_mod.plan_boxes("w", target, _src([(0, 8), (6, 8), (14, 2)]))  # 8+8+2 != 16
     with pytest.raises(InvalidInputError, match="overlapping"):
-        copy_mod.plan_boxes("w", target, _src([(0, 8), (6, 8)]))  # 16 = 16, rows 6,7 twice
+        boxes_mod.plan_boxes("w", target, _src([(0, 8), (6, 8)]))  # 16 = 16, rows 6,7 twice
 
 
 def test_I9_no_output_byte_comes_from_an_earlier_block(

@@ -396,3 +396,25 @@ def test_bundled_layouts() -> None:
     assert train.mesh == Mesh(dp=8)
     big = load_manifest(ROOT / "manifests" / "llama-3.1-405b-tp8-pp2.yaml")
     assert big.hardware.nodes == 2 and big.hardware.gpus == big.mesh.world
+
+
+def test_micro_batch_defaults_to_global_over_dp() -> None:
+    # Issue 15: batch 8 on dp 8 is one sequence per rank (DeepSpeed train_batch_size, Megatron
+    # --global-batch-size), not eight.
+    m = parse(
+        "model: {parameters: 1000}\nmesh: {dp: 8}\nworkload: {mode: training, batch_size: 8}\n"
+    )
+    assert m.training is not None
+    assert (m.training.micro_batch_size, m.training.global_batch_size) == (1, 8)
+    m = parse(
+        "model: {parameters: 1000}\nmesh: {dp: 2}\n"
+        "workload: {mode: training, batch_size: 16, gradient_accumulation_steps: 2}\n"
+    )
+    assert m.training is not None and m.training.micro_batch_size == 4
+
+
+def test_micro_batch_refused_when_global_does_not_divide() -> None:
+    with pytest.raises(ManifestError, match=r"workload\.batch_size.*not divisible.*8 × 1 = 8"):
+        parse(
+            "model: {parameters: 1000}\nmesh: {dp: 8}\nworkload: {mode: training, batch_size: 12}\n"
+        )

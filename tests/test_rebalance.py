@@ -2,7 +2,7 @@
 the real CLI, takes from each old file the bytes the plan said.
 
 Two instruments: (1) the layout record the reshard wrote, put against the old source through
-reshard's own box planner (``shardctl.reshard.copy.plan_boxes``), gives the bytes per (new
+reshard's own box planner (``shardctl.reshard.boxes.plan_boxes``), gives the bytes per (new
 rank, old file); (2) a wrapper around the copy engine's one read function
 (``Executor._read``) counts the bytes it read per old file. The input-digest check, which may
 hash whole input files on its own thread, is not a copy read and is not counted.
@@ -25,6 +25,7 @@ from shardctl.cli import app
 from shardctl.dtypes import nbytes
 from shardctl.layout.types import Piece
 from shardctl.reshard import copy
+from shardctl.reshard.boxes import plan_boxes
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -84,7 +85,7 @@ def _boxes_per_rank(src: Path, dst: Path) -> dict[int, dict[str, int]]:
             targets.append((0, t["fqn"], [Piece(zeros, tuple(t["global_shape"]), zeros)]))
     out: dict[int, dict[str, int]] = {}
     for rank, fqn, pieces in targets:
-        for b in copy.plan_boxes(fqn, pieces, old.shards[fqn]):
+        for b in plan_boxes(fqn, pieces, old.shards[fqn]):
             per = out.setdefault(rank, {})
             name = names[b.src.file]
             per[name] = per.get(name, 0) + nbytes(b.src.dtype, math.prod(b.sizes or (1,)))

@@ -19,7 +19,8 @@ from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import new_hash
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Piece, Shard
-from shardctl.reshard.copy import Executor, plan_boxes
+from shardctl.reshard.boxes import plan_boxes
+from shardctl.reshard.copy import Executor
 
 DTYPES = {"U8": 1, "BF16": 2, "F32": 4, "F8_E4M3": 1, "I64": 8}
 

@@ -286,10 +286,10 @@ def test_render_tables_for_pass_and_fail(cks: Checkpoints) -> None:
 def tiny_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 48 bytes: one row of the tiny models no longer fits, so blocks run along the
     last dim (a leading index fixed), tensors span hundreds of blocks, DST rows are capped."""
-    from shardctl.verify import bitwise
+    from shardctl.verify.bitwise import plan
 
-    monkeypatch.setattr(bitwise, "BLOCK_BYTES", 48)
-    monkeypatch.setattr(bitwise, "DST_CAP_BYTES", 80)
+    monkeypatch.setattr(plan, "BLOCK_BYTES", 48)
+    monkeypatch.setattr(plan, "DST_CAP_BYTES", 80)
 
 
 TINY = [
@@ -310,7 +310,7 @@ def test_tiny_blocks_and_threads_read_each_byte_once(
     mesh: Mesh,
     threads: int,
 ) -> None:
-    from shardctl.verify.bitwise import THREADS_ENV
+    from shardctl.verify.bitwise.pipeline import THREADS_ENV
 
     monkeypatch.setenv(THREADS_ENV, str(threads))
     src, dst = cks.ckpt(name), cks.resharded(name, mesh)
@@ -352,10 +352,10 @@ def test_out_of_order_files_are_hashed_again(cks: Checkpoints, tiny_blocks: None
 def test_three_dim_tensors_and_scalars(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, blocks: str
 ) -> None:
-    from shardctl.verify import bitwise
+    from shardctl.verify.bitwise import plan
 
     if blocks == "tiny":
-        monkeypatch.setattr(bitwise, "BLOCK_BYTES", 24)  # one [5, 7] slice does not fit
+        monkeypatch.setattr(plan, "BLOCK_BYTES", 24)  # one [5, 7] slice does not fit
     src, dst = tmp_path / "src", tmp_path / "dst"
     src.mkdir()
     g = torch.Generator().manual_seed(0)
@@ -381,7 +381,7 @@ def test_three_dim_tensors_and_scalars(
 
 def test_a_file_truncated_during_the_run_is_an_io_error(cks: Checkpoints) -> None:
     from shardctl.checkpoint.source import open_source
-    from shardctl.verify.bitwise import check_bitwise
+    from shardctl.verify.bitwise.level import check_bitwise
     from shardctl.verify.dst import open_destination
 
     dst = cks.resharded("llama", Mesh(tp=2))

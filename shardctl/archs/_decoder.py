@@ -216,6 +216,7 @@ def decoder_family(
     follows: str = LLAMA_FOLLOWS,
     shape_keys: tuple[str, ...] = DECODER_SHAPES,
     config_keys: tuple[str, ...] = DECODER_OTHER,
+    sliding_layers: str = "none",
 ) -> Family:
     """A Llama-like family. ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: ``None`` follows the
     config's ``attention_bias`` / ``mlp_bias``; a bool fixes it. ``layer`` replaces the whole
@@ -264,4 +265,5 @@ def decoder_family(
         follows=follows,
         shape_keys=shape_keys,
         config_keys=config_keys,
+        sliding_layers=sliding_layers,
     )

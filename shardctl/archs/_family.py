@@ -102,6 +102,9 @@ class Family:
     # inventory reads, and the ones accepted and ignored (no tensor shape depends on them).
     shape_keys: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
+    # Which layers slide when the config has ``sliding_window`` but no ``layer_types`` (the KV
+    # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...).
+    sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
 
 

@@ -14,6 +14,7 @@ FAMILY = decoder_family(
     tied_default=True,
     extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     follows="vLLM gemma2.py",
+    sliding_layers="even",  # HF Gemma2DecoderLayer.is_sliding = not layer_idx % 2
     shape_keys=(*DECODER_SHAPES, "attention_bias"),
     config_keys=(
         *DECODER_OTHER,

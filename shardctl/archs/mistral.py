@@ -8,4 +8,8 @@ from __future__ import annotations
 from shardctl.archs._decoder import decoder_family
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
-FAMILY = decoder_family("mistral", config_keys=(*DECODER_OTHER, *SLIDING))
+FAMILY = decoder_family(
+    "mistral",
+    config_keys=(*DECODER_OTHER, *SLIDING),
+    sliding_layers="all",  # Mistral-7B-v0.1: every layer, window 4096
+)

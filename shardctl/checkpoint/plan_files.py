@@ -17,7 +17,8 @@ import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from shardctl.checkpoint.record import SCHEMA, shard_json
+from shardctl.checkpoint.record import SCHEMA
+from shardctl.checkpoint.record_write import shard_json
 from shardctl.dtypes import nbytes
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard

@@ -44,19 +44,16 @@ output needs only this record, never the rules that made it. Schema ``"shardctl.
   ``"shardctl"`` (JSON), and carries torch DCP's ``DCP_SHARDING_INFO`` (``saved_offsets``) when
   every shard in the file is rectangular; fused or padded shards, which DCP offsets cannot
   express, leave it out (DCP then refuses the directory instead of loading wrong values).
+
+This module reads and validates the record; ``record_write`` builds and writes it.
 """
 
 from __future__ import annotations
 
-import json
-import os
-import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from shardctl import __version__
 from shardctl.checkpoint import record_check
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
@@ -99,149 +96,6 @@ class LayoutRecord:
     carried: tuple[str, ...]
     source: dict[str, Any]
     raw: dict[str, Any]
-
-
-def shard_json(shard: Shard, file: str) -> dict[str, Any]:
-    return {
-        "fqn": shard.fqn,
-        "file": file,
-        "placement": shard.placement,
-        "local_shape": list(shard.local_shape),
-        "pieces": [
-            {
-                "offsets": list(p.offsets),
-                "sizes": list(p.sizes),
-                "local_offsets": list(p.local_offsets),
-            }
-            for p in shard.pieces
-        ],
-    }
-
-
-class RankRows:
-    """A rank's ``shards`` rows, made when iterated: ``write`` encodes one rank at a time, so
-    the rows of 180,000 shards (~1 KB each as dicts) never all exist at once."""
-
-    def __init__(
-        self, shards: tuple[Shard, ...], rank: int, shard_files: dict[tuple[int, str], str]
-    ) -> None:
-        self.shards, self.rank, self.shard_files = shards, rank, shard_files
-
-    def __iter__(self) -> Iterator[dict[str, Any]]:
-        for s in self.shards:
-            yield shard_json(s, self.shard_files[(self.rank, s.fqn)])
-
-    def __len__(self) -> int:
-        return len(self.shards)
-
-
-def build(
-    *,
-    fmt: str,
-    architecture: str,
-    layout: Layout | None,
-    tensors: tuple[TensorInfo, ...],
-    padded_shapes: dict[str, tuple[int, ...]],
-    shard_files: dict[tuple[int, str], str],
-    source: dict[str, Any],
-    hash_name: str,
-    files: list[FileDigest],
-    carried: list[str],
-) -> dict[str, Any]:
-    """The record as a dict for ``write`` (each rank's ``shards`` a ``RankRows``)."""
-    ranks: list[dict[str, Any]] = []
-    if layout is not None:
-        for i, rl in enumerate(layout.ranks):
-            ranks.append(
-                {
-                    "rank": i,
-                    "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
-                    "shards": RankRows(rl.shards, i, shard_files),
-                }
-            )
-    opts = layout.options if layout is not None else LayoutOptions()
-    return {
-        "schema": SCHEMA,
-        "tool": {"name": "shardctl", "version": __version__},
-        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "format": fmt,
-        "architecture": architecture,
-        "mesh": (layout.mesh if layout is not None else Mesh()).as_dict(),
-        "options": {
-            "pipeline": opts.pipeline,
-            "layers_per_stage": list(opts.layers_per_stage) if opts.layers_per_stage else None,
-            "vocab_padding": opts.vocab_padding,
-            "uneven": opts.uneven,
-        },
-        "stages": [
-            {"index": s.index, "layers": list(s.layers) if s.layers else None}
-            for s in (layout.stages if layout is not None else ())
-        ],
-        "source": source,
-        "tensors": [
-            {
-                "fqn": t.fqn,
-                "dtype": t.dtype,
-                "global_shape": list(t.shape),
-                "padded_shape": list(padded_shapes.get(t.fqn, t.shape)),
-            }
-            for t in tensors
-        ],
-        "ranks": ranks,
-        "hash": hash_name,
-        "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in files],
-        "carried": carried,
-    }
-
-
-def write(directory: Path, record: dict[str, Any]) -> Path:
-    """Write and fsync ``shardctl.layout.json`` in ``directory``."""
-    path = directory / RECORD_NAME
-    data = _dumps(record)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o666)
-    try:
-        os.write(fd, data)
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    return path
-
-
-def _dumps(record: dict[str, Any]) -> bytes:
-    """The record as JSON, one top-level key, tensor or shard per line.
-
-    ``json.dumps(indent=...)`` runs the pure-Python encoder: 5 s for a 12k-tensor MoE split
-    four ways. Each line here goes through the C encoder, so the text stays diffable and
-    ``grep``-able at a fraction of the cost.
-    """
-
-    def one(v: Any) -> str:
-        return json.dumps(v, separators=(", ", ": "))
-
-    def rows(items: list[Any], indent: str) -> str:
-        # One encoder call for the whole list, then a line break between its objects: the
-        # text '}, {"fqn"' cannot occur inside a JSON string (its quote would be escaped).
-        if not items:
-            return "[]"
-        body = one(items)[1:-1].replace('}, {"fqn"', "},\n" + indent + '{"fqn"')
-        return "[\n" + indent + body + "\n" + indent[:-1] + "]"
-
-    lines = []
-    for key, value in record.items():
-        if key == "tensors" and isinstance(value, list):
-            text = rows(value, "  ")
-        elif key == "ranks" and isinstance(value, list):
-            ranks = []
-            for r in value:
-                head = {k: v for k, v in r.items() if k != "shards"}
-                inner = one(head)[:-1]
-                shards = list(r.get("shards", []))
-                ranks.append(f'  {inner}, "shards": {rows(shards, "   ")}}}')
-            text = "[\n" + ",\n".join(ranks) + "\n ]" if ranks else "[]"
-        else:
-            text = one(value)
-        lines.append(f" {json.dumps(key)}: {text}")
-    return ("{\n" + ",\n".join(lines) + "\n}\n").encode("utf-8")
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -316,6 +170,52 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
     fmt = _str(obj["format"], "format", where)
     if fmt not in ("ranks", "hf"):
         raise InvalidInputError(f"format: expected 'ranks' or 'hf', got {fmt!r}", where=where)
+    tensors, padded = _tensors(obj, where)
+    m = obj["mesh"]
+    mesh = Mesh(**{a: int(m[a]) for a in ("pp", "dp", "ep", "tp")})
+    options = _options(obj)
+    stages = tuple(
+        Stage(
+            int(s["index"]), (int(s["layers"][0]), int(s["layers"][1])) if s.get("layers") else None
+        )
+        for s in obj.get("stages", [])
+    )
+    files = tuple(
+        FileDigest(_str(f["name"], "files[].name", where), int(f["size"]), str(f["digest"]))
+        for f in obj["files"]
+    )
+    shard_files: dict[tuple[int, str], str] = {}
+    layout: Layout | None = None
+    if fmt == "ranks":
+        info = {t.fqn: t for t in tensors}
+        ranks = _ranks(obj, mesh, info, {f.name for f in files}, shard_files, where)
+        layout = Layout(
+            architecture=str(obj.get("architecture", "unknown")),
+            mesh=mesh,
+            options=options,
+            stages=stages,
+            ranks=ranks,
+            padded_shapes=padded,
+        )
+    return LayoutRecord(
+        format=fmt,
+        architecture=str(obj.get("architecture", "unknown")),
+        layout=layout,
+        tensors=tensors,
+        padded_shapes=padded,
+        shard_files=shard_files,
+        hash=_hash_name(obj["hash"], where),
+        files=files,
+        carried=tuple(str(c) for c in obj.get("carried", [])),
+        source=dict(obj.get("source") or {}),
+        raw=obj,
+    )
+
+
+def _tensors(
+    obj: dict[str, Any], where: str
+) -> tuple[tuple[TensorInfo, ...], dict[str, tuple[int, ...]]]:
+    """The ``tensors`` rows (names unique, not empty) and the padded shapes that differ."""
     tensors: list[TensorInfo] = []
     padded: dict[str, tuple[int, ...]] = {}
     seen: set[str] = set()
@@ -330,76 +230,52 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
         pshape = _ints(t.get("padded_shape", list(shape)), f"{w}.padded_shape", where)
         if pshape != shape:
             padded[fqn] = pshape
-    info = {t.fqn: t for t in tensors}
-    m = obj["mesh"]
-    mesh = Mesh(**{a: int(m[a]) for a in ("pp", "dp", "ep", "tp")})
+    return tuple(tensors), padded
+
+
+def _options(obj: dict[str, Any]) -> LayoutOptions:
     o = obj.get("options") or {}
     lps = o.get("layers_per_stage")
-    options = LayoutOptions(
+    return LayoutOptions(
         pipeline=o.get("pipeline", "even"),
         layers_per_stage=tuple(lps) if lps else None,
         vocab_padding=o.get("vocab_padding", "tp"),
         uneven=o.get("uneven", "error"),
     )
-    stages = tuple(
-        Stage(
-            int(s["index"]), (int(s["layers"][0]), int(s["layers"][1])) if s.get("layers") else None
+
+
+def _ranks(
+    obj: dict[str, Any],
+    mesh: Mesh,
+    info: dict[str, TensorInfo],
+    names: set[str],
+    shard_files: dict[tuple[int, str], str],
+    where: str,
+) -> tuple[RankLayout, ...]:
+    """The ``ranks`` rows, one per model-parallel rank; fills ``shard_files[(rank, fqn)]``."""
+    if len(obj["ranks"]) != mesh.model_parallel:
+        raise InvalidInputError(
+            f"ranks: {len(obj['ranks'])} entries for a mesh of {mesh.model_parallel} "
+            "model-parallel ranks",
+            where=where,
         )
-        for s in obj.get("stages", [])
-    )
-    files = tuple(
-        FileDigest(_str(f["name"], "files[].name", where), int(f["size"]), str(f["digest"]))
-        for f in obj["files"]
-    )
-    names = {f.name for f in files}
-    shard_files: dict[tuple[int, str], str] = {}
-    layout: Layout | None = None
-    if fmt == "ranks":
-        if len(obj["ranks"]) != mesh.model_parallel:
-            raise InvalidInputError(
-                f"ranks: {len(obj['ranks'])} entries for a mesh of {mesh.model_parallel} "
-                "model-parallel ranks",
-                where=where,
-            )
-        ranks: list[RankLayout] = []
-        for i, r in enumerate(obj["ranks"]):
-            shards: list[Shard] = []
-            for j, s in enumerate(r["shards"]):
-                w = f"ranks[{i}].shards[{j}]"
-                fqn = _str(s["fqn"], f"{w}.fqn", where)
-                if fqn not in info:
-                    raise InvalidInputError(f"{w}: tensor {fqn!r} not in 'tensors'", where=where)
-                file = _str(s["file"], f"{w}.file", where)
-                if file not in names or "/" in file or file.startswith("."):
-                    raise InvalidInputError(
-                        f"{w}.file: {file!r} is not a recorded file", where=where
-                    )
-                shard = _shard(s, info[fqn], w, where)
-                shards.append(shard)
-                shard_files[(i, fqn)] = file
-            c = r["coord"]
-            ranks.append(RankLayout(int(c["pp"]), int(c["ep"]), int(c["tp"]), tuple(shards)))
-        layout = Layout(
-            architecture=str(obj.get("architecture", "unknown")),
-            mesh=mesh,
-            options=options,
-            stages=stages,
-            ranks=tuple(ranks),
-            padded_shapes=padded,
-        )
-    return LayoutRecord(
-        format=fmt,
-        architecture=str(obj.get("architecture", "unknown")),
-        layout=layout,
-        tensors=tuple(tensors),
-        padded_shapes=padded,
-        shard_files=shard_files,
-        hash=_hash_name(obj["hash"], where),
-        files=files,
-        carried=tuple(str(c) for c in obj.get("carried", [])),
-        source=dict(obj.get("source") or {}),
-        raw=obj,
-    )
+    ranks: list[RankLayout] = []
+    for i, r in enumerate(obj["ranks"]):
+        shards: list[Shard] = []
+        for j, s in enumerate(r["shards"]):
+            w = f"ranks[{i}].shards[{j}]"
+            fqn = _str(s["fqn"], f"{w}.fqn", where)
+            if fqn not in info:
+                raise InvalidInputError(f"{w}: tensor {fqn!r} not in 'tensors'", where=where)
+            file = _str(s["file"], f"{w}.file", where)
+            if file not in names or "/" in file or file.startswith("."):
+                raise InvalidInputError(f"{w}.file: {file!r} is not a recorded file", where=where)
+            shard = _shard(s, info[fqn], w, where)
+            shards.append(shard)
+            shard_files[(i, fqn)] = file
+        c = r["coord"]
+        ranks.append(RankLayout(int(c["pp"]), int(c["ep"]), int(c["tp"]), tuple(shards)))
+    return tuple(ranks)
 
 
 def _hash_name(value: Any, where: str) -> str:

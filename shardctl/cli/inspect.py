@@ -12,6 +12,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
+from shardctl.console import console_for_output
 from shardctl.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -44,7 +45,7 @@ def inspect(
 
 def render_inspect(info: InspectResult, console: Console | None = None) -> None:
     """The checkpoint at a glance; names from the checkpoint are printed literally."""
-    console = console or Console()
+    console = console or console_for_output()
     m = info.model
     console.print(f"[bold]{escape(str(info.path))}[/bold]  ({info.kind})")
     console.print(

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.text import Text
 
 from shardctl.cli._common import MAX_AXIS, MAX_WORKERS, MaxHeaderBytes, emit_json, header_limit
+from shardctl.console import console_for_output
 from shardctl.units import fmt_bytes
 
 if TYPE_CHECKING:
@@ -141,7 +142,7 @@ def reshard(
     if as_json:
         emit_json(result.to_json())
     elif not quiet:
-        Console().print(summary(result))
+        console_for_output().print(summary(result))
 
 
 @contextmanager

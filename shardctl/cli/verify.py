@@ -13,6 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from shardctl.cli._common import MaxHeaderBytes, emit_json, header_limit
+from shardctl.console import console_for_output
 from shardctl.errors import EXIT_NEGATIVE
 from shardctl.verify.result import LevelResult, VerifyResult
 
@@ -64,9 +65,7 @@ def verify(
     if as_json:
         emit_json(doc)
     else:
-        from rich.console import Console
-
-        Console().print(render(result, verbose=verbose))
+        console_for_output().print(render(result, verbose=verbose))
     if not result.ok:
         raise typer.Exit(EXIT_NEGATIVE)
 

@@ -37,8 +37,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
-import stat
 from collections.abc import Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -46,7 +44,8 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
-from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.errors import InvalidInputError
+from shardctl.io.header_raw import JsonObject, decode_json, json_type, read_raw, short
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 2**20
 # The largest limit ``--max-header-bytes`` may set: a legal 72 MB header already costs ~18 s and
@@ -119,18 +118,6 @@ class SafetensorsHeader:
         raise KeyError(name)
 
 
-class _Object(list[tuple[str, Any]]):
-    """A JSON object kept as its key/value pairs, so duplicates survive parsing."""
-
-
-class _Refused(ValueError):
-    pass
-
-
-def _refuse_constant(name: str) -> Any:
-    raise _Refused(f"non-finite number {name}")
-
-
 def read_header(path: Path, *, max_header_bytes: int | None = None) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path``; reads no tensor data.
 
@@ -138,53 +125,14 @@ def read_header(path: Path, *, max_header_bytes: int | None = None) -> Safetenso
     if max_header_bytes is None or max_header_bytes == DEFAULT_MAX_HEADER_BYTES:
         max_header_bytes = _limit[0]
     path = Path(path)
-    where = str(path)
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise InvalidInputError("file not found", where=where) from None
-    except PermissionError as exc:
-        raise EnvironmentFailure(f"cannot open: {exc.strerror}", where=where) from None
-    except OSError as exc:  # ENXIO (socket), ELOOP, ...
-        raise InvalidInputError(f"cannot open: {exc.strerror}", where=where) from None
-    try:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            raise InvalidInputError(
-                f"not a regular file ({_kind(st.st_mode)})",
-                where=where,
-                hint="pass a safetensors file, not a FIFO, directory or device",
-            )
-        file_size = st.st_size
-        if file_size < 8:
-            raise InvalidInputError(
-                f"not a safetensors file (too small: {file_size} bytes, need at least 8)",
-                where=where,
-            )
-        header_len = int.from_bytes(_pread_exact(fd, 8, 0, where), "little")
-        if header_len > max_header_bytes:
-            raise InvalidInputError(
-                f"header exceeds shardctl limit ({_mib(max_header_bytes)}): "
-                f"header length field says {header_len} bytes",
-                where=where,
-                hint="pass --max-header-bytes N (reshard, verify, inspect) if the file is trusted",
-            )
-        if 8 + header_len > file_size:
-            raise InvalidInputError(
-                f"header length {header_len} runs past the end of the file "
-                f"({file_size} bytes): truncated or not a safetensors file",
-                where=where,
-            )
-        raw = _pread_exact(fd, header_len, 8, where)
-    finally:
-        os.close(fd)
+    raw, file_size = read_raw(path, max_header_bytes)
     return parse_header(raw, path=path, file_size=file_size)
 
 
 def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader:
     """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
     where = str(path)
-    pairs = _decode(raw, where)
+    pairs = decode_json(raw, where)
     metadata: dict[str, str] | None = None
     seen_metadata = False
     names: set[str] = set()
@@ -217,35 +165,10 @@ def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader
     )
 
 
-def _decode(raw: bytes, where: str) -> _Object:
-    """Strict UTF-8 JSON → the top-level object's pairs (nested objects are ``_Object`` too)."""
-    if b"\x00" in raw:
-        raise InvalidInputError("header holds NUL bytes (corrupt or NUL-padded)", where=where)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as exc:
-        raise InvalidInputError(
-            f"header is not valid UTF-8 (byte {exc.start} of the header)", where=where
-        ) from None
-    try:
-        value = json.loads(text, object_pairs_hook=_Object, parse_constant=_refuse_constant)
-    except RecursionError:
-        raise InvalidInputError("header JSON nests too deeply", where=where) from None
-    except _Refused as exc:
-        raise InvalidInputError(f"header is not strict JSON: {exc}", where=where) from None
-    except ValueError as exc:  # JSONDecodeError, or an integer literal too long to convert
-        raise InvalidInputError(f"header is not valid JSON: {exc}", where=where) from None
-    if not isinstance(value, _Object):
-        raise InvalidInputError(
-            f"header is not a JSON object (got {_json_type(value)})", where=where
-        )
-    return value
-
-
 def _metadata(info: Any, where: str) -> dict[str, str]:
-    if not isinstance(info, _Object):
+    if not isinstance(info, JsonObject):
         raise InvalidInputError(
-            f"{METADATA_KEY!r} must be an object of strings, got {_json_type(info)}", where=where
+            f"{METADATA_KEY!r} must be an object of strings, got {json_type(info)}", where=where
         )
     keys = {k for k, _ in info}
     if {"dtype", "shape", "data_offsets"} <= keys:
@@ -260,7 +183,7 @@ def _metadata(info: Any, where: str) -> dict[str, str]:
             raise InvalidInputError(f"duplicate key {key!r} in {METADATA_KEY!r}", where=where)
         if not isinstance(value, str):
             raise InvalidInputError(
-                f"{METADATA_KEY}[{key!r}]: expected a string, got {_json_type(value)}",
+                f"{METADATA_KEY}[{key!r}]: expected a string, got {json_type(value)}",
                 where=where,
             )
         out[key] = value
@@ -278,8 +201,8 @@ def _entry(name: str, info: Any, where: str) -> HeaderEntry:
             f"tensor name {name!r} is not valid Unicode (a lone surrogate)", where=where
         ) from None
     at = f"tensor {name!r}"
-    if not isinstance(info, _Object):
-        raise InvalidInputError(f"{at}: expected an object, got {_json_type(info)}", where=where)
+    if not isinstance(info, JsonObject):
+        raise InvalidInputError(f"{at}: expected an object, got {json_type(info)}", where=where)
     fields: dict[str, Any] = {}
     for key, value in info:
         if key in fields:
@@ -303,14 +226,14 @@ def _entry(name: str, info: Any, where: str) -> HeaderEntry:
         )
     if not isinstance(shape, list) or not _all_nonneg_ints(shape):
         raise InvalidInputError(
-            f"{at}: shape must be a list of non-negative integers, got {_short(shape)}",
+            f"{at}: shape must be a list of non-negative integers, got {short(shape)}",
             where=where,
         )
     offsets = fields["data_offsets"]
     if not isinstance(offsets, list) or len(offsets) != 2 or not _all_nonneg_ints(offsets):
         raise InvalidInputError(
             f"{at}: data_offsets must be [begin, end], two non-negative integers, "
-            f"got {_short(offsets)}",
+            f"got {short(offsets)}",
             where=where,
         )
     begin, end = offsets
@@ -385,63 +308,8 @@ def header_bytes(
     return len(body).to_bytes(8, "little") + body
 
 
-# ---- small helpers ---------------------------------------------------------------------
-
-
-def _pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
-    chunks: list[bytes] = []
-    got = 0
-    while got < n:
-        chunk = os.pread(fd, min(n - got, 1 << 20), offset + got)
-        if not chunk:
-            raise InvalidInputError(
-                f"file ended at byte {offset + got} while reading {n} bytes at {offset} "
-                "(changed while reading?)",
-                where=where,
-            )
-        chunks.append(chunk)
-        got += len(chunk)
-    return b"".join(chunks)
-
-
 def _all_nonneg_ints(values: list[Any]) -> bool:
     for v in values:
         if type(v) is not int or v < 0:
             return False
     return True
-
-
-def _json_type(v: Any) -> str:
-    if isinstance(v, _Object):
-        return "object"
-    if isinstance(v, list):
-        return "array"
-    if isinstance(v, bool):
-        return "boolean"
-    if v is None:
-        return "null"
-    if isinstance(v, (int, float)):
-        return "number"
-    return "string"
-
-
-def _short(v: Any) -> str:
-    text = repr(list(v) if isinstance(v, _Object) else v)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _kind(mode: int) -> str:
-    for test, name in (
-        (stat.S_ISDIR, "directory"),
-        (stat.S_ISFIFO, "FIFO"),
-        (stat.S_ISCHR, "character device"),
-        (stat.S_ISBLK, "block device"),
-        (stat.S_ISSOCK, "socket"),
-    ):
-        if test(mode):
-            return name
-    return "special file"
-
-
-def _mib(n: int) -> str:
-    return f"{n // 2**20} MiB" if n % 2**20 == 0 else f"{n} bytes"

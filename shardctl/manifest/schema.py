@@ -155,159 +155,203 @@ def _rules() -> dict[str, Any]:
     }
 
 
+def _mesh_section() -> dict[str, Any]:
+    return _object(
+        "mesh",
+        {
+            **{
+                axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
+                for axis in SECTION_KEYS["mesh"]
+                if axis != "expert_placement"
+            },
+            "expert_placement": _enum(
+                m.EXPERT_PLACEMENTS,
+                "separate (default): ep is its own mesh axis; shared: experts spread over "
+                "the tp x dp ranks of attention, ep = tp x dp (vLLM "
+                "--enable-expert-parallel, Megatron expert groups over dp).",
+            ),
+        },
+        "Device mesh, outer to inner pp, dp, ep, tp; omitted axes are 1.",
+    )
+
+
+def _hardware_section() -> dict[str, Any]:
+    return _object(
+        "hardware",
+        {
+            "device_memory": _size("Memory per GPU: 80GiB (2^30), 80GB (10^9) or bytes."),
+            "gpus_per_node": _int("GPUs per node (default 8).", 1, 1024),
+            "nodes": _int("Nodes (default 1).", 1, MAX_AXIS),
+            "gpu": {
+                "type": "string",
+                "examples": list(gpu_names()),
+                "description": "A GPU preset filling device_memory and bandwidths.",
+            },
+            "intra_node_bandwidth": _rate("Per GPU, per direction: 450GB/s, 400Gb/s (bits)."),
+            "inter_node_bandwidth": _rate("Per GPU, per direction: 50GB/s, 400Gb/s (bits)."),
+            "allow_tp_across_nodes": _bool("Let a tp group span nodes (default false)."),
+        },
+        "The cluster.",
+    )
+
+
+def _pipeline_section() -> dict[str, Any]:
+    return _object(
+        "pipeline",
+        {
+            "convention": _enum(
+                m.PIPELINE_CONVENTIONS,
+                "How layers split over pp stages when they don't divide evenly (default even).",
+            ),
+            "layers_per_stage": {
+                "type": ["array", "null"],
+                "items": {"type": "integer", "minimum": 0},
+                "description": "Explicit layer count per stage (one per pp stage).",
+            },
+        },
+        "Pipeline stage assignment.",
+    )
+
+
+def _layout_section() -> dict[str, Any]:
+    return _object(
+        "layout",
+        {
+            "vocab_padding": _enum(
+                m.VOCAB_PADDING,
+                "Pad the vocab to a multiple of tp (default), of 128*tp (megatron), or not at all.",
+            ),
+            "uneven": _enum(m.UNEVEN, "Uneven splits: error (default) or torch.chunk rule."),
+        },
+        "Named layout conventions where engines differ.",
+    )
+
+
+def _workload_section() -> dict[str, Any]:
+    return _object(
+        "workload",
+        {
+            "mode": _enum(
+                m.MODES,
+                "inference (default), training, or weights-only (no KV cache, no "
+                "activations: said in the output).",
+            ),
+            "batch_size": _int("Sequences per batch (default 1)."),
+            "sequence_length": _int("Tokens per sequence; 0 = weights only (default).", 0),
+            "kv_cache_dtype": _dtype("KV cache dtype (default: the model's; fp8 or auto)."),
+            "gpu_memory_utilization": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": 1,
+                "description": "Fraction of memory usable (default 0.9).",
+            },
+            "flash_attention": _bool("Flash attention (default true)."),
+            "engine": _enum(
+                m.ENGINES,
+                "Memory profile: generic (default) or vllm (vLLM's start-up accounting; "
+                "sequence_length is then max_model_len).",
+            ),
+            "max_num_seqs": _int("vLLM max_num_seqs: sequences in the profile (256)."),
+            "max_num_batched_tokens": _int(
+                "vLLM max_num_batched_tokens of the profile run "
+                "(default max(sequence_length, 2048))."
+            ),
+            "block_size": _int("vLLM KV block size in tokens (default 16)."),
+            "non_torch_memory": _size("vLLM non-torch memory per rank (default: measured)."),
+            "cuda_graph_memory": _size("CUDA graph memory charged before the KV cache (0)."),
+            "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
+            "gradient_accumulation_steps": _int("Default 1."),
+        },
+        "What runs on the cluster.",
+    )
+
+
+def _training_section() -> dict[str, Any]:
+    return _object(
+        "training",
+        {
+            "optimizer": _enum(m.OPTIMIZERS, "Default adamw."),
+            "zero": {
+                "anyOf": [
+                    {"type": "integer", "minimum": 0, "maximum": 3},
+                    {"enum": list(m.ZERO_FSDP_NAMES)},
+                ],
+                "description": "ZeRO stage 0-3 over dp, or an FSDP sharding strategy.",
+            },
+            "offload_optimizer": _enum(m.OFFLOAD, "Default none; needs zero>=1 (nvme: 3)."),
+            "offload_params": _enum(m.OFFLOAD, "Default none; needs zero 3."),
+            "recompute": _enum(m.RECOMPUTE, "Activation recomputation (default none)."),
+            "sequence_parallel": _bool("Megatron sequence parallelism (default false)."),
+            "master_weights": _bool("fp32 master weights (default true)."),
+            "grad_dtype": _dtype("Gradient dtype (default: the model's)."),
+            "pipeline_schedule": _enum(m.PIPELINE_SCHEDULES, "Default 1f1b."),
+            "num_microbatches": _int(
+                "Microbatches per step (default: gradient_accumulation_steps)."
+            ),
+        },
+        "Training states; giving this section implies workload.mode: training.",
+    )
+
+
+def _quantization_section() -> dict[str, Any]:
+    return {
+        **_object(
+            "quantization",
+            {
+                "method": _enum(m.QUANT_METHODS, "Weight quantization method."),
+                "group_size": _int(
+                    "Elements per scale group; 0 = per channel/tensor. Default per "
+                    "method: int4 128, nf4 64, mxfp4 32, nvfp4 16.",
+                    0,
+                ),
+                "double_quant": _bool("nf4 double quantization (default false)."),
+                "fp8_scaling": _enum(
+                    m.FP8_SCALING, "fp8 scales per tensor (default) or 128x128 block."
+                ),
+                "keep_16bit": {
+                    "type": "array",
+                    "items": {"type": "string", "minLength": 1},
+                    "description": "fqn globs left in 16-bit; default: "
+                    + ", ".join(m.DEFAULT_KEEP_16BIT),
+                },
+            },
+            "Quantized weights.",
+        ),
+        "required": ["method"],
+    }
+
+
+def _overhead_section() -> dict[str, Any]:
+    return _object(
+        "overhead",
+        {
+            **{k: _size(f"Override of the {k} overhead (bytes).") for k in m.OVERHEAD_SIZES},
+            **{
+                k: {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 0.99,
+                    "description": f"Override of the {k} fraction.",
+                }
+                for k in m.OVERHEAD_FRACTIONS
+            },
+        },
+        "Named overrides of the memory model's runtime overheads.",
+    )
+
+
 def _sections() -> dict[str, Any]:
     return {
         "model": _model(),
-        "mesh": _object(
-            "mesh",
-            {
-                **{
-                    axis: _int(f"Degree of the {axis} axis (default 1).", 1, MAX_AXIS)
-                    for axis in SECTION_KEYS["mesh"]
-                    if axis != "expert_placement"
-                },
-                "expert_placement": _enum(
-                    m.EXPERT_PLACEMENTS,
-                    "separate (default): ep is its own mesh axis; shared: experts spread over "
-                    "the tp x dp ranks of attention, ep = tp x dp (vLLM "
-                    "--enable-expert-parallel, Megatron expert groups over dp).",
-                ),
-            },
-            "Device mesh, outer to inner pp, dp, ep, tp; omitted axes are 1.",
-        ),
-        "hardware": _object(
-            "hardware",
-            {
-                "device_memory": _size("Memory per GPU: 80GiB (2^30), 80GB (10^9) or bytes."),
-                "gpus_per_node": _int("GPUs per node (default 8).", 1, 1024),
-                "nodes": _int("Nodes (default 1).", 1, MAX_AXIS),
-                "gpu": {
-                    "type": "string",
-                    "examples": list(gpu_names()),
-                    "description": "A GPU preset filling device_memory and bandwidths.",
-                },
-                "intra_node_bandwidth": _rate("Per GPU, per direction: 450GB/s, 400Gb/s (bits)."),
-                "inter_node_bandwidth": _rate("Per GPU, per direction: 50GB/s, 400Gb/s (bits)."),
-                "allow_tp_across_nodes": _bool("Let a tp group span nodes (default false)."),
-            },
-            "The cluster.",
-        ),
-        "pipeline": _object(
-            "pipeline",
-            {
-                "convention": _enum(
-                    m.PIPELINE_CONVENTIONS,
-                    "How layers split over pp stages when they don't divide evenly (default even).",
-                ),
-                "layers_per_stage": {
-                    "type": ["array", "null"],
-                    "items": {"type": "integer", "minimum": 0},
-                    "description": "Explicit layer count per stage (one per pp stage).",
-                },
-            },
-            "Pipeline stage assignment.",
-        ),
-        "layout": _object(
-            "layout",
-            {
-                "vocab_padding": _enum(
-                    m.VOCAB_PADDING,
-                    "Pad the vocab to a multiple of tp "
-                    "(default), of 128*tp (megatron), or not at all.",
-                ),
-                "uneven": _enum(m.UNEVEN, "Uneven splits: error (default) or torch.chunk rule."),
-            },
-            "Named layout conventions where engines differ.",
-        ),
+        "mesh": _mesh_section(),
+        "hardware": _hardware_section(),
+        "pipeline": _pipeline_section(),
+        "layout": _layout_section(),
         "rules": _rules(),
-        "workload": _object(
-            "workload",
-            {
-                "mode": _enum(
-                    m.MODES,
-                    "inference (default), training, or weights-only (no KV cache, no "
-                    "activations: said in the output).",
-                ),
-                "batch_size": _int("Sequences per batch (default 1)."),
-                "sequence_length": _int("Tokens per sequence; 0 = weights only (default).", 0),
-                "kv_cache_dtype": _dtype("KV cache dtype (default: the model's; fp8 or auto)."),
-                "gpu_memory_utilization": {
-                    "type": "number",
-                    "exclusiveMinimum": 0,
-                    "maximum": 1,
-                    "description": "Fraction of memory usable (default 0.9).",
-                },
-                "flash_attention": _bool("Flash attention (default true)."),
-                "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
-                "gradient_accumulation_steps": _int("Default 1."),
-            },
-            "What runs on the cluster.",
-        ),
-        "training": _object(
-            "training",
-            {
-                "optimizer": _enum(m.OPTIMIZERS, "Default adamw."),
-                "zero": {
-                    "anyOf": [
-                        {"type": "integer", "minimum": 0, "maximum": 3},
-                        {"enum": list(m.ZERO_FSDP_NAMES)},
-                    ],
-                    "description": "ZeRO stage 0-3 over dp, or an FSDP sharding strategy.",
-                },
-                "offload_optimizer": _enum(m.OFFLOAD, "Default none; needs zero>=1 (nvme: 3)."),
-                "offload_params": _enum(m.OFFLOAD, "Default none; needs zero 3."),
-                "recompute": _enum(m.RECOMPUTE, "Activation recomputation (default none)."),
-                "sequence_parallel": _bool("Megatron sequence parallelism (default false)."),
-                "master_weights": _bool("fp32 master weights (default true)."),
-                "grad_dtype": _dtype("Gradient dtype (default: the model's)."),
-                "pipeline_schedule": _enum(m.PIPELINE_SCHEDULES, "Default 1f1b."),
-                "num_microbatches": _int(
-                    "Microbatches per step (default: gradient_accumulation_steps)."
-                ),
-            },
-            "Training states; giving this section implies workload.mode: training.",
-        ),
-        "quantization": {
-            **_object(
-                "quantization",
-                {
-                    "method": _enum(m.QUANT_METHODS, "Weight quantization method."),
-                    "group_size": _int(
-                        "Elements per scale group; 0 = per channel/tensor. Default per "
-                        "method: int4 128, nf4 64, mxfp4 32, nvfp4 16.",
-                        0,
-                    ),
-                    "double_quant": _bool("nf4 double quantization (default false)."),
-                    "fp8_scaling": _enum(
-                        m.FP8_SCALING, "fp8 scales per tensor (default) or 128x128 block."
-                    ),
-                    "keep_16bit": {
-                        "type": "array",
-                        "items": {"type": "string", "minLength": 1},
-                        "description": "fqn globs left in 16-bit; default: "
-                        + ", ".join(m.DEFAULT_KEEP_16BIT),
-                    },
-                },
-                "Quantized weights.",
-            ),
-            "required": ["method"],
-        },
-        "overhead": _object(
-            "overhead",
-            {
-                **{k: _size(f"Override of the {k} overhead (bytes).") for k in m.OVERHEAD_SIZES},
-                **{
-                    k: {
-                        "type": "number",
-                        "minimum": 0,
-                        "maximum": 0.99,
-                        "description": f"Override of the {k} fraction.",
-                    }
-                    for k in m.OVERHEAD_FRACTIONS
-                },
-            },
-            "Named overrides of the memory model's runtime overheads.",
-        ),
+        "workload": _workload_section(),
+        "training": _training_section(),
+        "quantization": _quantization_section(),
+        "overhead": _overhead_section(),
     }
 
 

@@ -65,6 +65,12 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
             0.9,
         ),
         flash_attention=get(section, "flash_attention", path, read_bool, True),
+        engine=get(section, "engine", path, enum(m.ENGINES), "generic"),
+        max_num_seqs=get(section, "max_num_seqs", path, read_positive, 256),
+        block_size=get(section, "block_size", path, read_positive, 16),
+        profile_tokens=get(section, "max_num_batched_tokens", path, read_positive, None),
+        non_torch_memory=get(section, "non_torch_memory", path, read_size, None),
+        cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, 0),
         only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
@@ -81,6 +87,27 @@ def _kvread_dtype(node: Node, path: str) -> str | None:
     return read_dtype(node, path)
 
 
+def _micro_per_rank(keys: WorkloadKeys, dp: int, problems: Problems) -> int:
+    """Without ``micro_batch_size``, ``batch_size`` is the global batch: each dp rank runs
+    ``batch_size / (dp × gradient_accumulation_steps)`` sequences per micro-batch (what
+    DeepSpeed's ``train_batch_size`` and Megatron's ``--global-batch-size`` mean). Batch 8 on
+    dp 8 is one sequence per rank, not eight."""
+    batch, steps = keys.workload.batch_size, keys.gradient_accumulation_steps
+    if batch % (dp * steps):
+        problems.add(
+            Invalid(
+                "workload.batch_size",
+                f"is {batch}, not divisible by mesh.dp × gradient_accumulation_steps = "
+                f"{dp} × {steps} = {dp * steps}",
+                None,
+                "set workload.micro_batch_size, or a batch_size that is a multiple of "
+                f"{dp * steps}",
+            )
+        )
+        return 1
+    return batch // (dp * steps)
+
+
 def read_training(
     section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems
 ) -> TrainingSpec:
@@ -88,7 +115,7 @@ def read_training(
     accumulation, sequence length and attention kernel of ``workload:``. The global batch is
     pinned to this manifest's ``mesh.dp`` (a ``--dp`` override or the search keeps it)."""
     w = keys.workload
-    micro = keys.micro_batch_size or w.batch_size
+    micro = keys.micro_batch_size or _micro_per_rank(keys, dp, problems)
     common: dict[str, Any] = {
         "micro_batch_size": micro,
         "sequence_length": w.sequence_length,

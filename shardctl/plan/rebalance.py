@@ -3,7 +3,7 @@ new rank must read, from which old files, to get there.
 
 A new rank's bytes from an old file are the overlap of its pieces with that file's shards,
 a replicated old piece counted once, from its first holder in record order — the boxes
-``shardctl reshard``'s copy engine plans (``shardctl.reshard.copy.plan_boxes``), computed
+``shardctl reshard``'s copy engine plans (``shardctl.reshard.boxes.plan_boxes``), computed
 here from the layout record (or the HF headers) and the new layout, without reading tensor
 data. The copy reads whole source rows and keeps the last rows it read, so its disk reads can
 differ from these figures when a new rank keeps only some columns of an old shard.

@@ -13,6 +13,7 @@ from rich.console import Console
 from rich.markup import escape
 from rich.table import Table
 
+from shardctl.console import console_for_output
 from shardctl.plan.groups import fold, group_ranks
 from shardctl.units import fmt_in, pick_unit
 
@@ -21,14 +22,6 @@ if TYPE_CHECKING:
 
 MEMORY_COLUMNS = ("weights", "kv_cache", "activations", "gradients", "optimizer", "overhead")
 MAX_ROWS = 64
-
-
-def console_for_output() -> Console:
-    """A console that wraps at the terminal's width, and never off a terminal (CI logs)."""
-    console = Console()
-    if console.is_terminal:
-        return console
-    return Console(width=10_000, soft_wrap=True)
 
 
 def render_plan(
@@ -128,6 +121,15 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
         f"{verdict}: largest rank {worst.rank} needs {fmt_in(worst.total, unit)} of the "
         f"budget {of}: {worst.total / budget:.1%}, headroom {fmt_in(budget - worst.total, unit)}"
     )
+    kv = result.memory.kv
+    if kv is not None and kv.capacity is not None and kv.sequence_length:
+        c = kv.capacity
+        # vLLM's own units: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency".
+        console.print(
+            f"KV cache per rank: {fmt_in(c.kv_bytes, unit)} = {c.blocks:,} blocks of "
+            f"{c.block_size} tokens = {c.tokens:,} tokens; max concurrency at "
+            f"{kv.sequence_length:,} tokens: {c.max_concurrency:.2f}x"
+        )
 
 
 def render_search(result: Any, *, top: int, console: Console | None = None) -> None:

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from shardctl.console import console_for_output
 from shardctl.errors import UsageError
 from shardctl.plan.groups import fold
 from shardctl.units import fmt_in, pick_unit
@@ -112,11 +113,10 @@ def render_bars(
 ) -> None:
     """Stacked bars in the terminal (one per group of identical ranks, or per rank with
     ``all_ranks``), a legend, the load-balance line and warnings; the ``│`` marks the budget."""
-    from rich.console import Console
     from rich.markup import escape
     from rich.text import Text
 
-    console = console or Console()
+    console = console or console_for_output()
     items = bars(plan, all_ranks=all_ranks)
     limit = getattr(plan, "budget", None)
     scale = max([b.total for b in items] + ([limit] if limit else []) + [1])
@@ -150,10 +150,9 @@ def render_bars(
 def render_search_table(result: Any, *, top: int, console: Any = None) -> None:
     """The top ``top`` layouts of a :class:`~shardctl.plan.search.SearchResult` and the
     rejection counts."""
-    from rich.console import Console
     from rich.table import Table
 
-    console = console or Console()
+    console = console or console_for_output()
     unit = pick_unit(max([c.peak for c in result.candidates] + [result.budget or 0, 1]))
     table = Table(show_header=True, header_style="bold", box=None, pad_edge=False)
     cols = ["#", "gpus", "tp", "pp", "dp", "ep"]

@@ -44,6 +44,7 @@ from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import stage_comm
+from shardctl.plan.memory.vllm import engine_hardware
 from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
 from shardctl.plan.weights import options_for, weights_per_coord
 
@@ -81,7 +82,7 @@ def search(
     t0 = time.perf_counter()
     workload = workload or Workload()
     quant = quant or QuantSpec()
-    hw = hardware or HardwareSpec()
+    hw = engine_hardware(hardware or HardwareSpec(), workload.engine, training=training is not None)
     ovh = overhead or OverheadSpec()
     base = layout or LayoutOptions(pipeline=options.pipeline, vocab_padding=options.vocab_padding)
     n = options.gpus

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardctl.checkpoint import plan_files, record
+from shardctl.checkpoint import record, record_write
 from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
@@ -37,7 +36,8 @@ from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.reshard import pickle_input
 from shardctl.reshard import resume as resume_run
 from shardctl.reshard.carry import carry, digest_file, identity, with_carried
-from shardctl.reshard.copy import BLOCK_BYTES, Executor
+from shardctl.reshard.copy import BLOCK_BYTES
+from shardctl.reshard.data import write_data
 from shardctl.reshard.result import ReshardResult, peak_rss_bytes
 from shardctl.reshard.safety import check_output, os_failure, preflight_space
 from shardctl.reshard.signals import interrupts_raise
@@ -253,7 +253,7 @@ def _write(run: _Run, work: Path) -> dict[str, str]:
     def write_mine() -> dict[str, str]:
         check = InputCheck(expected).start()
         try:
-            digests = _write_data(
+            digests = write_data(
                 work,
                 source,
                 mine,
@@ -295,7 +295,7 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
     files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
     if the_plan.index is not None:
         files.append(digest_file(staging / INDEX_NAME, run.hash_name))
-    rec = record.build(
+    rec = record_write.build(
         fmt=the_plan.fmt,
         architecture=source.model.architecture,
         layout=the_plan.layout,
@@ -308,7 +308,7 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
         carried=carried,
     )
     shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
-    record.write(staging, rec)
+    record_write.write(staging, rec)
     faults.point("record_written")
     atomic.commit(staging, run.dst, replace=run.force)
     run.staging = None
@@ -322,49 +322,6 @@ def default_workers() -> int:
     except AttributeError:  # not Linux
         cores = os.cpu_count() or 1
     return max(1, min(4, cores))
-
-
-def _write_data(
-    staging: Path,
-    source: Source,
-    files: list[plan_files.OutputFile],
-    hash_name: str,
-    workers: int,
-    block_bytes: int,
-    progress: Callable[[int, int], None] | None,
-    total: int,
-    check: InputCheck | None = None,
-    journal: resume_run.Journal | None = None,
-    reused_bytes: int = 0,
-) -> dict[str, str]:
-    done = [reused_bytes]
-    lock = threading.Lock()
-
-    def tick(n: int) -> None:
-        if progress is not None:
-            with lock:
-                done[0] += n
-                progress(done[0], total)
-
-    paths = [f.path for f in source.files]
-    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
-
-    def on_read(file: int, offset: int, data: memoryview) -> None:
-        assert check is not None
-        check.take(paths[file], offset, data)
-
-    return Executor(
-        staging,
-        paths,
-        dict(source.shards),
-        hash_name=hash_name,
-        block_bytes=block_bytes,
-        progress=tick,
-        order=order,
-        writers=min(workers, max(1, len(files))),
-        on_read=on_read if check is not None and check.feeds else None,
-        on_done=journal.done if journal is not None else None,
-    ).run(files)
 
 
 def _result(run: _Run, digests: dict[str, str], t0: float, extra: int) -> ReshardResult:

@@ -25,7 +25,7 @@ from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import EnvironmentFailure, UsageError
 from shardctl.gcpause import gc_paused
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
-from shardctl.verify.bitwise import check_bitwise
+from shardctl.verify.bitwise.level import check_bitwise
 from shardctl.verify.dst import Destination, open_destination
 from shardctl.verify.result import LEVELS, LevelResult, VerifyResult
 from shardctl.verify.sharded import ShardedCheckpoint

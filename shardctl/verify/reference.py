@@ -3,12 +3,12 @@
 An HF SRC is loaded as it is. A SRC that is itself a shardctl layout (``verify TP2 TP4``) is
 first reassembled into a temporary HF directory — ``config.json`` (and
 ``generation_config.json``) copied, every global tensor written to one ``model.safetensors``,
-block by block, through the same reassembly the bitwise level compares with (``bitwise.
+block by block, through the same reassembly the bitwise level compares with (``bitwise.plan.
 fill_image``), not through ``reshard``: verify does not build its reference with the code it
 checks, and works the same under ``torchrun``, where ``reshard`` would split its work among
 the ranks.
 
-Cost: constant memory for the merge (one block, ``bitwise.BLOCK_BYTES``), disk for one copy of
+Cost: constant memory for the merge (one block, ``bitwise.plan.BLOCK_BYTES``), disk for one copy of
 SRC's tensors in the temporary directory (``tempfile``: ``$TMPDIR``, else ``/tmp``), removed as
 soon as transformers has loaded the model. The reference forward itself then holds the whole
 model, as for an HF SRC: its weights in their dtype, then upcast to float64 (about 5× the BF16
@@ -34,7 +34,7 @@ from shardctl.checkpoint.source import Source, open_source
 from shardctl.dtypes import nbytes
 from shardctl.errors import EnvironmentFailure
 from shardctl.io.tempdirs import owned_tempdir
-from shardctl.verify import bitwise
+from shardctl.verify.bitwise import plan as bitwise_plan
 from shardctl.verify.boxes import FdCache, Scratch, pread_into, uint_of
 
 CARRIED = ("config.json", "generation_config.json")
@@ -126,15 +126,17 @@ def _write_tensor(
     full = shape or (1,)
     if math.prod(full) == 0:
         return
-    k = bitwise.block_dim(full, item)
-    parts = bitwise.src_parts(source, fqn, full, k)
+    k = bitwise_plan.block_dim(full, item)
+    parts = bitwise_plan.src_parts(source, fqn, full, k)
     row = math.prod(full[k + 1 :])
-    rows_per = max(1, bitwise.BLOCK_BYTES // max(1, row * item))
+    rows_per = max(1, bitwise_plan.BLOCK_BYTES // max(1, row * item))
     for lead in itertools.product(*(range(n) for n in full[:k])):
         for a in range(0, full[k], rows_per):
             b = min(full[k], a + rows_per)
             raw = image.get((b - a) * row * item)
-            got, filled = bitwise.fill_image(parts, kind, full, k, (lead, a, b), raw, read, copy)
+            got, filled = bitwise_plan.fill_image(
+                parts, kind, full, k, (lead, a, b), raw, read, copy
+            )
             if filled != got.size:
                 raise EnvironmentFailure(
                     f"could not build the reference: SRC's pieces cover {filled} of {got.size} "

@@ -12,6 +12,7 @@ from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.hardware import HardwareSpec
+from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
@@ -19,6 +20,7 @@ from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
 from shardctl.plan.memory.terms import inference_terms, training_terms
+from shardctl.plan.memory.vllm import VllmOverhead, non_torch_bytes
 
 
 def _dense_bytes(dtype: str) -> int:
@@ -46,6 +48,10 @@ class Context:
         self.dtype = model.dtype if DTYPE_BITS.get(model.dtype, 0) >= 16 else "BF16"
         self.nb = _dense_bytes(self.dtype)
         self.kv_dtype = workload.kv_cache_dtype or self.dtype
+        self.vllm = training is None and workload.engine == "vllm"
+        n_layers = shape.dims.num_layers if shape is not None else 0
+        self.windows = layer_windows(model.architecture, model.config, n_layers)
+        self.mla_width = mla_latent_width(model.config)
         self.batch = -(-workload.batch_size // mesh.dp)  # per dp replica
         self.microbatches = training.grad_accumulation(mesh.dp) if training else 1
         self.budget = memory_budget(
@@ -111,11 +117,24 @@ class Context:
             detail.update(s.detail)
         tensors = weights + kv + acts + grads + opt
         frag_base = tensors - kv if self.training is None else tensors
-        items = overhead_bytes(
-            self.ovh, frag_base, distributed=self.mesh.world > 1, expert_parallel=self.mesh.ep > 1
-        )
+        if self.vllm:
+            items = self.vllm_overhead().items()
+        else:
+            items = overhead_bytes(
+                self.ovh,
+                frag_base,
+                distributed=self.mesh.world > 1,
+                expert_parallel=self.mesh.ep > 1,
+            )
         detail.update({f"overhead.{k}": v for k, v in items.items()})
         return RankMemory(weights, kv, acts, grads, opt, sum(items.values()), detail, host, nvme)
+
+    def vllm_overhead(self) -> VllmOverhead:
+        """vLLM's non-torch memory and CUDA graphs (they replace the ``overhead:`` items)."""
+        w = self.workload
+        measured = non_torch_bytes(self.hw.gpu, self.mesh.tp)
+        non_torch = measured if w.non_torch_memory is None else w.non_torch_memory
+        return VllmOverhead(non_torch=non_torch, cuda_graphs=w.cuda_graph_memory)
 
     def _stage_terms(self, st: Stage) -> tuple[int, int, dict[str, int]]:
         """KV cache and activations of one rank of ``st`` (same for every tp/ep rank)."""

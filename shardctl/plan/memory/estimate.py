@@ -20,6 +20,7 @@ from shardctl.plan.memory.result import COMPONENTS, Coord, KvSummary, MemoryPlan
 from shardctl.plan.memory.shapes import shape_from_model
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import kv_summary, plan_inputs, stage_comm
+from shardctl.plan.memory.vllm import engine_hardware
 
 __all__ = ["COMPONENTS", "Coord", "KvSummary", "MemoryPlan", "RankMemory", "estimate"]
 
@@ -47,6 +48,8 @@ def estimate(
     quant = quant or QuantSpec()
     hardware = hardware or HardwareSpec()
     overhead = overhead or OverheadSpec()
+    # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
+    hardware = engine_hardware(hardware, workload.engine, training=training is not None)
     if training is not None and quant.method != "none":
         raise InvalidInputError(
             "training with quantized weights (QLoRA-style adapters) is not modeled",

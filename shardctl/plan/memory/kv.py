@@ -44,7 +44,9 @@ class KvCapacity:
 
     ``tokens`` is rounded down to whole paged blocks of ``block_size`` tokens (vLLM
     ``determine_num_available_blocks``); ``max_batch`` at the workload's sequence length and
-    ``max_sequence_length`` at its batch are per dp replica.
+    ``max_sequence_length`` at its batch are per dp replica. ``blocks``, ``kv_bytes`` (the
+    blocks' bytes) and ``max_concurrency`` (sequences of the workload's length the blocks hold,
+    vLLM's "Maximum concurrency for N tokens per request: 1.56x") are vLLM's own units.
     """
 
     budget: int  # gpu_memory_utilization × device memory
@@ -52,6 +54,10 @@ class KvCapacity:
     tokens: int
     max_batch: int
     max_sequence_length: int
+    blocks: int = 0
+    block_size: int = VLLM_BLOCK_SIZE
+    kv_bytes: int = 0
+    max_concurrency: float = 0.0
 
 
 def kv_capacity(
@@ -63,6 +69,7 @@ def kv_capacity(
     batch: int,
     sequence_length: int,
     block_size: int = VLLM_BLOCK_SIZE,
+    sequence_bytes: int | None = None,
 ) -> KvCapacity:
     """Tokens of KV one rank can hold under ``utilization`` (vLLM ``gpu_memory_utilization``).
 
@@ -77,10 +84,18 @@ def kv_capacity(
         return KvCapacity(budget, available, 0, 0, 0)
     blocks = max(available, 0) // (per_token * block_size)
     tokens = blocks * block_size
+    kv_bytes = blocks * block_size * per_token
+    if sequence_bytes is None:
+        sequence_bytes = per_token * sequence_length
+    concurrency = kv_bytes / sequence_bytes if sequence_bytes else 0.0
     return KvCapacity(
         budget=budget,
         available=available,
         tokens=tokens,
-        max_batch=tokens // sequence_length if sequence_length else 0,
+        max_batch=int(concurrency) if sequence_length else 0,
         max_sequence_length=tokens // batch if batch else 0,
+        blocks=blocks,
+        block_size=block_size,
+        kv_bytes=kv_bytes,
+        max_concurrency=concurrency,
     )

@@ -69,6 +69,12 @@ class KvSummary:
             "capacity_tokens_per_rank": None if c is None else c.tokens,
             "max_batch": None if c is None else c.max_batch,
             "max_sequence_length": None if c is None else c.max_sequence_length,
+            # vLLM's units, per rank: "Available KV cache memory", "# GPU blocks", "GPU KV
+            # cache size: N tokens", "Maximum concurrency for L tokens per request".
+            "kv_cache_bytes_per_rank": None if c is None else c.kv_bytes,
+            "block_size": None if c is None else c.block_size,
+            "blocks_per_rank": None if c is None else c.blocks,
+            "max_concurrency": None if c is None else round(c.max_concurrency, 2),
         }
 
 

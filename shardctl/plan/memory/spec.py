@@ -50,6 +50,14 @@ class Workload:
     ``max_num_batched_tokens`` caps the tokens one forward pass processes (vLLM's chunked
     prefill; 8192 is vLLM V1's default for offline inference); ``None`` prefills every
     prompt of the batch in one pass, as ``transformers``' ``generate`` does.
+
+    ``engine`` ``"vllm"`` prices a rank as vLLM's start-up profile does
+    (:mod:`shardctl.plan.memory.vllm`): the device size CUDA reports, measured non-torch memory
+    (``non_torch_memory`` overrides it), the profile run's forward over ``profile_tokens``
+    tokens (vLLM's ``max_num_batched_tokens``; ``None`` = V0's ``max(sequence_length, 2048)``)
+    and its sampler over ``max_num_seqs`` sequences, ``cuda_graph_memory`` (0: captured after
+    the KV cache, as V0 does, or ``enforce_eager``), KV in blocks of ``block_size`` tokens.
+    ``sequence_length`` is then vLLM's ``max_model_len``.
     """
 
     batch_size: int = 1
@@ -61,9 +69,33 @@ class Workload:
     # asked for: no KV cache, no activations (``mode: weights-only``). Not named weights_only:
     # that keyword is torch.load's safety flag, held to True everywhere by a static test.
     only_weights: bool = False
+    engine: str = "generic"
+    max_num_seqs: int = 256
+    block_size: int = 16
+    profile_tokens: int | None = None
+    non_torch_memory: int | None = None
+    cuda_graph_memory: int = 0
 
     def __post_init__(self) -> None:
+        from shardctl.plan.memory.vllm import ENGINES
+
         _positive(self.batch_size, "workload.batch_size")
+        if self.engine not in ENGINES:
+            raise InvalidInputError(
+                f"unknown engine {self.engine!r}",
+                where="workload.engine",
+                hint=f"use one of: {', '.join(ENGINES)}",
+            )
+        _positive(self.max_num_seqs, "workload.max_num_seqs")
+        _positive(self.block_size, "workload.block_size")
+        if self.profile_tokens is not None:
+            _positive(self.profile_tokens, "workload.max_num_batched_tokens")
+        for key in ("non_torch_memory", "cuda_graph_memory"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 0):
+                raise InvalidInputError(
+                    f"expected a non-negative byte count, got {v!r}", where=f"workload.{key}"
+                )
         if isinstance(self.sequence_length, bool) or self.sequence_length < 0:
             raise InvalidInputError(
                 f"expected a non-negative integer, got {self.sequence_length!r}",

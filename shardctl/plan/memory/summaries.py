@@ -9,6 +9,7 @@ from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Stage
 from shardctl.plan.memory.comm import CommTally, inference_comm, training_comm
 from shardctl.plan.memory.kv import kv_bytes_per_token, kv_capacity
+from shardctl.plan.memory.kv_layers import layer_bytes_per_token
 from shardctl.plan.memory.result import Coord, KvSummary, RankMemory
 from shardctl.plan.memory.shapes import vocab_rows_per_rank
 
@@ -60,9 +61,10 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
     if ctx.training is not None or ctx.shape is None:
         return None
     d, w = ctx.shape.dims, ctx.workload
-    per_stage = tuple(
-        kv_bytes_per_token(d, ctx.kv_dtype, layers=s.num_layers, tp=ctx.mesh.tp) for s in ctx.stages
-    )
+    from shardctl.plan.memory.terms import stage_kv_per_token, stage_sequence_kv
+
+    per_stage = tuple(stage_kv_per_token(ctx, s) for s in ctx.stages)
+    per_sequence = tuple(stage_sequence_kv(ctx, s, w.sequence_length) for s in ctx.stages)
     capacity = None
     if ctx.hw.device_memory is not None:
         caps = [
@@ -73,6 +75,8 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
                 per_token=per_stage[p],
                 batch=ctx.batch,
                 sequence_length=w.sequence_length,
+                block_size=w.block_size,
+                sequence_bytes=per_sequence[p],
             )
             for (p, _e, _t), r in coords.items()
             if per_stage[p]
@@ -80,7 +84,12 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
         capacity = min(caps, key=lambda c: c.tokens) if caps else None
     return KvSummary(
         dtype=ctx.kv_dtype,
-        bytes_per_token=kv_bytes_per_token(d, ctx.kv_dtype),
+        bytes_per_token=(
+            kv_bytes_per_token(d, ctx.kv_dtype)
+            if ctx.mla_width is None
+            else layer_bytes_per_token(d, ctx.kv_dtype, tp=1, mla_width=ctx.mla_width)
+            * d.num_layers
+        ),
         batch_per_replica=ctx.batch,
         sequence_length=w.sequence_length,
         per_stage_bytes_per_token=per_stage,
@@ -99,7 +108,17 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             flash_attention=w.flash_attention,
             max_num_batched_tokens=w.max_num_batched_tokens,
             gpu_memory_utilization=w.gpu_memory_utilization,
+            engine=w.engine,
         )
+        if ctx.vllm:
+            from shardctl.plan.memory.vllm import profile_tokens
+
+            out.update(
+                max_num_seqs=w.max_num_seqs,
+                block_size=w.block_size,
+                max_num_batched_tokens=profile_tokens(w.sequence_length, w.profile_tokens),
+                device_memory_cuda=ctx.hw.device_memory,
+            )
     else:
         out.update(
             optimizer=tr.optimizer,

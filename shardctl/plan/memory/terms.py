@@ -7,18 +7,50 @@ from typing import TYPE_CHECKING
 
 from shardctl.layout.types import Stage
 from shardctl.plan.memory import activations as act
+from shardctl.plan.memory import vllm
 from shardctl.plan.memory.kv import kv_bytes_per_token
+from shardctl.plan.memory.kv_layers import layer_bytes_per_token, sequence_kv_bytes
 from shardctl.plan.memory.shapes import vocab_rows_per_rank
 
 if TYPE_CHECKING:
     from shardctl.plan.memory.context import Context
 
 
+def stage_windows(ctx: Context, st: Stage) -> tuple[int | None, ...]:
+    """The attention window of each layer of ``st`` (``None``: full attention)."""
+    if st.layers is None:
+        return ()
+    return ctx.windows[st.layers[0] : st.layers[1] + 1]
+
+
+def stage_kv_per_token(ctx: Context, st: Stage) -> int:
+    """KV bytes one token adds on one rank of ``st`` counting every layer (MLA: the latent)."""
+    assert ctx.shape is not None
+    d, tp = ctx.shape.dims, ctx.mesh.tp
+    if ctx.mla_width is None:
+        return kv_bytes_per_token(d, ctx.kv_dtype, layers=st.num_layers, tp=tp)
+    per_layer = layer_bytes_per_token(d, ctx.kv_dtype, tp=tp, mla_width=ctx.mla_width)
+    return per_layer * st.num_layers
+
+
+def stage_sequence_kv(ctx: Context, st: Stage, length: int) -> int:
+    """KV bytes of one sequence of ``length`` tokens on one rank of ``st``: sliding-window
+    layers hold ``min(window, length)`` tokens; vLLM rounds each layer to whole blocks."""
+    assert ctx.shape is not None
+    per_layer = layer_bytes_per_token(
+        ctx.shape.dims, ctx.kv_dtype, tp=ctx.mesh.tp, mla_width=ctx.mla_width
+    )
+    block = ctx.workload.block_size if ctx.vllm else 1
+    return sequence_kv_bytes(per_layer, stage_windows(ctx, st), length, block_size=block)
+
+
 def inference_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     assert ctx.shape is not None
+    if ctx.vllm:
+        return vllm_terms(ctx, st)
     d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
-    per_token = kv_bytes_per_token(d, ctx.kv_dtype, layers=st.num_layers, tp=m.tp)
-    kv = per_token * ctx.batch * w.sequence_length
+    per_token = stage_kv_per_token(ctx, st)
+    kv = stage_sequence_kv(ctx, st, w.sequence_length) * ctx.batch
     tokens = ctx.batch * w.sequence_length
     if w.max_num_batched_tokens is not None:
         tokens = min(tokens, w.max_num_batched_tokens)
@@ -41,6 +73,30 @@ def inference_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         "kv_cache.bytes_per_token": per_token,
     }
     return kv, peak + logits, detail
+
+
+def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
+    """KV cache and activations as vLLM's start-up profile counts them (:mod:`.vllm`)."""
+    assert ctx.shape is not None
+    d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
+    kv = stage_sequence_kv(ctx, st, w.sequence_length) * ctx.batch
+    tokens = vllm.profile_tokens(w.sequence_length, w.profile_tokens)
+    peak = 0
+    if st.num_layers or st.index == m.pp - 1:
+        peak = vllm.profile_activation_bytes(
+            d,
+            tokens=tokens if st.num_layers else 0,
+            tp=m.tp,
+            act_bytes=ctx.nb,
+            max_num_seqs=w.max_num_seqs,
+            last_stage=st.index == m.pp - 1,
+        )
+    detail = {
+        "activations.profile_peak": peak,
+        "activations.profile_tokens": tokens,
+        "kv_cache.bytes_per_token": stage_kv_per_token(ctx, st),
+    }
+    return kv, peak, detail
 
 
 def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:

@@ -1,0 +1,146 @@
+"""The ``workload.engine: vllm`` profile: vLLM's own start-up accounting of one rank.
+
+vLLM (V0 ``Worker.determine_num_available_blocks``; V1 ``gpu_worker.determine_available_memory``
+with the ``memory_profiling`` helper of ``vllm/utils``) sizes its KV cache once, at start-up::
+
+    budget     = total_gpu_memory × gpu_memory_utilization      # total as CUDA reports it
+    kv_bytes   = budget − weights − non_torch − activation_peak − cuda_graphs
+    blocks     = floor(kv_bytes / (block_size × bytes_per_token))   # per rank, min over ranks
+    tokens     = blocks × block_size
+    concurrency at max_model_len = tokens / max_model_len   ("Maximum concurrency …: 1.56x")
+
+and refuses to start when one sequence of ``max_model_len`` tokens does not fit ("The model's
+max seq len (29000) is larger than the maximum number of tokens that can be stored in KV
+cache (23648)"). Every constant below cites the log it was read from; see
+docs/memory-model.md, "The vLLM profile".
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from shardctl.model.types import ModelDims
+from shardctl.plan.memory.hardware import GiB, HardwareSpec
+
+ENGINES = ("generic", "vllm")
+
+# Device size as CUDA reports it (``torch.cuda.mem_get_info()[1]``, vLLM's
+# ``total_gpu_memory``), not the data sheet's: an "80 GB" H100 gives 79.22 GiB (vLLM PR #10511
+# and PR #12126 logs: "total_gpu_memory 79.22GiB" and "can use 71.29GiB" at 0.9, so the size is
+# in [79.215, 79.2166] GiB; 79.216 is used). A100-80GB: 79.25 GiB ("79.25 GiB total
+# capacity" in a PyTorch OOM message on an A100, levihsu/OOTDiffusion issue #235).
+CUDA_REPORTED: dict[str, int] = {
+    "h100-sxm": round(79.216 * GiB),
+    "a100-80gb": round(79.25 * GiB),
+}
+
+# Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
+# torch's counters), as vLLM measured it on that GPU:
+# - h100-sxm 1.79 GiB: vLLM PR #10511 ("non_torch_memory 1.79GiB", Llama-3-8B, tp 1);
+# - a100-80gb 0.77 GiB: vLLM PR #2031, Llama-2-7B tp 1: 7,449 blocks with torch's peak vs 7,351
+#   with the device's (total − free), 98 blocks × 8 MiB;
+# - any other GPU 0.35 GiB: vLLM issue #10517, RTX 3090 ("non_torch_memory=0.35GiB").
+NON_TORCH_TP1: dict[str, int] = {
+    "h100-sxm": round(1.79 * GiB),
+    "a100-80gb": round(0.77 * GiB),
+}
+NON_TORCH_TP1_OTHER = round(0.35 * GiB)
+# Each further tp rank adds NCCL / custom all-reduce buffers: PR #10511 measured 3.58 GiB at tp 2
+# against 1.79 at tp 1 on H100. Only that one step is published; ``(tp − 1) × 1.79 GiB`` is a
+# linear extrapolation (errs towards "does not fit"); set ``workload.non_torch_memory`` if known.
+NON_TORCH_PER_EXTRA_RANK = round(1.79 * GiB)
+
+# The sampler of vLLM's profile run: ``max_num_seqs`` dummy sequences (default 256) sampled with
+# top-p/top-k so the sort path runs: fp32 logits, sorted values and int64 indices, softmax,
+# cumsum, masks. 41 bytes per logit reproduces PR #10511's "PyTorch activation peak memory
+# 1.26GiB" for Llama-3-8B (256 × 128,256 logits), the same at tp 1 and tp 2 (logits are gathered
+# on one rank and sampled there).
+SAMPLER_BYTES_PER_LOGIT = 41
+MAX_NUM_SEQS = 256  # vLLM default ``max_num_seqs``
+BLOCK_SIZE = 16  # vLLM default ``block_size`` (tokens per paged block)
+# vLLM V0 without chunked prefill: ``max_num_batched_tokens = max(max_model_len, 2048)``
+# (``SchedulerConfig``); every row of issue 15's table ran that way.
+MIN_BATCHED_TOKENS = 2048
+
+
+def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | None:
+    """``device_memory`` as CUDA reports it for a known preset (else unchanged)."""
+    if gpu is not None and gpu in CUDA_REPORTED:
+        return CUDA_REPORTED[gpu]
+    return device_memory
+
+
+def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> HardwareSpec:
+    """The hardware as the engine sees it: for vLLM serving, the device size CUDA reports. The
+    one place ``plan`` and ``plan --search`` get their budget's device size from."""
+    if engine != "vllm" or training:
+        return hardware
+    memory = cuda_reported_memory(hardware.gpu, hardware.device_memory)
+    return replace(hardware, device_memory=memory)
+
+
+def non_torch_bytes(gpu: str | None, tp: int) -> int:
+    """vLLM's measured non-torch memory of one rank (see :data:`NON_TORCH_TP1`).
+
+    >>> round(non_torch_bytes("h100-sxm", 2) / GiB, 2)
+    3.58
+    """
+    base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
+    return base + (tp - 1) * NON_TORCH_PER_EXTRA_RANK
+
+
+def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
+    """Tokens of vLLM's profile forward: the setting, or V0's ``max(max_model_len, 2048)``."""
+    if max_num_batched_tokens is not None:
+        return max_num_batched_tokens
+    return max(max_model_len, MIN_BATCHED_TOKENS)
+
+
+def forward_peak_bytes(dims: ModelDims, *, tokens: int, tp: int, act_bytes: int) -> int:
+    """Peak of one decoder layer's forward over ``tokens`` tokens on one tp rank.
+
+    During the MLP's down projection vLLM's Llama layer holds the layer input, the residual,
+    ``gate_up`` ``[T, 2f/t]`` (still bound while the function runs), the activation ``[T, f/t]``
+    and the output ``[T, h]``: ``T · B · (3h + 3f/t)``. Reproduces issue #10517's profiles of
+    Llama-3.1-8B: 2.07 GiB at 20,000 tokens and 2.99 GiB at 29,000 (peak_torch − weights).
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(4096, 32, 32, 8, 128, 14336, 128256, False)
+    >>> round(forward_peak_bytes(d, tokens=29000, tp=1, act_bytes=2) / GiB, 2)
+    2.99
+    """
+    mlp = 3 * dims.intermediate_size // tp if dims.gated_mlp else 2 * dims.intermediate_size // tp
+    return tokens * act_bytes * (3 * dims.hidden_size + mlp)
+
+
+def sampler_peak_bytes(vocab_size: int, max_num_seqs: int = MAX_NUM_SEQS) -> int:
+    """The profile run's sampler over ``max_num_seqs`` sequences of ``vocab_size`` logits."""
+    return max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+
+
+def profile_activation_bytes(
+    dims: ModelDims,
+    *,
+    tokens: int,
+    tp: int,
+    act_bytes: int,
+    max_num_seqs: int,
+    last_stage: bool,
+) -> int:
+    """vLLM's "PyTorch activation peak memory": the forward, or the sampler after it (the
+    forward's tensors are freed by then), whichever is larger; the sampler only where the
+    logits are (the last stage)."""
+    fwd = forward_peak_bytes(dims, tokens=tokens, tp=tp, act_bytes=act_bytes)
+    samp = sampler_peak_bytes(dims.vocab_size, max_num_seqs) if last_stage else 0
+    return max(fwd, samp)
+
+
+@dataclass(frozen=True)
+class VllmOverhead:
+    """The profile's non-KV, non-weight terms of one rank (bytes)."""
+
+    non_torch: int
+    cuda_graphs: int
+
+    def items(self) -> dict[str, int]:
+        return {"non_torch": self.non_torch, "cuda_graphs": self.cuda_graphs}

@@ -1,0 +1,209 @@
+"""Bitwise level, the level itself: the tasks in an order every DST file agrees with, their
+findings added up per shard, the record hashes checked, the figures."""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from shardctl.blocks import scalar_piece, scalar_shape
+from shardctl.checkpoint.source import Source
+from shardctl.verify.bitwise import plan
+from shardctl.verify.bitwise.compare import shard_key
+from shardctl.verify.bitwise.pipeline import Feed, run_tasks
+from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
+from shardctl.verify.dst import Destination, DstShard
+from shardctl.verify.result import LevelResult
+
+
+def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> LevelResult:
+    """Compare every DST shard with SRC; ``hashes``: also check each file's recorded hash."""
+    level = LevelResult("bitwise")
+    t0 = time.perf_counter()
+    ordered, by_fqn = _shards(src, dst)
+    per_tensor, padded = _tensor_rows(by_fqn)
+    hash_name = dst.record.hash if dst.record and hashes else None
+    feeds: dict[Path, Feed] = {}
+    if hash_name and dst.record is not None:
+        digests = {f.name: f.digest for f in dst.record.files if f.digest}
+        feeds = {p: Feed(p, hash_name) for p in dst.files if p.name in digests}
+
+    shapes = {t.fqn: t.shape for t in src.model.tensors}
+    workers, results = run_tasks(_tasks(src, by_fqn, shapes), src, feeds)
+    compared = {shard_key(s): sum(scalar_piece(p).numel for p in s.pieces) for s in ordered}
+    for message, where in _findings(results, compared):
+        level.fail(message, **where)
+        per_tensor[where["fqn"]]["status"] = "fail"
+    if feeds and dst.record is not None:
+        digests = {f.name: f.digest for f in dst.record.files}
+        for path, feed in feeds.items():
+            if feed.hexdigest(workers[0]) != digests[path.name]:
+                level.fail(
+                    f"{hash_name} differs from the record: the file is not what reshard wrote",
+                    file=path.name,
+                )
+    for w in workers:
+        w.fds.close()
+    seconds = time.perf_counter() - t0
+    src_bytes = sum(w.src_bytes for w in workers)
+    dst_bytes = sum(w.dst_bytes for w in workers)
+    level.figures.update(
+        tensors=len(per_tensor),
+        shards=len(ordered),
+        padded_shards=padded,
+        src_bytes=src_bytes,
+        dst_bytes=dst_bytes,
+        hash=hash_name,
+        rehashed_files=sum(f.rehashed for f in feeds.values()),
+        threads=len(workers),
+        seconds=seconds,
+        throughput_mb_s=(src_bytes + dst_bytes) / seconds / 1e6 if seconds > 0 else None,
+    )
+    level.rows = [{"fqn": k, **v} for k, v in per_tensor.items()]
+    level.seconds = seconds
+    return level.close()
+
+
+def _shards(src: Source, dst: Destination) -> tuple[list[DstShard], dict[str, list[DstShard]]]:
+    """DST's shards of the tensors SRC has, sorted by (file, begin), and grouped by tensor in
+    an order every DST file agrees with (``_file_order``)."""
+    ordered = sorted(
+        (s for ss in dst.shards.values() for s in ss if s.fqn in src.shards),
+        key=lambda s: (str(s.path), s.begin),
+    )
+    by_fqn: dict[str, list[DstShard]] = {}
+    for s in ordered:
+        by_fqn.setdefault(s.fqn, []).append(s)
+    return ordered, {fqn: by_fqn[fqn] for fqn in _file_order(ordered)}
+
+
+def _tensor_rows(
+    by_fqn: dict[str, list[DstShard]],
+) -> tuple[dict[str, dict[str, Any]], int]:
+    """The level's row per tensor (shards, bytes, status ``pass``) and the padded shards."""
+    per_tensor: dict[str, dict[str, Any]] = {}
+    padded = 0
+    for fqn, shards in by_fqn.items():
+        per_tensor[fqn] = {
+            "shards": len(shards),
+            "bytes": sum(s.nbytes for s in shards),
+            "status": "pass",
+        }
+        padded += sum(
+            1
+            for s in shards
+            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
+        )
+    return per_tensor, padded
+
+
+def _tasks(
+    src: Source, by_fqn: dict[str, list[DstShard]], shapes: dict[str, tuple[int, ...]]
+) -> Iterator[tuple[Any, ...]]:
+    """The tasks, in order: ``("block", tensor, lead, a, b)``, ``("blocks", [(tensor, lead, a,
+    b), ...])``, ``("padding", shard, kind)`` and ``("raw", shard)``."""
+    # Tensors of one block or less are batched, up to a block of SRC bytes, into one task:
+    # at 90,000 tensors one task (and one hand-off to the hashing) per tensor cost more
+    # than reading them.
+    batch: list[tuple[Any, ...]] = []
+    size = 0
+    for fqn, shards in by_fqn.items():
+        t = plan_tensor(fqn, shapes[fqn], src, shards)
+        if t is None:
+            if batch:
+                yield ("blocks", batch)
+                batch, size = [], 0
+            for s in shards:
+                yield ("raw", s)
+            continue
+        blocks = list(itertools.islice(tensor_blocks(t), 2))
+        padded = [
+            s
+            for s in shards
+            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(scalar_shape(s.local_shape))
+        ]
+        if len(blocks) == 1 and not padded:
+            nbytes = math.prod(t.shape) * t.item
+            if batch and size + nbytes > plan.BLOCK_BYTES:
+                yield ("blocks", batch)
+                batch, size = [], 0
+            batch.append((t, *blocks[0]))
+            size += nbytes
+            continue
+        if batch:
+            yield ("blocks", batch)
+            batch, size = [], 0
+        for lead, a, b in tensor_blocks(t):
+            yield ("block", t, lead, a, b)
+        for s in padded:
+            yield ("padding", s, t.kind)
+    if batch:
+        yield ("blocks", batch)
+
+
+def _file_order(ordered: list[DstShard]) -> list[str]:
+    """The tensors in an order every DST file agrees with (each file's blocks then come in
+    file order, so its hash is fed as it is read): a topological sort of "``a`` comes before
+    ``b`` in some file", ties by first appearance. Where files disagree (a cycle), the earliest
+    tensor left goes next; those files are hashed again at the end."""
+    first: dict[str, int] = {}
+    files: dict[Path, list[str]] = {}
+    for i, s in enumerate(ordered):  # sorted by (path, begin)
+        first.setdefault(s.fqn, i)
+        files.setdefault(s.path, []).append(s.fqn)
+    after: dict[str, set[str]] = {f: set() for f in first}
+    before = dict.fromkeys(first, 0)
+    for seq in files.values():
+        for a, b in itertools.pairwise(seq):
+            if a != b and b not in after[a]:
+                after[a].add(b)
+                before[b] += 1
+    ready = [(first[f], f) for f, n in before.items() if n == 0]
+    heapq.heapify(ready)
+    out: list[str] = []
+    done: set[str] = set()
+    while len(out) < len(first):
+        if not ready:  # a cycle: take the earliest tensor not placed yet
+            f = min((f for f in first if f not in done), key=first.__getitem__)
+            before[f] = 0
+            heapq.heappush(ready, (first[f], f))
+        _, f = heapq.heappop(ready)
+        if f in done:
+            continue
+        done.add(f)
+        out.append(f)
+        for g in after[f]:
+            before[g] -= 1
+            if before[g] == 0 and g not in done:
+                heapq.heappush(ready, (first[g], g))
+    return out
+
+
+def _findings(
+    results: list[tuple[int, tuple[Any, ...], dict[str, Any], str, int, Any]],
+    compared: dict[tuple[Any, ...], int],
+) -> list[tuple[str, dict[str, Any]]]:
+    """One message per shard and kind, in task order: counts added up over the blocks."""
+    first: dict[tuple[Any, ...], list[Any]] = {}
+    for _, key, where, kind, count, detail in sorted(results, key=lambda r: r[0]):
+        entry = first.setdefault((key, kind), [where, 0, detail])
+        entry[1] += count
+    out = []
+    for (key, kind), (where, count, detail) in first.items():
+        if kind == "diff":
+            index, got, expected, width = detail
+            message = (
+                f"{count} of {compared[key]} elements differ from the source (first at "
+                f"{index}: 0x{got:0{width}x}, source 0x{expected:0{width}x})"
+            )
+        elif kind == "padding":
+            message = f"padding not zero ({count} elements)"
+        else:
+            message = str(detail)
+        out.append((message, where))
+    return out
