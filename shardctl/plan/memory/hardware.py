@@ -39,6 +39,9 @@ class GpuPreset:
     inter_node_bandwidth: float  # the usual one NIC per GPU
     source: str
     intra_node_latency: float = 5e-6  # seconds per collective step (NCCL small-message latency)
+    # The size CUDA reports (``torch.cuda.mem_get_info()[1]``, vLLM's ``total_gpu_memory``),
+    # where a published log gives it; the vLLM profile budgets from this, not the data sheet.
+    cuda_memory: int | None = None
 
 
 @dataclass(frozen=True)
@@ -63,6 +66,9 @@ GPUS: dict[str, GpuPreset] = {
             450 * GB,
             50 * GB,
             "H100 SXM5: 80 GB HBM3; NVLink 4 900 GB/s bidirectional; CX-7 400 Gb/s",
+            # vLLM PR #10511 and #12126 logs: "total_gpu_memory 79.22GiB", "can use 71.29GiB"
+            # at 0.9, so the size is in [79.215, 79.2166] GiB
+            cuda_memory=round(79.216 * GiB),
         ),
         GpuPreset(
             "h200",
@@ -77,6 +83,9 @@ GPUS: dict[str, GpuPreset] = {
             300 * GB,
             25 * GB,
             "A100 SXM4 80GB: HBM2e; NVLink 3 600 GB/s bidirectional; HDR 200 Gb/s",
+            # "79.25 GiB total capacity" in a PyTorch OOM message on an A100 (a weak source:
+            # levihsu/OOTDiffusion issue #235)
+            cuda_memory=round(79.25 * GiB),
         ),
         GpuPreset(
             "a100-40gb",

@@ -20,19 +20,9 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardctl.model.types import ModelDims
-from shardctl.plan.memory.hardware import GiB, HardwareSpec
+from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 
 ENGINES = ("generic", "vllm")
-
-# Device size as CUDA reports it (``torch.cuda.mem_get_info()[1]``, vLLM's
-# ``total_gpu_memory``), not the data sheet's: an "80 GB" H100 gives 79.22 GiB (vLLM PR #10511
-# and PR #12126 logs: "total_gpu_memory 79.22GiB" and "can use 71.29GiB" at 0.9, so the size is
-# in [79.215, 79.2166] GiB; 79.216 is used). A100-80GB: 79.25 GiB ("79.25 GiB total
-# capacity" in a PyTorch OOM message on an A100, levihsu/OOTDiffusion issue #235).
-CUDA_REPORTED: dict[str, int] = {
-    "h100-sxm": round(79.216 * GiB),
-    "a100-80gb": round(79.25 * GiB),
-}
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM measured it on that GPU:
@@ -64,9 +54,11 @@ MIN_BATCHED_TOKENS = 2048
 
 
 def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | None:
-    """``device_memory`` as CUDA reports it for a known preset (else unchanged)."""
-    if gpu is not None and gpu in CUDA_REPORTED:
-        return CUDA_REPORTED[gpu]
+    """``device_memory`` as CUDA reports it for a preset whose GPU table entry knows it (an "80
+    GB" H100 gives 79.22 GiB: ``GpuPreset.cuda_memory``), else unchanged."""
+    preset = GPUS.get(gpu) if gpu is not None else None
+    if preset is not None and preset.cuda_memory is not None:
+        return preset.cuda_memory
     return device_memory
 
 
