@@ -21,6 +21,7 @@ from shardctl.layout.rules import Matcher, compile_rules
 from shardctl.layout.split import Part
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
+from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
@@ -37,6 +38,9 @@ class TensorRule:
     vocab: bool  # vocab-parallel: the padding policy applies
     expert: int | None  # expert index e when placed by an expert rule
     label: str  # the rule that placed it, for messages
+    # A quantized member: (factor, align, logical length, what) of its split dim, which follows
+    # its logical weight's (shardctl/quant/groups.py); None for a plain tensor.
+    quant: tuple[int, int, int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -75,20 +79,24 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     conv1d = is_conv1d(model.architecture)
     arch = model.architecture
     names = [t.fqn for t in model.tensors]
+    groups = group_tensors(model.tensors, model.config, where=model.source)
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
     unplaced: list[str] = []
     for info in model.tensors:
+        group = groups.get(info.fqn)
+        # a quantized member is placed as the unquantized weight it encodes would be
+        placed = group.logical if group is not None else info
         layer = layer_index(info.fqn)
-        match = matcher.find(info.fqn, need_stage=layer is None)
+        match = matcher.find(placed.fqn, need_stage=layer is None)
         if match is None:
             unplaced.append(info.fqn)  # all of them in one error, after the loop
             continue
         cr = match.rule
         assert cr.placement is not None
-        resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
+        resolved = resolve_placement(cr.placement, placed.shape, conv1d=conv1d, fqn=placed.fqn)
         dim = resolved.placement.dim
-        parts = () if dim is None else _parts(info, dim, cr.rule, dims, cr.label)
+        parts = () if dim is None else _parts(placed, dim, cr.rule, dims, cr.label)
         if resolved.vocab and len(parts) > 1:
             raise LayoutError(
                 "a vocab placement cannot have fused parts",
@@ -96,8 +104,22 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 hint=f"drop parts from {cr.label}, or use S(0)",
             )
         expert = _expert_index(info.fqn) if cr.rule.expert else None
+        quant = None
+        if group is not None and dim is not None:
+            if resolved.vocab:
+                raise LayoutError(
+                    f"a vocab-parallel placement of a {SCHEME_NAMES[group.scheme]} quantized "
+                    "table is not supported",
+                    where=info.fqn,
+                    hint=f"replicate it (tp: R) with a manifest rule, or drop {cr.label}",
+                )
+            dim, quant = _member_split(group, info, dim)
+            if dim is None:
+                parts = ()
         out.append(
-            TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
+            TensorRule(
+                info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label, quant
+            )
         )
     if unplaced:
         raise matcher.unplaced(unplaced)
@@ -121,6 +143,21 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
     tied = "lm_head.weight" not in set(names) and (dims is None or dims.tie_word_embeddings)
     return ModelRules(tuple(out), num_layers, num_experts, tied)
+
+
+def _member_split(
+    group: QuantGroup, info: TensorInfo, logical_dim: int
+) -> tuple[int | None, tuple[int, int, int, str] | None]:
+    """The stored dim of member ``info`` that runs along the logical weight's split dim, and
+    its (factor, align, logical length, what); ``(None, None)``: the member is replicated."""
+    member = next(m for m in group.members if m.info.fqn == info.fqn)
+    for stored, axis in enumerate(member.axes):
+        if axis.dim == logical_dim:
+            align, unit = group.constraint(logical_dim)
+            name = group.dim_names[logical_dim]
+            what = f"{unit or SCHEME_NAMES[group.scheme]} on {name}"
+            return stored, (axis.factor, align, group.logical.shape[logical_dim], what)
+    return None, None
 
 
 def _parts(

@@ -136,6 +136,29 @@ class Reference:
     flips: int = 0  # token-layer choices the unpinned dtype model would have made differently
 
 
+def _dequantized_reference(path: Path, config: dict[str, Any]) -> nn.Module:
+    """The unsharded model with every quantized weight dequantized (shardctl/quant/dequant.py):
+    the reference a rank's dequantized shards must reproduce."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from shardctl.quant.dequant import dequantize, model_dtype, without_quant
+    from shardctl.verify.rank import read_tensors
+
+    dtype = model_dtype(config)
+    plain = without_quant(config)
+    plain.pop("architectures", None)
+    cfg = AutoConfig.for_model(plain.pop("model_type"), **plain)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **implementations(config))
+    files = tuple(str(f) for f in sorted(Path(path).glob("*.safetensors")))
+    state = dequantize(read_tensors(files), config, dtype)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if unexpected or [k for k in missing if k != "lm_head.weight"]:
+        raise ValueError(f"dequantized tensors do not fit the model: {missing}, {unexpected}")
+    if "lm_head.weight" in missing:
+        model.tie_weights()
+    return model
+
+
 def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = None) -> Reference:
     """Run SRC unsharded (an HF checkpoint, or a shardctl layout merged first; ``figures`` gets
     how and how long): float64 first, recording MoE routing, then the checkpoint dtype with that
@@ -146,9 +169,12 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
 
     with hf_reference(src, figures) as path, quiet_transformers():
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype="auto", **implementations(job.config)
-            )
+            if job.config.get("quantization_config") is not None:
+                model = _dequantized_reference(path, job.config)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype="auto", **implementations(job.config)
+                )
         except (OSError, ValueError) as exc:
             raise EnvironmentFailure(
                 f"could not load the reference model: {exc}", where=str(src)

@@ -1,0 +1,149 @@
+"""Dequantize stored quantized tensors into the logical weights, for verify's forward level.
+
+Works on whole checkpoints and on one rank's local tensors alike: a rank's members are the
+same scheme at local sizes, so each rank dequantizes what it holds (its scales must be the
+ones of its weight's blocks, or its weights come out wrong and the logits fail). The
+reference is the unsharded checkpoint dequantized by the same functions.
+
+Formulas (per element, computed in float32, then cast to the model's dtype):
+
+- FP8 block: ``w · scale_inv[i // bo, j // bi]`` (DeepSeek-V3 ``weight_dequant``);
+  FP8 per-tensor / per-channel: ``w · weight_scale``;
+- GPTQ (AutoGPTQ v1): ``(q[i, o] - (z[g(i), o] + 1)) · s[g(i), o]``, ``g(i) = g_idx[i]`` with
+  act-order, else ``i // group_size`` (vLLM ignores g_idx without act-order);
+- AWQ: ``(q - z[i // g]) · s[i // g]``, nibbles in AutoAWQ's order ``[0, 2, 4, 6, 1, 3, 5, 7]``.
+
+Other schemes (NVFP4, pack-quantized, MXFP4) are refused here: bitwise still checks them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardctl.errors import InvalidInputError
+from shardctl.model.types import TensorInfo
+from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
+
+AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
+FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq")
+
+_CODES = {
+    "bfloat16": "BF16",
+    "float16": "F16",
+    "float32": "F32",
+    "float64": "F64",
+    "float8_e4m3fn": "F8_E4M3",
+    "float8_e5m2": "F8_E5M2",
+    "int32": "I32",
+    "int64": "I64",
+    "int8": "I8",
+    "uint8": "U8",
+    "int16": "I16",
+}
+
+
+def without_quant(config: Mapping[str, Any]) -> dict[str, Any]:
+    """The config of the dequantized model (no ``quantization_config``)."""
+    return {k: v for k, v in config.items() if k != "quantization_config"}
+
+
+def model_dtype(config: Mapping[str, Any]) -> Any:
+    """The dequantized model's dtype: the config's ``torch_dtype`` / ``dtype``, else bfloat16."""
+    import torch
+
+    for key in ("torch_dtype", "dtype"):
+        value = config.get(key)
+        if isinstance(value, str) and value in ("bfloat16", "float16", "float32"):
+            return getattr(torch, value)
+    return torch.bfloat16
+
+
+def dequantize(tensors: dict[str, Any], config: Mapping[str, Any], dtype: Any) -> dict[str, Any]:
+    """``tensors`` with every quantized group replaced by its logical weight in ``dtype``;
+    unchanged (the same dict) for an unquantized model."""
+    if config.get("quantization_config") is None:
+        return tensors
+    infos = [
+        TensorInfo(k, tuple(t.shape), _CODES.get(str(t.dtype).removeprefix("torch."), "U8"))
+        for k, t in tensors.items()
+    ]
+    groups = group_tensors(infos, config, where="forward")
+    out = {k: t for k, t in tensors.items() if k not in groups}
+    done: set[str] = set()
+    for g in groups.values():
+        if g.logical.fqn in done:
+            continue
+        done.add(g.logical.fqn)
+        out[g.logical.fqn] = _one(g, tensors, config).to(dtype)
+    return out
+
+
+def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
+    m = {x.role: x for x in g.members}
+    if g.scheme == "fp8-block":
+        w = t[m["weight"].info.fqn].float()
+        s = t[m["weight_scale_inv"].info.fqn].float()
+        bo, bi = (a.factor for a in m["weight_scale_inv"].axes)
+        full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+        return w * full[: w.shape[0], : w.shape[1]]
+    if g.scheme in ("fp8", "ct-fp8"):
+        w = t[m["weight"].info.fqn].float()
+        s = t[m["weight_scale"].info.fqn].float()
+        if s.numel() == 1:
+            return w * s.reshape(())
+        if s.shape[0] == w.shape[0] and s.numel() == w.shape[0]:
+            return w * s.reshape(-1, 1)
+        bo, bi = (a.factor for a in m["weight_scale"].axes)
+        full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+        return w * full[: w.shape[0], : w.shape[1]]
+    if g.scheme == "gptq":
+        return _gptq(g, m, t, config)
+    if g.scheme == "awq":
+        q = _unpack_cols(t[m["qweight"].info.fqn], AWQ_ORDER)  # [in, out]
+        s = t[m["scales"].info.fqn].float()  # [G, out]
+        z = _unpack_cols(t[m["qzeros"].info.fqn], AWQ_ORDER).float()
+        gi = _group_index(q.shape[0], s.shape[0], g)
+        return ((q.float() - z[gi]) * s[gi]).T.contiguous()
+    raise InvalidInputError(
+        f"verify's forward level cannot dequantize {SCHEME_NAMES[g.scheme]} weights "
+        f"({g.logical.fqn})",
+        hint=f"use --level bitwise; forward dequantizes {', '.join(FORWARD_SCHEMES)}",
+    )
+
+
+def _gptq(g: QuantGroup, m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any]) -> Any:
+    import torch
+
+    q = _unpack_rows(t[m["qweight"].info.fqn])  # [in, out]
+    s = t[m["scales"].info.fqn].float()  # [G, out]
+    z = _unpack_cols(t[m["qzeros"].info.fqn]).float() + 1  # v1: stored minus one
+    qc = config.get("quantization_config") or {}
+    if qc.get("desc_act") and "g_idx" in m:
+        gi = t[m["g_idx"].info.fqn].to(torch.long)
+    else:
+        gi = _group_index(q.shape[0], s.shape[0], g)
+    return ((q.float() - z[gi]) * s[gi]).T.contiguous()
+
+
+def _group_index(rows: int, groups: int, g: QuantGroup) -> Any:
+    import torch
+
+    size = -(-rows // groups)
+    return torch.arange(rows) // size
+
+
+def _unpack_rows(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
+    """int32 [n/8, m] → int4 values [n, m]: nibble ``j`` holds row ``8k + order[j]``."""
+    import torch
+
+    p = packed.to(torch.int64) & 0xFFFFFFFF
+    n8, cols = p.shape
+    out = torch.empty(n8, 8, cols, dtype=torch.int64)
+    for j, dst in enumerate(order):
+        out[:, dst, :] = (p >> (4 * j)) & 0xF
+    return out.reshape(n8 * 8, cols)
+
+
+def _unpack_cols(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
+    return _unpack_rows(packed.T.contiguous(), order).T.contiguous()
