@@ -106,6 +106,9 @@ class Family:
     # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...).
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
+    # fqn globs of the weights a quantization_config quantizes (shardctl/quant/expand.py: a
+    # config without a checkpoint); a checkpoint's own names say it for themselves.
+    quantizable: tuple[str, ...] = ()
 
 
 # ---- config readers ----------------------------------------------------------------------
