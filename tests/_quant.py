@@ -133,15 +133,13 @@ def pack_cols(q: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
     return pack_rows(q.T.contiguous(), order).T.contiguous()
 
 
-def gptq(
-    src: Path, dst: Path, group: int = 128, *, desc_act: bool = False, seed: int = 0
-) -> Path:
+def gptq(src: Path, dst: Path, group: int = 128, *, desc_act: bool = False, seed: int = 0) -> Path:
     import torch
 
     gen = torch.Generator().manual_seed(seed)
 
     def quantize(base: str, w: Any) -> dict[str, Any]:
-        out_f, in_f = w.shape
+        in_f = w.shape[1]
         q, zero, scale = _int4_groups(w, group)
         g_idx = torch.arange(in_f, dtype=torch.int32) // group
         if desc_act:
@@ -172,7 +170,7 @@ def _regroup(w: Any, g_idx: Any, groups: int) -> tuple[Any, Any, Any]:
     """RTN int4 where in-feature ``i`` belongs to group ``g_idx[i]`` (act-order)."""
     import torch
 
-    out_f, in_f = w.shape
+    out_f = w.shape[0]
     x = w.float()
     scale = torch.empty(groups, out_f)
     zero = torch.empty(groups, out_f)

@@ -118,10 +118,9 @@ def _stored(spec: SplitSpec, tp: int, rank: int, start: int, size: int) -> tuple
     end, length, align = start + size, spec.logical, spec.align
     for edge in (start, end):
         if edge % align and edge != length:
-            bad = size if size % align else start
+            where = f"{size} per rank" if size % align else f"rank {rank} would start at {start}"
             raise SplitError(
-                f"{spec.what} {length} with tp {tp}: {bad} per rank is not a multiple of "
-                f"{align} (rank {rank} would start at {start})",
+                f"{spec.what} {length} with tp {tp}: {where}, which is not a multiple of {align}",
                 f"use tp in {_aligned_divisors(length, align)}",
             )
     s0, s1 = start // spec.factor, -(-end // spec.factor)
@@ -129,7 +128,9 @@ def _stored(spec: SplitSpec, tp: int, rank: int, start: int, size: int) -> tuple
 
 
 def _aligned_divisors(length: int, align: int) -> str:
-    ok = [t for t in range(1, min(length, 4096) + 1) if length % t == 0 and (length // t) % align == 0]
+    ok = [
+        t for t in range(1, min(length, 4096) + 1) if length % t == 0 and (length // t) % align == 0
+    ]
     return "{" + ", ".join(map(str, ok[:12])) + "}"
 
 

@@ -33,6 +33,7 @@ block, and is refused (:mod:`shardctl.layout.split`).
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -204,7 +205,7 @@ def _fp8_block(
 ) -> QuantGroup:
     weight = _need(t, f"{base}.weight", "fp8-block", where)
     bo, bi = qc.block if qc and qc.block else (128, 128)
-    unit_o, unit_i = f"block {bo}x{bi} rows", f"block {bo}x{bi} columns"
+    unit_o, unit_i = f"FP8 block {bo}x{bi} (rows)", f"FP8 block {bo}x{bi} (columns)"
     members = [
         Member(weight, "weight", (Axis(0), Axis(1))),
         Member(
@@ -234,7 +235,8 @@ def _fp8_scaled(
     elif len(shape) == 2:
         bo, bi = -(-out_f // shape[0]), -(-in_f // shape[1])
         b = qc.block if qc and qc.block else (bo, bi)
-        axes = (Axis(0, b[0], f"block {b[0]} rows"), Axis(1, b[1], f"block {b[1]} columns"))
+        unit = f"{SCHEME_NAMES[scheme]} block {b[0]}x{b[1]}"
+        axes = (Axis(0, b[0], f"{unit} (rows)"), Axis(1, b[1], f"{unit} (columns)"))
     else:
         raise InvalidInputError(
             f"FP8 weight_scale {list(shape)} is neither per-tensor, per-channel [{out_f}, 1] "
@@ -287,7 +289,9 @@ def _gptq(base: str, t: Mapping[str, TensorInfo], qc: QuantConfig | None, where:
     ]
     members += _optional(t, base, "qzeros", (gaxis, Axis(0, pack, packing)))
     members += _optional(t, base, "g_idx", (Axis(1),))
-    return _group("gptq", TensorInfo(f"{base}.weight", (out_f, in_f), qweight.dtype), members, where)
+    return _group(
+        "gptq", TensorInfo(f"{base}.weight", (out_f, in_f), qweight.dtype), members, where
+    )
 
 
 def _looks_awq(base: str, t: Mapping[str, TensorInfo]) -> bool:
@@ -364,7 +368,7 @@ def _mxfp4(base: str, t: Mapping[str, TensorInfo], where: str) -> QuantGroup:
         Member(scales, "scales", (*lead_axes, Axis(o), Axis(i, 32, unit))),
     ]
     logical = TensorInfo(base, (*blocks.shape[:lead], in_f, out_f), blocks.dtype)
-    names = tuple(f"dim {k}" for k in range(lead)) + ("in-features", "out-features")
+    names = (*(f"dim {k}" for k in range(lead)), "in-features", "out-features")
     return _group("mxfp4", logical, members, where, names)
 
 
@@ -377,3 +381,45 @@ def summary(groups: Mapping[str, QuantGroup]) -> dict[str, int]:
     for g in seen.values():
         out[g.scheme] = out.get(g.scheme, 0) + 1
     return out
+
+
+_INDEX = re.compile(r"\.\d+\.")
+
+
+def describe_model(
+    tensors: Iterable[TensorInfo], config: Mapping[str, Any], *, where: str = "checkpoint"
+) -> dict[str, Any] | None:
+    """``inspect``'s view: the method and, per tensor group (layer/expert indices as ``*``),
+    the scheme, how many weights, and each stored member's dtype and shape; None if unquantized.
+
+    >>> describe_model(tensors, config)["groups"][0]                      # doctest: +SKIP
+    {'pattern': 'model.layers.*.mlp.down_proj.weight', 'scheme': 'gptq', 'count': 2,
+     'members': {'qweight': 'I32 [64, 256]', 'scales': 'F16 [4, 256]', ...}, 'bytes': 37888}
+    """
+    tensors = tuple(tensors)
+    groups = group_tensors(tensors, config, where=where)
+    qc = read_quant(config, where=f"{where}/config.json")
+    if not groups and qc is None:
+        return None
+    rows: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[int]] = {}
+    seen: set[str] = set()
+    for g in groups.values():
+        if g.logical.fqn in seen:
+            continue
+        seen.add(g.logical.fqn)
+        members = tuple((m.role, f"{m.info.dtype} {list(m.info.shape)}") for m in g.members)
+        key = (_INDEX.sub(".*.", g.logical.fqn), g.scheme, members)
+        row = rows.setdefault(key, [0, 0])
+        row[0] += 1
+        row[1] += sum(m.info.nbytes for m in g.members)
+    quantized = sum(t.nbytes for t in tensors if t.fqn in groups)
+    return {
+        "method": qc.describe() if qc else "from tensor names",
+        "quantized_weights": len(seen),
+        "quantized_bytes": quantized,
+        "unquantized_bytes": sum(t.nbytes for t in tensors) - quantized,
+        "groups": [
+            {"pattern": p, "scheme": s, "count": n, "members": dict(m), "bytes": b}
+            for (p, s, m), (n, b) in sorted(rows.items())
+        ],
+    }

@@ -169,6 +169,7 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
 
     with hf_reference(src, figures) as path, quiet_transformers():
         try:
+            model: nn.Module
             if job.config.get("quantization_config") is not None:
                 model = _dequantized_reference(path, job.config)
             else:
@@ -180,7 +181,7 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
                 f"could not load the reference model: {exc}", where=str(src)
             ) from exc
     device = torch.device(job.device)
-    model = model.to(device).eval()  # type: ignore[arg-type]
+    model = model.to(device).eval()
     dtype = next(model.parameters()).dtype
     layers = model.get_submodule(adapter_for(str(job.config.get("model_type"))).layer_prefix)
     assert isinstance(layers, nn.ModuleList)
