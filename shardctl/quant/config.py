@@ -47,6 +47,8 @@ class QuantConfig:
     desc_act: bool = False  # GPTQ act-order: g_idx permutes in-features into groups
     block: tuple[int, int] | None = None  # fp8 weight_block_size (out, in)
     fmt: str = ""  # compressed-tensors format
+    input_scales: bool = False  # compressed-tensors: static activation scales are stored
+    symmetric: bool = True  # compressed-tensors pack-quantized: no weight_zero_point
     ignore: tuple[str, ...] = ()
 
     def describe(self) -> str:
@@ -124,13 +126,23 @@ def _compressed_tensors(raw: Mapping[str, Any], ignore: tuple[str, ...], w: str)
     bits = weights.get("num_bits", 4)
     group = weights.get("group_size") or -1
     desc = weights.get("actorder") not in (None, False, "static")
+    first_group = next(iter(groups.values())) if isinstance(groups, Mapping) and groups else {}
+    acts = first_group.get("input_activations") if isinstance(first_group, Mapping) else None
+    symmetric = weights.get("symmetric", True) is not False
     if not isinstance(bits, int) or not (group == -1 or _positive(group)):
         raise InvalidInputError(
             f"config_groups weights: num_bits {bits!r} / group_size {group!r} are not integers",
             where=w,
         )
     return QuantConfig(
-        "compressed-tensors", bits=bits, group_size=group, desc_act=desc, fmt=fmt, ignore=ignore
+        "compressed-tensors",
+        bits=bits,
+        group_size=group,
+        desc_act=desc,
+        fmt=fmt,
+        ignore=ignore,
+        input_scales=acts is not None,
+        symmetric=symmetric,
     )
 
 

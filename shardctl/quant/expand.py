@@ -91,19 +91,24 @@ def members(t: TensorInfo, qc: QuantConfig) -> list[TensorInfo]:
         ]
     # compressed-tensors
     if qc.fmt == "nvfp4-pack-quantized":
-        return [
+        out = [
             TensorInfo(f"{base}.weight_packed", (out_f, in_f // 2), "U8"),
             TensorInfo(f"{base}.weight_scale", (out_f, -(-in_f // 16)), "F8_E4M3"),
             TensorInfo(f"{base}.weight_global_scale", (1,), "F32"),
-            TensorInfo(f"{base}.input_global_scale", (1,), "F32"),
         ]
+        if qc.input_scales:  # NVFP4 (W4A4); NVFP4A16 stores none
+            out.append(TensorInfo(f"{base}.input_global_scale", (1,), "F32"))
+        return out
     if qc.fmt == "float-quantized":
         return [
             TensorInfo(t.fqn, t.shape, "F8_E4M3"),
             TensorInfo(f"{base}.weight_scale", (out_f, 1), t.dtype),
         ]
-    return [
+    out = [
         TensorInfo(f"{base}.weight_packed", (out_f, in_f // pack), "I32"),
         TensorInfo(f"{base}.weight_scale", (out_f, groups), t.dtype),
         TensorInfo(f"{base}.weight_shape", (2,), "I64"),
     ]
+    if not qc.symmetric:
+        out.append(TensorInfo(f"{base}.weight_zero_point", (-(-out_f // pack), groups), "I32"))
+    return out
