@@ -203,3 +203,28 @@ def awq(src: Path, dst: Path, group: int = 128) -> Path:
         "version": "gemm",
     }
     return _rewrite(src, dst, qc, quantize)
+
+
+# ---- MXFP4 (gpt-oss) ----------------------------------------------------------------------
+
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
+
+
+def mxfp4_pack(w: Any) -> tuple[Any, Any]:
+    """float ``[*lead, in, out]`` (gpt-oss bf16 layout) → (blocks U8 ``[*lead, out, in/32, 16]``,
+    scales U8 e8m0 ``[*lead, out, in/32]``): one power-of-two scale per 32 values (OCP MX v1.0),
+    e2m1 codes (sign in bit 3), two per byte, low nibble first."""
+    import torch
+
+    x = w.float().transpose(-1, -2)  # [*lead, out, in]
+    *lead, out_f, in_f = x.shape
+    g = x.reshape(*lead, out_f, in_f // 32, 32)
+    amax = g.abs().amax(-1).clamp(min=2.0**-120)
+    exp = torch.floor(torch.log2(amax)) - 2  # e2m1 max 6 = 1.5 · 2^2
+    scaled = g / torch.pow(2.0, exp).unsqueeze(-1)
+    grid = torch.tensor(E2M1)
+    mag = (scaled.abs().unsqueeze(-1) - grid).abs().argmin(-1)
+    code = mag | ((scaled < 0).to(torch.int64) << 3)
+    code = code.reshape(*lead, out_f, in_f // 32, 16, 2)
+    blocks = (code[..., 0] | (code[..., 1] << 4)).to(torch.uint8)
+    return blocks, (exp + 127).to(torch.uint8)

@@ -11,9 +11,12 @@ Formulas (per element, computed in float32, then cast to the model's dtype):
   FP8 per-tensor / per-channel: ``w · weight_scale``;
 - GPTQ (AutoGPTQ v1): ``(q[i, o] - (z[g(i), o] + 1)) · s[g(i), o]``, ``g(i) = g_idx[i]`` with
   act-order, else ``i // group_size`` (vLLM ignores g_idx without act-order);
-- AWQ: ``(q - z[i // g]) · s[i // g]``, nibbles in AutoAWQ's order ``[0, 2, 4, 6, 1, 3, 5, 7]``.
+- AWQ: ``(q - z[i // g]) · s[i // g]``, nibbles in AutoAWQ's order ``[0, 2, 4, 6, 1, 3, 5, 7]``;
+- MXFP4 (transformers ``convert_moe_packed_tensors``): e2m1 codes, low nibble first, times
+  ``2^(scale - 127)`` per 32, then ``[*lead, out, in]`` transposed to the logical
+  ``[*lead, in, out]``.
 
-Other schemes (NVFP4, pack-quantized, MXFP4) are refused here: bitwise still checks them.
+Other schemes (NVFP4, pack-quantized) are refused here: bitwise still checks them.
 """
 
 from __future__ import annotations
@@ -26,7 +29,8 @@ from shardctl.model.types import TensorInfo
 from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq")
+FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq", "mxfp4")
+E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _CODES = {
     "bfloat16": "BF16",
@@ -105,6 +109,8 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
         z = _unpack_cols(t[m["qzeros"].info.fqn], AWQ_ORDER).float()
         gi = _group_index(q.shape[0], s.shape[0], g)
         return ((q.float() - z[gi]) * s[gi]).T.contiguous()
+    if g.scheme == "mxfp4":
+        return mxfp4(t[m["blocks"].info.fqn], t[m["scales"].info.fqn])
     raise InvalidInputError(
         f"verify's forward level cannot dequantize {SCHEME_NAMES[g.scheme]} weights "
         f"({g.logical.fqn})",
@@ -147,3 +153,18 @@ def _unpack_rows(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
 
 def _unpack_cols(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
     return _unpack_rows(packed.T.contiguous(), order).T.contiguous()
+
+
+def mxfp4(blocks: Any, scales: Any) -> Any:
+    """``blocks`` U8 ``[*lead, out, in/32, 16]``, ``scales`` U8 ``[*lead, out, in/32]`` →
+    float32 ``[*lead, in, out]``."""
+    import torch
+
+    lut = torch.tensor(E2M1, dtype=torch.float32)
+    b = blocks.to(torch.int64)
+    lo, hi = lut[b & 0x0F], lut[b >> 4]
+    vals = torch.stack((lo, hi), dim=-1).flatten(-2)  # [*lead, out, in/32, 32]
+    exp = scales.to(torch.int32) - 127
+    vals = torch.ldexp(vals, exp.unsqueeze(-1).to(torch.float32))
+    w = vals.flatten(-2)  # [*lead, out, in]
+    return w.transpose(-1, -2).contiguous()
