@@ -43,14 +43,19 @@ def expand(
 
 
 def _ignored(fqn: str, qc: QuantConfig) -> bool:
-    """``modules_to_not_convert`` names modules (``lm_head``, ``gate``); compressed-tensors
-    ``ignore`` also takes ``re:`` patterns."""
+    """``modules_to_not_convert`` names modules (``lm_head``, ``gate``) or globs of them
+    (gpt-oss: ``model.layers.*.self_attn``); compressed-tensors ``ignore`` also takes ``re:``
+    patterns. A name covers the module and everything inside it."""
     module = fqn.rsplit(".", 1)[0]
     for name in qc.ignore:
         if name.startswith("re:"):
             if re.match(name[3:], module):
                 return True
         elif module == name or module.endswith(f".{name}") or f".{name}." in f".{module}.":
+            return True
+        elif any(ch in name for ch in "*?[") and (
+            fnmatch.fnmatchcase(module, name) or fnmatch.fnmatchcase(module, f"{name}.*")
+        ):
             return True
     return False
 
