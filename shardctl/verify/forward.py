@@ -138,25 +138,25 @@ class Reference:
 
 def _dequantized_reference(path: Path, config: dict[str, Any]) -> nn.Module:
     """The unsharded model with every quantized weight dequantized (shardctl/quant/dequant.py):
-    the reference a rank's dequantized shards must reproduce."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+    the reference a rank's dequantized shards must reproduce. Written as a temporary BF16
+    checkpoint and loaded by ``from_pretrained``, so transformers maps on-disk names (per-expert
+    tensors) to its in-memory modules exactly as for an unquantized SRC."""
+    import json
 
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from shardctl.io.tempdirs import owned_tempdir
     from shardctl.quant.dequant import dequantize, model_dtype, without_quant
     from shardctl.verify.rank import read_tensors
 
-    dtype = model_dtype(config)
-    plain = without_quant(config)
-    plain.pop("architectures", None)
-    cfg = AutoConfig.for_model(plain.pop("model_type"), **plain)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=dtype, **implementations(config))
     files = tuple(str(f) for f in sorted(Path(path).glob("*.safetensors")))
-    state = dequantize(read_tensors(files), config, dtype)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if unexpected or [k for k in missing if k != "lm_head.weight"]:
-        raise ValueError(f"dequantized tensors do not fit the model: {missing}, {unexpected}")
-    if "lm_head.weight" in missing:
-        model.tie_weights()
-    return model
+    state = dequantize(read_tensors(files), config, model_dtype(config))
+    with owned_tempdir("shardctl-verify-dequant-") as out:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        del state
+        (out / "config.json").write_text(json.dumps(without_quant(config)))
+        return AutoModelForCausalLM.from_pretrained(out, dtype="auto", **implementations(config))
 
 
 def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = None) -> Reference:
