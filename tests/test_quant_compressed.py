@@ -77,6 +77,60 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {p: write_compressed(p, root / p) for p in PRESETS}
 
 
+def library_dequantized(src: Path) -> dict[str, object]:
+    """Every quantized weight as compressed-tensors itself reads its files back: its own
+    unpacking (``unpack_fp4_from_uint8`` / ``unpack_from_int32``) and ``dequantize``."""
+    import torch
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+    from safetensors.torch import load_file
+
+    qc = json.loads((src / "config.json").read_text())["quantization_config"]
+    args = QuantizationConfig.model_validate(qc).config_groups["group_0"].weights
+    t = load_file(src / "model.safetensors")
+    out: dict[str, object] = {}
+    for k in t:
+        if not k.endswith(".weight_packed"):
+            continue
+        base = k.removesuffix(".weight_packed")
+        scale = t[f"{base}.weight_scale"]
+        gs = t.get(f"{base}.weight_global_scale")
+        if gs is not None:  # NVFP4
+            rows, cols = t[k].shape[0], t[k].shape[1] * 2
+            x = unpack_fp4_from_uint8(t[k], rows, cols, dtype=torch.float32)
+            zp = None
+        else:
+            shape = torch.Size(t[f"{base}.weight_shape"].tolist())
+            x = unpack_from_int32(t[k], args.num_bits, shape)
+            zp = t.get(f"{base}.weight_zero_point")
+            if zp is not None:
+                zp = unpack_from_int32(zp, args.num_bits, scale.shape, packed_dim=0)
+        out[f"{base}.weight"] = dequantize(
+            x.float(), scale.float(), zp, args, dtype=torch.float32, global_scale=gs
+        )
+    return out
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_dequantize_matches_the_library(ckpts: dict[str, Path], preset: str) -> None:
+    """shardctl's reading of the packed files equals compressed-tensors' own reading of them
+    (so a wrong nibble order, offset, zero point or scale layout cannot pass)."""
+    import torch
+    from safetensors.torch import load_file
+
+    from shardctl.quant.dequant import dequantize
+
+    src = ckpts[preset]
+    config = json.loads((src / "config.json").read_text())
+    got = dequantize(load_file(src / "model.safetensors"), config, torch.float32)
+    expected = library_dequantized(src)
+    assert len(expected) == 14
+    for fqn, want in expected.items():
+        assert torch.allclose(got[fqn], want, rtol=1e-6, atol=1e-7), fqn  # type: ignore[arg-type]
+
+
 @pytest.mark.parametrize("preset", list(PRESETS))
 def test_compressed_tensors_round_trip_and_plan(
     ckpts: dict[str, Path], tmp_path: Path, preset: str
@@ -105,6 +159,11 @@ def test_compressed_tensors_round_trip_and_plan(
         full["model.layers.0.mlp.down_proj.weight_scale"][1] // 2
     )
     assert rank  # the rank file holds data
+    if preset == "w4a16-asym":  # the forward level on the dequantized shards (zero points too)
+        from shardctl.verify.api import verify
+
+        result = verify(src, tmp_path / "tp2", device="cpu", simulate=True)
+        assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
     reshard(tmp_path / "tp2", tmp_path / "merged")
     same_checkpoint(src, tmp_path / "merged")
     # plan: the checkpoint's bytes per rank, and the same from its config.json alone

@@ -16,7 +16,10 @@ Formulas (per element, computed in float32, then cast to the model's dtype):
   ``2^(scale - 127)`` per 32, then ``[*lead, out, in]`` transposed to the logical
   ``[*lead, in, out]``.
 
-Other schemes (NVFP4, pack-quantized) are refused here: bitwise still checks them.
+- compressed-tensors NVFP4: e2m1 codes (low nibble first) times ``weight_scale /
+  weight_global_scale`` per 16 (compressed-tensors ``dequantize``);
+- compressed-tensors pack-quantized: ``(q - zp) · s[i // g]``, q and zp stored with an offset of
+  ``2^(bits-1)`` (``pack_to_int32``), 32/bits per int32, low bits first along in-features.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from shardctl.model.types import TensorInfo
 from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq", "mxfp4")
+FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq", "mxfp4", "nvfp4", "ct-pack")
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _CODES = {
@@ -111,11 +114,48 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
         return ((q.float() - z[gi]) * s[gi]).T.contiguous()
     if g.scheme == "mxfp4":
         return mxfp4(t[m["blocks"].info.fqn], t[m["scales"].info.fqn])
+    if g.scheme == "nvfp4":
+        import torch
+
+        lut = torch.tensor(E2M1, dtype=torch.float32)
+        b = t[m["weight_packed"].info.fqn].to(torch.int64)
+        w = torch.stack((lut[b & 0x0F], lut[b >> 4]), dim=-1).flatten(-2)  # [out, in]
+        scale = t[m["weight_scale"].info.fqn].float() / t[
+            m["weight_global_scale"].info.fqn
+        ].float().reshape(())
+        return w * scale.repeat_interleave(16, -1)[:, : w.shape[1]]
+    if g.scheme == "ct-pack":
+        return _ct_pack(m, t, config)
     raise InvalidInputError(
         f"verify's forward level cannot dequantize {SCHEME_NAMES[g.scheme]} weights "
         f"({g.logical.fqn})",
         hint=f"use --level bitwise; forward dequantizes {', '.join(FORWARD_SCHEMES)}",
     )
+
+
+def _ct_pack(m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any]) -> Any:
+    qc = config.get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    first: Any = next(iter(groups.values()), {}) if isinstance(groups, Mapping) else {}
+    bits = int((first.get("weights") or {}).get("num_bits", 4))
+    if 32 % bits:
+        raise InvalidInputError(
+            f"compressed-tensors num_bits {bits}: values straddle int32 words",
+            hint="use --level bitwise",
+        )
+    offset = 1 << (bits - 1)
+    q = _unpack_rows(t[m["weight_packed"].info.fqn].T.contiguous(), bits=bits).T  # [out, in]
+    s = t[m["weight_scale"].info.fqn].float()  # [out, G]
+    if "weight_zero_point" in m:
+        zp = _unpack_rows(t[m["weight_zero_point"].info.fqn], bits=bits)[: s.shape[0]]
+    else:
+        zp = offset
+    group = -(-q.shape[1] // s.shape[1])
+    full_s = s.repeat_interleave(group, -1)[:, : q.shape[1]]
+    full_z = (
+        zp.float().repeat_interleave(group, -1)[:, : q.shape[1]] if "weight_zero_point" in m else zp
+    )
+    return (q.float() - full_z) * full_s
 
 
 def _gptq(g: QuantGroup, m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any]) -> Any:
@@ -139,19 +179,23 @@ def _group_index(rows: int, groups: int, g: QuantGroup) -> Any:
     return torch.arange(rows) // size
 
 
-def _unpack_rows(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
-    """int32 [n/8, m] → int4 values [n, m]: nibble ``j`` holds row ``8k + order[j]``."""
+def _unpack_rows(packed: Any, order: tuple[int, ...] | None = None, *, bits: int = 4) -> Any:
+    """int32 [n/k, m] → ``bits``-bit values [n, m] (k = 32 / bits): field ``j`` (lowest first)
+    holds row ``k·r + order[j]``."""
     import torch
 
+    k = 32 // bits
+    order = order or tuple(range(k))
     p = packed.to(torch.int64) & 0xFFFFFFFF
-    n8, cols = p.shape
-    out = torch.empty(n8, 8, cols, dtype=torch.int64)
+    nk, cols = p.shape
+    out = torch.empty(nk, k, cols, dtype=torch.int64)
+    mask = (1 << bits) - 1
     for j, dst in enumerate(order):
-        out[:, dst, :] = (p >> (4 * j)) & 0xF
-    return out.reshape(n8 * 8, cols)
+        out[:, dst, :] = (p >> (bits * j)) & mask
+    return out.reshape(nk * k, cols)
 
 
-def _unpack_cols(packed: Any, order: tuple[int, ...] = tuple(range(8))) -> Any:
+def _unpack_cols(packed: Any, order: tuple[int, ...] | None = None) -> Any:
     return _unpack_rows(packed.T.contiguous(), order).T.contiguous()
 
 
