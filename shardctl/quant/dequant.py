@@ -107,6 +107,11 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
     if g.scheme == "gptq":
         return _gptq(g, m, t, config)
     if g.scheme == "awq":
+        if int((config.get("quantization_config") or {}).get("bits", 4)) != 4:
+            raise InvalidInputError(
+                "verify's forward level reads AWQ int4 only (AutoAWQ's nibble order)",
+                hint="use --level bitwise",
+            )
         q = _unpack_cols(t[m["qweight"].info.fqn], AWQ_ORDER)  # [in, out]
         s = t[m["scales"].info.fqn].float()  # [G, out]
         z = _unpack_cols(t[m["qzeros"].info.fqn], AWQ_ORDER).float()
@@ -151,6 +156,12 @@ def _ct_pack(m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any])
     else:
         zp = offset
     group = -(-q.shape[1] // s.shape[1])
+    if "weight_g_idx" in m:  # act-order: in-feature i uses group g_idx[i]
+        import torch
+
+        gi = t[m["weight_g_idx"].info.fqn].to(torch.long)
+        zf = zp.float()[:, gi] if "weight_zero_point" in m else zp
+        return (q.float() - zf) * s[:, gi]
     full_s = s.repeat_interleave(group, -1)[:, : q.shape[1]]
     full_z = (
         zp.float().repeat_interleave(group, -1)[:, : q.shape[1]] if "weight_zero_point" in m else zp
@@ -161,10 +172,11 @@ def _ct_pack(m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any])
 def _gptq(g: QuantGroup, m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any]) -> Any:
     import torch
 
-    q = _unpack_rows(t[m["qweight"].info.fqn])  # [in, out]
-    s = t[m["scales"].info.fqn].float()  # [G, out]
-    z = _unpack_cols(t[m["qzeros"].info.fqn]).float() + 1  # v1: stored minus one
     qc = config.get("quantization_config") or {}
+    bits = int(qc.get("bits", 4))
+    q = _unpack_rows(t[m["qweight"].info.fqn], bits=bits)  # [in, out]
+    s = t[m["scales"].info.fqn].float()  # [G, out]
+    z = _unpack_cols(t[m["qzeros"].info.fqn], bits=bits).float() + 1  # v1: stored minus one
     if qc.get("desc_act") and "g_idx" in m:
         gi = t[m["g_idx"].info.fqn].to(torch.long)
     else:
@@ -195,8 +207,8 @@ def _unpack_rows(packed: Any, order: tuple[int, ...] | None = None, *, bits: int
     return out.reshape(nk * k, cols)
 
 
-def _unpack_cols(packed: Any, order: tuple[int, ...] | None = None) -> Any:
-    return _unpack_rows(packed.T.contiguous(), order).T.contiguous()
+def _unpack_cols(packed: Any, order: tuple[int, ...] | None = None, *, bits: int = 4) -> Any:
+    return _unpack_rows(packed.T.contiguous(), order, bits=bits).T.contiguous()
 
 
 def mxfp4(blocks: Any, scales: Any) -> Any:
