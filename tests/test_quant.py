@@ -329,3 +329,63 @@ def test_verify_forward_fails_a_moved_scale(
     statuses = {lv.name: lv.status for lv in result.levels}
     assert statuses == {"structure": "pass", "bitwise": "pass", "forward": "fail"}, statuses
     assert not result.ok
+
+
+# ---- inspect ------------------------------------------------------------------------------
+
+
+def test_inspect_shows_the_quantization_per_tensor_group(ck: Ckpts) -> None:
+    root = Path(__file__).resolve().parents[1]
+    src = ck.quant("gptq")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "inspect", str(src), "--json"],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    )
+    assert proc.returncode == 0, proc.stderr
+    quant = json.loads(proc.stdout)["model"]["quantization"]
+    assert quant["method"] == "gptq int4 group_size 128"
+    assert quant["quantized_weights"] == 14  # 7 projections x 2 layers; norms, embeddings stay
+    down = next(g for g in quant["groups"] if g["pattern"] == "model.layers.*.mlp.down_proj.weight")
+    assert down["scheme"] == "gptq" and down["count"] == 2
+    assert down["members"] == {
+        "qweight": "I32 [64, 256]",
+        "scales": "F16 [4, 256]",
+        "qzeros": "I32 [4, 32]",
+        "g_idx": "I32 [512]",
+    }
+    total = quant["quantized_bytes"] + quant["unquantized_bytes"]
+    assert total == sum(len(b) for b in tensors_of_file(src / "model.safetensors").values())
+    text = subprocess.run(
+        [sys.executable, "-m", "shardctl", "inspect", str(src)],
+        capture_output=True,
+        text=True,
+        cwd=root,
+    ).stdout
+    assert "quantization: gptq int4 group_size 128, 14 weights quantized" in text
+    assert "model.layers.*.mlp.down_proj.weight ×2: gptq: qweight I32 [64, 256]" in text
+
+
+def test_a_weight_without_its_scales_is_refused(ck: Ckpts, tmp_path: Path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    src = ck.quant("fp8")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "config.json").write_bytes((src / "config.json").read_bytes())
+    t = load_file(src / "model.safetensors")
+    del t["model.layers.1.self_attn.o_proj.weight"]  # its weight_scale_inv stays behind
+    save_file(t, str(bad / "model.safetensors"))
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "reshard", str(bad), str(tmp_path / "o"), "--tp", "2"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )
+    assert proc.returncode == 3, proc.stderr
+    line = proc.stderr.strip()
+    assert "\n" not in line and "Traceback" not in line
+    assert "FP8 block weight without its 'weight' tensor" in line
+    assert "model.layers.1.self_attn.o_proj.weight" in line
+    assert not (tmp_path / "o").exists()
