@@ -73,6 +73,8 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "master_weights",
         "grad_dtype",
         "pipeline_schedule",
+        "virtual_stages",
+        "recompute_layers",
         "num_microbatches",
     ),
     "quantization": ("method", "group_size", "double_quant", "fp8_scaling", "keep_16bit"),

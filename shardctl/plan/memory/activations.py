@@ -142,6 +142,24 @@ def in_flight_microbatches(stage: int, pp: int, microbatches: int, schedule: str
     return max(1, min(pp - stage, microbatches))
 
 
+def interleaved_in_flight_chunks(stage: int, pp: int, microbatches: int, virtual: int) -> int:
+    """Model chunks (each ``1/virtual`` of the stage's layers, one micro-batch) whose
+    activations stage ``stage`` holds at its peak under interleaved 1F1B.
+
+    Megatron-LM ``schedules.py`` (``forward_backward_pipelining_with_interleaving``) runs
+    ``(pp − stage − 1)·2 + (virtual − 1)·pp`` warm-up forwards (micro-batch groups of ``pp``)
+    and one more before its first backward, never more than the ``m·virtual`` chunk forwards
+    of the step (Narayanan et al. 2021 §2.2.1). Stage 0 holds ``pp·v + pp − 1`` chunks, i.e.
+    ``pp · (1 + (pp − 1)/(pp·v))`` micro-batches' worth of its layers — the penalty
+    Megatron's ``theoretical_memory_usage.py`` applies.
+
+    >>> [interleaved_in_flight_chunks(i, 4, 8, 2) for i in range(4)]
+    [11, 9, 7, 5]
+    """
+    warmup = (pp - stage - 1) * 2 + (virtual - 1) * pp
+    return max(1, min(warmup + 1, microbatches * virtual))
+
+
 def prefill_peak_bytes(
     dims: ModelDims,
     *,

@@ -16,7 +16,7 @@ from shardctl.errors import InvalidInputError
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 FP8_SCALING = ("tensor", "block")
 QUANT_KINDS = ("embedding", "head", "norm")
 
@@ -144,7 +144,14 @@ class TrainingSpec:
     offload_params: str = "none"
     capacity_factor: float = 1.0  # MoE token capacity (Switch Transformer); 1.0 = balanced
     master_weights: bool = True  # fp32 master copy with 16-bit weights (mixed precision)
-    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
+    # Interleaved 1F1B: model chunks per pipeline rank (Megatron
+    # --num-virtual-stages-per-pipeline-rank); 1 otherwise.
+    virtual_stages: int = 1
+    # Partial recompute (Megatron --recompute-method block --recompute-num-layers N): with
+    # ``recompute: full``, only the first N layers of each stage are recomputed, the rest keep
+    # their activations. ``None`` = every layer.
+    recompute_layers: int | None = None
 
     def __post_init__(self) -> None:
         from shardctl.plan.memory.training import OPTIMIZERS
@@ -184,9 +191,33 @@ class TrainingSpec:
             )
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise InvalidInputError(
-                f"expected 1f1b or gpipe, got {self.pipeline_schedule!r}",
+                f"expected one of {', '.join(PIPELINE_SCHEDULES)}, got "
+                f"{self.pipeline_schedule!r}",
                 where="training.pipeline_schedule",
             )
+        _positive(self.virtual_stages, "training.virtual_stages")
+        if (self.pipeline_schedule == "interleaved") != (self.virtual_stages > 1):
+            raise InvalidInputError(
+                f"pipeline_schedule {self.pipeline_schedule} with virtual_stages "
+                f"{self.virtual_stages}: the interleaved schedule needs virtual_stages >= 2, "
+                "and virtual stages need the interleaved schedule",
+                where="training.virtual_stages",
+                hint="set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or "
+                "drop virtual_stages",
+            )
+        if self.recompute_layers is not None:
+            if isinstance(self.recompute_layers, bool) or self.recompute_layers < 0:
+                raise InvalidInputError(
+                    f"expected a non-negative integer, got {self.recompute_layers!r}",
+                    where="training.recompute_layers",
+                )
+            if self.recompute != "full":
+                raise InvalidInputError(
+                    f"recompute_layers needs recompute: full, got recompute: {self.recompute}",
+                    where="training.recompute_layers",
+                    hint="set recompute: full (Megatron --recompute-granularity full "
+                    "--recompute-method block), or drop recompute_layers",
+                )
         _positive(self.grad_accumulation_steps, "training.grad_accumulation_steps")
         if self.global_batch_size is not None:
             _positive(self.global_batch_size, "training.global_batch_size")
