@@ -53,12 +53,9 @@ def test_interleaved_chunks_bounded_by_the_step() -> None:
 
 def test_interleaved_plan_applies_the_penalty(tmp_path: Path) -> None:
     base = _stage0(MANIFEST)
-    path = _with(
-        tmp_path,
-        "  virtual_stages: 2\n",
-        drop=("pipeline_schedule",),
-    )
-    path.write_text(path.read_text().replace("training:\n", "training:\n  pipeline_schedule: interleaved\n"))
+    path = _with(tmp_path, "  virtual_stages: 2\n", drop=("pipeline_schedule",))
+    text = path.read_text().replace("training:\n", "training:\n  pipeline_schedule: interleaved\n")
+    path.write_text(text)
     inter = _stage0(path)
     # 20 layers per stage, pp 4, v 2: penalty 1 + 3/8 on the 4 micro-batches of 1F1B.
     assert Fraction(inter["activations.layers"], base["activations.layers"]) == Fraction(11, 8)

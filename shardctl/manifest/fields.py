@@ -76,6 +76,8 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "virtual_stages",
         "recompute_layers",
         "num_microbatches",
+        "lora_rank",
+        "lora_targets",
     ),
     "quantization": ("method", "group_size", "double_quant", "fp8_scaling", "keep_16bit"),
     "overhead": (*m.OVERHEAD_SIZES, *m.OVERHEAD_FRACTIONS),

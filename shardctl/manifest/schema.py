@@ -300,6 +300,13 @@ def _training_section() -> dict[str, Any]:
             "num_microbatches": _int(
                 "Microbatches per step (default: gradient_accumulation_steps)."
             ),
+            "lora_rank": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "LoRA adapter rank; the base is frozen (with quantization.method"
+                ": nf4, QLoRA). Default 0: full fine-tuning.",
+            },
+            "lora_targets": _enum(m.LORA_TARGETS, "Adapted linears (PEFT target_modules)."),
         },
         "Training states; giving this section implies workload.mode: training.",
     )

@@ -188,8 +188,7 @@ def read_training(
                 "training.recompute_layers",
                 f"recompute_layers needs recompute: full, got recompute: {recompute}",
                 lines["recompute_layers"],
-                "set recompute: full (Megatron --recompute-method block), or drop "
-                "recompute_layers",
+                "set recompute: full (Megatron --recompute-method block), or drop recompute_layers",
             )
         )
         recompute_layers = None
@@ -200,6 +199,8 @@ def read_training(
         offload_params=offload_params,
         recompute=recompute,
         recompute_layers=recompute_layers,
+        lora_rank=get(section, "lora_rank", path, lambda n, p: read_int(n, p, minimum=0), 0),
+        lora_targets=get(section, "lora_targets", path, enum(m.LORA_TARGETS), "all-linear"),
         sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
         master_weights=get(section, "master_weights", path, read_bool, True),
         grad_dtype=get(section, "grad_dtype", path, read_dtype, None),

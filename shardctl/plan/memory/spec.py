@@ -17,6 +17,10 @@ from shardctl.errors import InvalidInputError
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
 PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# Which linear layers of each decoder layer carry LoRA adapters (PEFT ``target_modules``):
+# ``all-linear`` is PEFT's name for every Linear but the head; ``attention`` q/k/v/o; ``mlp``
+# gate/up/down.
+LORA_TARGETS = ("all-linear", "attention", "mlp")
 FP8_SCALING = ("tensor", "block")
 QUANT_KINDS = ("embedding", "head", "norm")
 
@@ -148,6 +152,11 @@ class TrainingSpec:
     # Interleaved 1F1B: model chunks per pipeline rank (Megatron
     # --num-virtual-stages-per-pipeline-rank); 1 otherwise.
     virtual_stages: int = 1
+    # LoRA (Hu et al. 2021) adapters of rank ``lora_rank`` on ``lora_targets``: the base
+    # weights are frozen (no gradients, no optimizer states); QLoRA = LoRA over a 4-bit base
+    # (``quantization.method: nf4``). 0 = full fine-tuning.
+    lora_rank: int = 0
+    lora_targets: str = "all-linear"
     # Partial recompute (Megatron --recompute-method block --recompute-num-layers N): with
     # ``recompute: full``, only the first N layers of each stage are recomputed, the rest keep
     # their activations. ``None`` = every layer.
@@ -191,8 +200,7 @@ class TrainingSpec:
             )
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise InvalidInputError(
-                f"expected one of {', '.join(PIPELINE_SCHEDULES)}, got "
-                f"{self.pipeline_schedule!r}",
+                f"expected one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}",
                 where="training.pipeline_schedule",
             )
         _positive(self.virtual_stages, "training.virtual_stages")
@@ -204,6 +212,16 @@ class TrainingSpec:
                 where="training.virtual_stages",
                 hint="set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or "
                 "drop virtual_stages",
+            )
+        if isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise InvalidInputError(
+                f"expected a non-negative integer, got {self.lora_rank!r}",
+                where="training.lora_rank",
+            )
+        if self.lora_targets not in LORA_TARGETS:
+            raise InvalidInputError(
+                f"expected one of {', '.join(LORA_TARGETS)}, got {self.lora_targets!r}",
+                where="training.lora_targets",
             )
         if self.recompute_layers is not None:
             if isinstance(self.recompute_layers, bool) or self.recompute_layers < 0:

@@ -135,6 +135,11 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             capacity_factor=tr.capacity_factor,
         )
     layers = per_layer * stored_layers + full_input
+    if tr.lora_rank and stored_layers and tr.recompute != "full":
+        # PEFT saves each adapter's fp32 ``lora_A`` output [T, r] for ``lora_B``'s backward.
+        targets = {"all-linear": 4 + (0 if d.num_experts else 3), "attention": 4, "mlp": 3}
+        lora_act = seq * mb * tr.lora_rank * 4 * targets[tr.lora_targets]
+        layers += lora_act * stored_layers
     first = (
         act.first_stage_activation_bytes(
             d, seq=seq, batch=mb, tp=tp, sequence_parallel=sp, dropout=tr.dropout
