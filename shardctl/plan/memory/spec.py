@@ -81,7 +81,7 @@ class Workload:
     cuda_graph_memory: int = 0
 
     def __post_init__(self) -> None:
-        from shardctl.plan.memory.vllm import ENGINES
+        from shardctl.plan.memory.engines import ENGINES
 
         _positive(self.batch_size, "workload.batch_size")
         if self.engine not in ENGINES:

@@ -33,7 +33,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     detail: dict[str, int] = {}
     params = c.total if given is None else given * 8 // DTYPE_BITS[ctx.model.dtype]
     mixed = ctx.nb == 2 and tr.master_weights
-    g_bytes = DTYPE_BITS[tr.grad_dtype or ctx.dtype] / 8
+    g_bytes = DTYPE_BITS[tr.grad_dtype or ctx.engine.grad_dtype or ctx.dtype] / 8
     o_bytes = optimizer_bytes_per_param(
         tr.optimizer,
         hidden=ctx.shape.dims.hidden_size if ctx.shape else 0,
@@ -63,6 +63,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
         for n, dp, stored in groups
     ]
     weights = sum(p.weights for p in parts)
+    host = int(sum(p.host for p in parts) * ctx.engine.host_buffer)
     if tr.zero == 3 and ctx.shape is not None and st.num_layers:
         # FSDP/ZeRO-3 gathers a layer before use and prefetches the next: two whole
         # (dp-unsharded) layers live at once (FSDP backward_prefetch=BACKWARD_PRE).
@@ -73,7 +74,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
         weights=weights,
         gradients=sum(p.gradients for p in parts),
         optimizer=sum(p.optimizer for p in parts),
-        host=sum(p.host for p in parts),
+        host=host,
         nvme=sum(p.nvme for p in parts),
         detail=detail,
     )

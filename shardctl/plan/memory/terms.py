@@ -114,6 +114,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         dropout=tr.dropout,
         act_bytes=ctx.nb,
         capacity_factor=tr.capacity_factor,
+        saved=ctx.engine.saved,
     )
     # Partial recompute (``recompute_layers``): N layers keep only their input, the rest all.
     stored_layers = st.num_layers
@@ -133,6 +134,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             dropout=tr.dropout,
             act_bytes=ctx.nb,
             capacity_factor=tr.capacity_factor,
+            saved=ctx.engine.saved,
         )
     layers = per_layer * stored_layers + full_input
     if tr.lora_rank and stored_layers and tr.recompute != "full":
@@ -156,6 +158,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             sequence_parallel=sp,
             act_bytes=ctx.nb,
             vocab_rows=vocab_rows_per_rank(d.vocab_size, m.tp, ctx.shape.vocab_padding),
+            saved=ctx.engine.saved,
         )
         if st.index == m.pp - 1
         else 0
@@ -175,6 +178,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             dropout=tr.dropout,
             act_bytes=ctx.nb,
             capacity_factor=tr.capacity_factor,
+            saved=ctx.engine.saved,
         )
     if tr.pipeline_schedule == "interleaved" and m.pp > 1:
         # Chunks of 1/v of the stage's layers; the embedding sits on chunk 0 (the first pp

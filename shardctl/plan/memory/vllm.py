@@ -22,8 +22,6 @@ from dataclasses import dataclass, replace
 from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 
-ENGINES = ("generic", "vllm")
-
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM measured it on that GPU:
 # - h100-sxm 1.79 GiB: vLLM PR #10511 ("non_torch_memory 1.79GiB", Llama-3-8B, tp 1);
