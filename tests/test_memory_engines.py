@@ -43,16 +43,13 @@ training:
 {extra}"""
 
 
-def _manifest(tmp_path: Path, *, engine: str, layers: int = 2, dp: int = 1, zero: int = 0,
-              extra: str = "", h: int = H, f: int = F, heads: int = HEADS, kv: int = KV,
-              vocab: int = VOCAB, seq: int = SEQ) -> Path:  # fmt: skip
-    path = tmp_path / f"{engine}.yaml"
-    path.write_text(
-        MANIFEST.format(
-            h=h, f=f, heads=heads, kv=kv, vocab=vocab, seq=seq, layers=layers, dp=dp,
-            engine=engine, zero=zero, extra=extra,
-        )  # fmt: skip
+def _manifest(tmp_path: Path, *, engine: str, **values: object) -> Path:
+    fields: dict[str, object] = dict(
+        h=H, f=F, heads=HEADS, kv=KV, vocab=VOCAB, seq=SEQ, layers=2, dp=1, zero=0, extra=""
     )
+    fields.update(values)
+    path = tmp_path / f"{engine}.yaml"
+    path.write_text(MANIFEST.format(engine=engine, **fields))
     return path
 
 
