@@ -61,10 +61,10 @@ def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | No
 
 
 def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> HardwareSpec:
-    """The hardware as the engine sees it: for vLLM serving, the device size CUDA reports. The
-    one place ``plan`` and ``plan --search`` get their budget's device size from."""
-    if engine != "vllm" or training:
-        return hardware
+    """The hardware as the engine sees it: the device size CUDA reports (every engine allocates
+    from it; an explicit ``device_memory`` stays as given). The one place ``plan`` and ``plan
+    --search`` get their budget's device size from."""
+    del engine, training
     memory = cuda_reported_memory(hardware.gpu, hardware.device_memory)
     return replace(hardware, device_memory=memory)
 
