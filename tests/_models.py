@@ -122,12 +122,12 @@ CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=False, max_position_embeddings=128,
     ),
     "llama-quant4": dict(
-        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=1,
+        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
         tie_word_embeddings=False, max_position_embeddings=128,
     ),
     "mixtral-quant": dict(
-        model_type="mixtral", hidden_size=256, intermediate_size=256, num_hidden_layers=1,
+        model_type="mixtral", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
         max_position_embeddings=128,
