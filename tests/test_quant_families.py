@@ -19,7 +19,7 @@ import pytest
 from shardctl.archs import find
 from shardctl.layout.engine import rank_weight_bytes
 from shardctl.layout.types import Mesh
-from shardctl.model.inventory import from_checkpoint
+from shardctl.model.inventory import from_checkpoint, from_config_file
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
 from tests import _quant
@@ -61,6 +61,10 @@ def test_deepseek_v3_fp8(tmp_path: Path) -> None:
         make_checkpoint("deepseek_v3", tmp_path / "bf16", **DEEPSEEK), tmp_path / "fp8"
     )
     _round_trip(src, tmp_path, Mesh(ep=2, tp=2))  # experts over ep, every tensor over tp
+    # plan from the config alone: the same tensors (MLA's kv_a_proj_with_mqa quantized too)
+    assert sorted(map(str, from_config_file(src / "config.json").tensors)) == sorted(
+        map(str, from_checkpoint(src).tensors)
+    )
 
 
 def test_gpt_oss_mxfp4(tmp_path: Path) -> None:

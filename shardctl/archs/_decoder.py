@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardctl.archs._family import (
+    LINEAR_PROJECTIONS,
     Config,
     ExpertSpec,
     Family,
@@ -65,9 +66,6 @@ END_RULES: tuple[RuleSpec, ...] = (
     RuleSpec("lm_head.weight", tp="vocab", stage="last"),
 )
 RULES: tuple[RuleSpec, ...] = END_RULES + ATTENTION_RULES + MLP_RULES + NORM_RULES
-# What GPTQ / AWQ / fp8 / compressed-tensors quantize: the decoder layers' linear projections
-# (per-expert ones included); embeddings, head, norms and routers stay 16-bit.
-QUANTIZABLE: tuple[str, ...] = ("model.layers.*_proj.weight",)
 
 # ---- config -> dims -> tensors -------------------------------------------------------------
 
@@ -220,7 +218,7 @@ def decoder_family(
     shape_keys: tuple[str, ...] = DECODER_SHAPES,
     config_keys: tuple[str, ...] = DECODER_OTHER,
     sliding_layers: str = "none",
-    quantizable: tuple[str, ...] = QUANTIZABLE,
+    quantizable: tuple[str, ...] = LINEAR_PROJECTIONS,
 ) -> Family:
     """A Llama-like family. ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: ``None`` follows the
     config's ``attention_bias`` / ``mlp_bias``; a bool fixes it. ``layer`` replaces the whole

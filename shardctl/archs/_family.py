@@ -19,6 +19,11 @@ from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
 Shapes = list[tuple[str, tuple[int, ...]]]
+# What GPTQ / AWQ / fp8 / compressed-tensors quantize by default (Family.quantizable).
+LINEAR_PROJECTIONS: tuple[str, ...] = (
+    "model.layers.*_proj.weight",
+    "model.layers.*_proj_with_mqa.weight",
+)
 Config = Mapping[str, Any]
 
 
@@ -107,8 +112,10 @@ class Family:
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
     # fqn globs of the weights a quantization_config quantizes (shardctl/quant/expand.py: a
-    # config without a checkpoint); a checkpoint's own names say it for themselves.
-    quantizable: tuple[str, ...] = ()
+    # config without a checkpoint); a checkpoint's own names say it for themselves. Default:
+    # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
+    # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
+    quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
 
 
 # ---- config readers ----------------------------------------------------------------------
