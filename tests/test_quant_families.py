@@ -96,4 +96,7 @@ def test_gpt_oss_mxfp4(tmp_path: Path) -> None:
         ],
     }
     (src / "config.json").write_text(json.dumps(cfg))
-    _round_trip(src, tmp_path, Mesh(ep=2, tp=2))  # experts over ep, every tensor over tp
+    _round_trip(src, tmp_path, Mesh(ep=2, tp=2))
+    assert sorted(map(str, from_config_file(src / "config.json").tensors)) == sorted(
+        map(str, from_checkpoint(src).tensors)
+    )  # experts over ep, every tensor over tp

@@ -20,9 +20,11 @@ from shardctl.model.types import ModelDims
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 # What GPTQ / AWQ / fp8 / compressed-tensors quantize by default (Family.quantizable).
+# Packed experts (gpt-oss ``mlp.experts.gate_up_proj [E, H, 2I]``) are MXFP4's only.
 LINEAR_PROJECTIONS: tuple[str, ...] = (
     "model.layers.*_proj.weight",
     "model.layers.*_proj_with_mqa.weight",
+    "model.layers.*.experts.*_proj",
 )
 Config = Mapping[str, Any]
 

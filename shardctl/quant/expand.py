@@ -35,7 +35,9 @@ def expand(
     globs = [re.compile(fnmatch.translate(g)) for g in quantizable]
     out: list[TensorInfo] = []
     for t in tensors:
-        if any(g.match(t.fqn) for g in globs) and not _ignored(t.fqn, qc) and len(t.shape) >= 2:
+        # MXFP4 quantizes packed experts [E, in, out]; the other schemes 2-D [out, in] weights
+        ndim_ok = len(t.shape) == (3 if qc.method == "mxfp4" else 2)
+        if ndim_ok and any(g.match(t.fqn) for g in globs) and not _ignored(t.fqn, qc):
             out += members(t, qc)
         else:
             out.append(t)
