@@ -389,3 +389,16 @@ def test_a_weight_without_its_scales_is_refused(ck: Ckpts, tmp_path: Path) -> No
     assert "FP8 block weight without its 'weight' tensor" in line
     assert "model.layers.1.self_attn.o_proj.weight" in line
     assert not (tmp_path / "o").exists()
+
+
+def test_plan_refuses_to_quantize_a_quantized_model_again(ck: Ckpts) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "plan", str(_quant_config(ck, "llama-quant", "awq")),
+         "--tp", "2", "--gpu", "h100-sxm", "--quantization", "int4"],
+        capture_output=True,
+        text=True,
+        cwd=Path(__file__).resolve().parents[1],
+    )  # fmt: skip
+    assert proc.returncode == 3, proc.stderr
+    assert proc.stderr.count("\n") == 1
+    assert "already quantized (awq int4 group_size 128)" in proc.stderr
