@@ -15,16 +15,22 @@ import re
 from collections.abc import Iterable
 
 from shardctl.archs import (
+    cohere,
     gemma,
     gemma2,
+    gemma3,
+    glm4,
     gpt2,
     granite,
     llama,
     mistral,
     mixtral,
+    olmo2,
     phi3,
     qwen2,
     qwen3,
+    stablelm,
+    starcoder2,
 )
 from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
 from shardctl.errors import InvalidInputError
@@ -42,7 +48,25 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES = (
+    gemma,
+    gemma2,
+    gpt2,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    # fam-dense
+    olmo2,
+    starcoder2,
+    cohere,
+    stablelm,
+    glm4,
+    gemma3,
+)
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
