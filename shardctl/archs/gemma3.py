@@ -34,6 +34,16 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
     return decoder_dims(config, tied, where)
 
 
+REFUSED = {
+    "gemma3": (
+        "that is the multimodal Gemma-3 (Gemma3ForConditionalGeneration: vision tower, projector, "
+        "model.language_model.* names), which shardctl does not place; its text model is "
+        "supported as model_type 'gemma3_text' (Gemma3ForCausalLM): use a text-only checkpoint "
+        "(the text_config, tensors without the language_model prefix), or place every tensor "
+        "with manifest rules:"
+    )
+}
+
 _FAMILY = decoder_family(
     "gemma3",
     model_types=("gemma3_text",),
