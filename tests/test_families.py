@@ -56,7 +56,7 @@ def test_every_family_file_is_in_the_flow() -> None:
         family = family_for(name)
         assert family.rules and family.forward is not None and family.follows, name
         assert family.shape_keys and family.config_keys, name  # a manifest's model: keys
-        assert family.sliding_layers in ("none", "all", "even"), name
+        assert family.sliding_layers in ("none", "all", "even", "pattern"), name
     assert FORWARD_SUPPORTED == SUPPORTED  # verify's forward level runs every family
 
 

@@ -92,3 +92,13 @@ def test_multimodal_gemma3_config_is_refused_naming_the_text_family(tmp_path: Pa
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("shardctl: error:")]
     assert len(lines) == 1 and "Traceback" not in done.stderr
     assert "'gemma3'" in lines[0] and "multimodal" in lines[0] and "'gemma3_text'" in lines[0]
+
+
+def test_gemma3_kv_cache_follows_the_five_to_one_pattern() -> None:
+    """Without layer_types, sliding_window_pattern 6: layers 5, 11, …, 59 are global (10 of 62),
+    the other 52 keep only the 1,024-token window (HF Gemma3TextConfig.layer_types)."""
+    doc = _plan("gemma-3-27b-text-tp4.yaml")
+    kv_heads_per_rank, hd, seq, window, batch = 16 // 4, 128, 32768, 1024, 8
+    per_token_layer = 2 * kv_heads_per_rank * hd * BF16  # K and V
+    tokens = 10 * seq + 52 * window
+    assert doc["ranks"][0]["memory"]["kv_cache"] == batch * tokens * per_token_layer

@@ -107,7 +107,8 @@ class Family:
     shape_keys: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
     # Which layers slide when the config has ``sliding_window`` but no ``layer_types`` (the KV
-    # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...).
+    # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...),
+    # or "pattern": every ``sliding_window_pattern``-th layer global, the rest slide (Gemma-3).
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
 

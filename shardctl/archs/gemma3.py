@@ -51,6 +51,7 @@ _FAMILY = decoder_family(
     qk_norm=True,
     extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
     follows="vLLM gemma3.py (Gemma3ForCausalLM)",
+    sliding_layers="pattern",  # without layer_types: 5 local : 1 global (sliding_window_pattern)
     shape_keys=(*DECODER_SHAPES, "attention_bias"),
     config_keys=(
         *DECODER_OTHER,
