@@ -5,7 +5,8 @@ The wrong layouts come from the test-only splitter (tests/_split.py, independent
 GLM-4's fused ``gate_up_proj`` chunked whole or with gate and up swapped; kv heads replicated to
 the wrong ranks at ``tp = 4 > 2`` kv heads — for OLMo-2 that also feeds its whole-projection
 k norm (an all-reduce over ranks holding the wrong heads), for Gemma-3 and StableLM the per-head
-norms. The same splitter without a fault passes all three levels (the control).
+norms. The same splitter without a fault passes all three levels (the controls; StableLM's
+sequential-residual variant runs only here, the flow in test_families.py has the parallel one).
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ CASES = [
     ("olmo2", Mesh(tp=4), "kv-replication"),
     ("gemma3_text", Mesh(tp=4), "kv-replication"),
     ("stablelm", Mesh(tp=4), "kv-replication"),
+    ("stablelm-sequential", Mesh(tp=2), None),  # post_attention_layernorm, MHA, no q/k norms
 ]
 
 
