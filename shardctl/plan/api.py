@@ -197,6 +197,11 @@ def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
     return replace(manifest, workload=replace(manifest.workload, only_weights=True))
 
 
+def _cp(manifest: Manifest) -> int:
+    """Context-parallel ranks per replica (``mesh.cp``; 1 for inference)."""
+    return manifest.training.context_parallel if manifest.training is not None else 1
+
+
 def plan_manifest(
     manifest: Manifest,
     *,
@@ -220,14 +225,14 @@ def plan_manifest(
 
         sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
         full, mesh = mesh, sh.attention_mesh(mesh)
-        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, by_dp = sh.shared_ep_weights(
             model, full, rules=manifest.rules, options=manifest.layout
         )
         weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
         shared_ep = full.ep
     else:
-        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, weights = weights_per_coord(
             model, mesh, rules=manifest.rules, options=manifest.layout
         )
@@ -282,6 +287,12 @@ def search_manifest(
             "--search covers layouts with ep as its own axis, not expert_placement: shared",
             where="mesh.expert_placement",
             hint="plan the shared layout without --search, or search with separate placement",
+        )
+    if _cp(manifest) > 1:
+        raise InvalidInputError(
+            f"--search covers pp × dp × ep × tp; the manifest has mesh.cp {_cp(manifest)}",
+            where="mesh.cp",
+            hint="plan the context-parallel layout without --search, or search without mesh.cp",
         )
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)

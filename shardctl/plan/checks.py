@@ -57,16 +57,19 @@ def check_workload(model: ModelInfo, workload: Workload, training: TrainingSpec 
     )
 
 
-def check_mesh(mesh: Mesh, hardware: HardwareSpec) -> tuple[str, ...]:
-    """Refuse a mesh with more ranks than the hardware has GPUs; the warnings it deserves."""
-    if mesh.world > hardware.gpus:
+def check_mesh(mesh: Mesh, hardware: HardwareSpec, cp: int = 1) -> tuple[str, ...]:
+    """Refuse a mesh with more ranks than the hardware has GPUs; the warnings it deserves.
+    ``cp``: context-parallel ranks per model replica (``mesh.cp``, training)."""
+    gpus = mesh.world * cp
+    if gpus > hardware.gpus:
+        axes = f"{mesh.pp}×{mesh.dp}×{mesh.ep}×{mesh.tp}" + (f"×{cp}" if cp > 1 else "")
         raise InvalidInputError(
-            f"mesh {mesh} needs {mesh.world} GPUs (pp×dp×ep×tp = "
-            f"{mesh.pp}×{mesh.dp}×{mesh.ep}×{mesh.tp}) but hardware declares "
+            f"mesh {mesh}{f' CP{cp}' if cp > 1 else ''} needs {gpus} GPUs "
+            f"(pp×dp×ep×tp{'×cp' if cp > 1 else ''} = {axes}) but hardware declares "
             f"{hardware.nodes} node(s) × {hardware.gpus_per_node} GPUs = {hardware.gpus}",
             where="mesh",
             hint=f"lower the degrees to fit {hardware.gpus} GPUs, or set hardware.nodes "
-            f"to {-(-mesh.world // hardware.gpus_per_node)}",
+            f"to {-(-gpus // hardware.gpus_per_node)}",
         )
     warnings: list[str] = []
     if mesh.tp > hardware.gpus_per_node and not hardware.allow_tp_across_nodes:
