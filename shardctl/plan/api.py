@@ -211,13 +211,14 @@ def plan_manifest(
 ) -> PlanResult:
     """The plan of ``manifest``'s layout. ``check_hardware=False`` prices a mesh that is not a
     cluster layout (the device map's one stage per layer) without the GPU-count check."""
-    from shardctl.plan.checks import check_mesh, check_workload
+    from shardctl.plan.checks import check_keep_16bit, check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
 
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
+    check_keep_16bit(model, manifest.quantization)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
     shared_ep = 0
     if manifest.expert_placement == "shared":
@@ -279,7 +280,7 @@ def search_manifest(
     only_weights: bool = False,
 ) -> SearchResult:
     """:func:`run_search` of a loaded manifest (``mesh_overrides`` are not searched over)."""
-    from shardctl.plan.checks import check_workload
+    from shardctl.plan.checks import check_keep_16bit, check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
     if manifest.expert_placement == "shared":
@@ -297,4 +298,5 @@ def search_manifest(
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
+    check_keep_16bit(model, manifest.quantization)
     return search_layouts(manifest, model, gpus=gpus)

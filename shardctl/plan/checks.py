@@ -20,7 +20,7 @@ from shardctl.layout.types import Mesh
 from shardctl.model.archs import SUPPORTED
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.hardware import HardwareSpec
-from shardctl.plan.memory.spec import TrainingSpec, Workload
+from shardctl.plan.memory.spec import DEFAULT_KEEP_16BIT, QuantSpec, TrainingSpec, Workload
 
 
 def tokens_asked(workload: Workload, training: TrainingSpec | None) -> bool:
@@ -80,3 +80,45 @@ def check_mesh(mesh: Mesh, hardware: HardwareSpec, cp: int = 1) -> tuple[str, ..
             "hardware.allow_tp_across_nodes: true"
         )
     return tuple(warnings)
+
+
+def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
+    """Each ``quantization.keep_16bit`` glob must match a tensor of the model, and only what
+    the weight model prices in 16-bit under a quantized format: embeddings, the head, norms,
+    biases (1-D). A glob that matches nothing, or matches decoder matrices (whose 16-bit bytes
+    the plan would not count), is refused rather than silently ignored."""
+    if quant is None or quant.method == "none" or quant.keep_16bit == DEFAULT_KEEP_16BIT:
+        return
+    from fnmatch import fnmatchcase
+
+    if not model.tensors:
+        raise InvalidInputError(
+            "keep_16bit globs need the model's tensor names; a bare parameter count has none",
+            where="quantization.keep_16bit",
+            hint="give model.config or model.checkpoint, or drop keep_16bit",
+        )
+    vocab = model.dims.vocab_size if model.dims else -1
+    for glob in quant.keep_16bit:
+        hits = [t for t in model.tensors if fnmatchcase(t.fqn, glob)]
+        if not hits:
+            example = next((t.fqn for t in model.tensors if ".1." in t.fqn), model.tensors[0].fqn)
+            raise InvalidInputError(
+                f"glob {glob!r} matches no tensor of this {model.architecture} model "
+                f"({len(model.tensors):,} tensors, e.g. {example})",
+                where="quantization.keep_16bit",
+                hint="fix the glob (fnmatch on full tensor names), or drop it",
+            )
+        beyond = [
+            t
+            for t in hits
+            if len(t.shape) >= 2 and t.shape[0] != vocab and not t.fqn.endswith("wpe.weight")
+        ]
+        if beyond:
+            raise InvalidInputError(
+                f"glob {glob!r} keeps {beyond[0].fqn} {list(beyond[0].shape)} (and "
+                f"{len(beyond) - 1} more matrices) in 16-bit: the weight model prices only "
+                "embeddings, the head, norms and biases in 16-bit under a quantized format",
+                where="quantization.keep_16bit",
+                hint="plan the mixed-precision checkpoint itself (model.checkpoint), whose "
+                "stored bytes are exact, or keep only embeddings/head/norms",
+            )
