@@ -129,6 +129,13 @@ def _compressed_tensors(raw: Mapping[str, Any], ignore: tuple[str, ...], w: str)
     first_group = next(iter(groups.values())) if isinstance(groups, Mapping) and groups else {}
     acts = first_group.get("input_activations") if isinstance(first_group, Mapping) else None
     symmetric = weights.get("symmetric", True) is not False
+    if fmt == "pack-quantized" and bits not in (2, 4, 8):
+        # pack_to_int32 packs densely: other widths straddle int32 words, no clean split
+        raise InvalidInputError(
+            f"pack-quantized num_bits {bits!r}: shardctl splits 2-, 4- and 8-bit packing only",
+            where=w,
+            hint="values of other widths straddle int32 words; reshard such a model unsplit",
+        )
     if not isinstance(bits, int) or not (group == -1 or _positive(group)):
         raise InvalidInputError(
             f"config_groups weights: num_bits {bits!r} / group_size {group!r} are not integers",
