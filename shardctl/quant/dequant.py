@@ -55,6 +55,17 @@ def without_quant(config: Mapping[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in config.items() if k != "quantization_config"}
 
 
+def forward_refusal(config: Mapping[str, Any]) -> str | None:
+    """Why the forward level cannot dequantize this model (checked before any rank starts),
+    or None."""
+    from shardctl.quant.config import read_quant
+
+    qc = read_quant(config)
+    if qc is not None and qc.method == "awq" and qc.bits != 4:
+        return f"it dequantizes AWQ int4 only (AutoAWQ's nibble order), not int{qc.bits}"
+    return None
+
+
 def model_dtype(config: Mapping[str, Any]) -> Any:
     """The dequantized model's dtype: the config's ``torch_dtype`` / ``dtype``, else bfloat16."""
     import torch

@@ -97,7 +97,15 @@ def _forward_runs(config: dict[str, Any], bitwise: LevelResult) -> None:
     that cannot check must say so, never report a difference (exit 1) it did not find."""
     from shardctl.verify.adapters import SUPPORTED
 
+    from shardctl.quant.dequant import forward_refusal
+
     arch = config.get("model_type")
+    why = forward_refusal(config)
+    if why:
+        raise EnvironmentFailure(
+            f"could not verify the forward level: {why}; structure and bitwise passed",
+            hint="rerun with --level bitwise to gate on the levels that ran",
+        )
     if arch not in SUPPORTED:
         raise EnvironmentFailure(
             f"could not verify the forward level: it cannot run architecture {arch!r} yet "
