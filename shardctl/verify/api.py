@@ -95,9 +95,8 @@ def verify(
 def _forward_runs(config: dict[str, Any], bitwise: LevelResult) -> None:
     """Exit 5 "could not verify" when the forward level cannot run this family: a verifier
     that cannot check must say so, never report a difference (exit 1) it did not find."""
-    from shardctl.verify.adapters import SUPPORTED
-
     from shardctl.quant.dequant import forward_refusal
+    from shardctl.verify.adapters import SUPPORTED
 
     arch = config.get("model_type")
     why = forward_refusal(config)
