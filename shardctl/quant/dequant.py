@@ -126,7 +126,7 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
         q = _unpack_cols(t[m["qweight"].info.fqn], AWQ_ORDER)  # [in, out]
         s = t[m["scales"].info.fqn].float()  # [G, out]
         z = _unpack_cols(t[m["qzeros"].info.fqn], AWQ_ORDER).float()
-        gi = _group_index(q.shape[0], s.shape[0], g)
+        gi = _group_index(q.shape[0], s.shape[0])
         return ((q.float() - z[gi]) * s[gi]).T.contiguous()
     if g.scheme == "mxfp4":
         return mxfp4(t[m["blocks"].info.fqn], t[m["scales"].info.fqn])
@@ -191,11 +191,12 @@ def _gptq(g: QuantGroup, m: Mapping[str, Any], t: dict[str, Any], config: Mappin
     if qc.get("desc_act") and "g_idx" in m:
         gi = t[m["g_idx"].info.fqn].to(torch.long)
     else:
-        gi = _group_index(q.shape[0], s.shape[0], g)
+        gi = _group_index(q.shape[0], s.shape[0])
     return ((q.float() - z[gi]) * s[gi]).T.contiguous()
 
 
-def _group_index(rows: int, groups: int, g: QuantGroup) -> Any:
+def _group_index(rows: int, groups: int) -> Any:
+    """In-feature ``i``'s group without act-order: ``i // group_size`` (local rows)."""
     import torch
 
     size = -(-rows // groups)

@@ -372,17 +372,6 @@ def _mxfp4(base: str, t: Mapping[str, TensorInfo], where: str) -> QuantGroup:
     return _group("mxfp4", logical, members, where, names)
 
 
-def summary(groups: Mapping[str, QuantGroup]) -> dict[str, int]:
-    """Scheme → number of quantized weights (for ``inspect``)."""
-    seen: dict[str, QuantGroup] = {}
-    for g in groups.values():
-        seen.setdefault(g.logical.fqn, g)
-    out: dict[str, int] = {}
-    for g in seen.values():
-        out[g.scheme] = out.get(g.scheme, 0) + 1
-    return out
-
-
 _INDEX = re.compile(r"\.\d+\.")
 
 
