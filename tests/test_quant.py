@@ -402,3 +402,51 @@ def test_plan_refuses_to_quantize_a_quantized_model_again(ck: Ckpts) -> None:
     assert proc.returncode == 3, proc.stderr
     assert proc.stderr.count("\n") == 1
     assert "already quantized (awq int4 group_size 128)" in proc.stderr
+
+
+# ---- real size (config only: no tensor data, no torch) -----------------------------------
+
+LLAMA2_7B_GPTQ = {  # TheBloke/Llama-2-7B-GPTQ config.json (the fields shapes depend on)
+    "model_type": "llama", "hidden_size": 4096, "intermediate_size": 11008,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 32,
+    "vocab_size": 32000, "max_position_embeddings": 4096, "torch_dtype": "float16",
+    "tie_word_embeddings": False,
+    "quantization_config": {"quant_method": "gptq", "bits": 4, "group_size": 128,
+                            "desc_act": False},
+}  # fmt: skip
+
+
+def test_llama2_7b_gptq_real_size_bytes_and_refusal(tmp_path: Path) -> None:
+    from shardctl.model.inventory import from_config
+
+    model = from_config(LLAMA2_7B_GPTQ)
+    # the published header's shapes (tests/_quant.py cites them)
+    shapes = {t.fqn: (t.shape, t.dtype) for t in model.tensors}
+    assert shapes["model.layers.0.mlp.down_proj.qweight"] == ((1376, 4096), "I32")
+    assert shapes["model.layers.0.mlp.down_proj.qzeros"] == ((86, 512), "I32")
+    assert shapes["model.layers.0.mlp.down_proj.scales"] == ((86, 4096), "F16")
+    assert shapes["model.layers.0.mlp.down_proj.g_idx"] == ((11008,), "I32")
+
+    # tp=2 by hand: GPTQ bytes of an [out, in] weight split to [o, i] on its rank, g_idx
+    # length i_g (whole when the split is on out-features)
+    def gptq(o: int, i: int, groups: int, i_g: int) -> int:
+        return i // 8 * o * 4 + groups * o // 8 * 4 + groups * o * 2 + i_g * 4
+
+    h, inter = 4096, 11008
+    layer = (
+        3 * gptq(h // 2, h, 32, h)  # q, k, v colwise
+        + gptq(h, h // 2, 16, h // 2)  # o rowwise
+        + 2 * gptq(inter // 2, h, 32, h)  # gate, up colwise
+        + gptq(h, inter // 2, 43, inter // 2)  # down rowwise: 43 of 86 groups
+        + 2 * h * 2  # norms, replicated fp16
+    )
+    want = 32 * layer + 2 * (32000 // 2) * h * 2 + h * 2  # + embed, lm_head (vocab), norm
+    per_rank = rank_weight_bytes(model, Mesh(tp=2))
+    assert set(per_rank.values()) == {want}
+    with pytest.raises(LayoutError) as exc:
+        build_layout(model, Mesh(tp=8))
+    assert exc.value.message.startswith(
+        "GPTQ group_size 128 on in-features 11008 with tp 8: 1376 per rank, which is not a "
+        "multiple of 128"
+    )
+    assert exc.value.hint is not None and exc.value.hint.endswith("experts): {1, 2}")
