@@ -24,11 +24,17 @@ from tests.test_reshard_roundtrip import same_checkpoint, tensors_of_file
 
 pytest.importorskip("compressed_tensors")
 
-PRESETS = {"nvfp4": "NVFP4A16", "w4a16": "W4A16", "w4a16-asym": "W4A16_ASYM"}
+PRESETS = {
+    "nvfp4": "NVFP4A16",
+    "w4a16": "W4A16",
+    "w4a16-asym": "W4A16_ASYM",
+    "fp8-dynamic": "FP8_DYNAMIC",
+}
 FORMATS = {
     "nvfp4": "nvfp4-pack-quantized",
     "w4a16": "pack-quantized",
     "w4a16-asym": "pack-quantized",
+    "fp8-dynamic": "float-quantized",
 }
 
 
@@ -59,7 +65,10 @@ def write_compressed(preset: str, out: Path) -> Path:
             if hasattr(mod, "weight_global_scale"):
                 gs = generate_gparam(w.amin(), w.amax())
                 mod.weight_global_scale.data.copy_(gs.reshape(1))
-            x = w.view(w.shape[0], -1, args.group_size)
+            if args.group_size:
+                x = w.view(w.shape[0], -1, args.group_size)
+            else:  # per channel
+                x = w.view(w.shape[0], 1, -1)
             s, z = calculate_qparams(x.amin(-1), x.amax(-1), args, global_scale=gs)
             mod.weight_scale.data.copy_(s.to(mod.weight_scale.dtype))
             mod.weight_zero_point.data.copy_(z.to(mod.weight_zero_point.dtype))
@@ -92,6 +101,12 @@ def library_dequantized(src: Path) -> dict[str, object]:
     t = load_file(src / "model.safetensors")
     out: dict[str, object] = {}
     for k in t:
+        if k.endswith(".weight") and t[k].dtype == torch.float8_e4m3fn:  # float-quantized
+            base = k.removesuffix(".weight")
+            out[k] = dequantize(
+                t[k].float(), t[f"{base}.weight_scale"].float(), None, args, dtype=torch.float32
+            )
+            continue
         if not k.endswith(".weight_packed"):
             continue
         base = k.removesuffix(".weight_packed")
@@ -136,8 +151,9 @@ def test_compressed_tensors_round_trip_and_plan(
     ckpts: dict[str, Path], tmp_path: Path, preset: str
 ) -> None:
     src = ckpts[preset]
-    names = set(tensors_of_file(src / "model.safetensors"))
-    assert "model.layers.0.mlp.down_proj.weight_packed" in names  # the library's layout
+    payload = "weight" if preset == "fp8-dynamic" else "weight_packed"
+    down = f"model.layers.0.mlp.down_proj.{payload}"
+    assert down in set(tensors_of_file(src / "model.safetensors"))  # the library's layout
     reshard(src, tmp_path / "tp2", mesh=Mesh(tp=2))
     rank = {
         k: v
@@ -149,15 +165,13 @@ def test_compressed_tensors_round_trip_and_plan(
     shapes = {
         e.name: e.shape for e in read_header(sorted((tmp_path / "tp2").glob("rank-*"))[0]).tensors
     }
-    packed = shapes["model.layers.0.mlp.down_proj.weight_packed"]  # rowwise: in-features halved
     full = {e.name: e.shape for e in read_header(src / "model.safetensors").tensors}
-    assert packed == (
-        full["model.layers.0.mlp.down_proj.weight_packed"][0],
-        full["model.layers.0.mlp.down_proj.weight_packed"][1] // 2,
-    )
-    assert shapes["model.layers.0.mlp.down_proj.weight_scale"][1] == (
-        full["model.layers.0.mlp.down_proj.weight_scale"][1] // 2
-    )
+    assert shapes[down] == (full[down][0], full[down][1] // 2)  # rowwise: in-features halved
+    scale = "model.layers.0.mlp.down_proj.weight_scale"
+    if preset == "fp8-dynamic":  # per output channel [out, 1]: whole on every rank
+        assert shapes[scale] == full[scale]
+    else:  # per group of in-features: half the groups
+        assert shapes[scale] == (full[scale][0], full[scale][1] // 2)
     assert rank  # the rank file holds data
     if preset == "w4a16-asym":  # the forward level on the dequantized shards (zero points too)
         from shardctl.verify.api import verify
