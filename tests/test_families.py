@@ -38,6 +38,10 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gpt2": [Mesh(tp=2), Mesh(pp=2, tp=2)],  # Conv1D [in, out], MHA
     "granite": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, tied, config multipliers
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
+    # fam-fused
+    "gpt_neox": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # MHA 4 heads, per-head qkv
+    "phi": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, biased vocab-parallel head
+    "falcon": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2 groups, tied
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -15,13 +15,16 @@ import re
 from collections.abc import Iterable
 
 from shardctl.archs import (
+    falcon,
     gemma,
     gemma2,
     gpt2,
+    gpt_neox,
     granite,
     llama,
     mistral,
     mixtral,
+    phi,
     phi3,
     qwen2,
     qwen3,
@@ -43,6 +46,7 @@ __all__ = [
 ]
 
 _MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES += (gpt_neox, phi, falcon)  # fam-fused
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types

@@ -67,6 +67,8 @@ class ForwardSpec:
 
     ``row_parallel`` modules (inside a layer) produce partial sums: all-reduce, bias once.
     ``conv1d``: weights stored ``[in, out]`` (GPT-2), so row-parallel splits dim 0.
+    ``renames``: on-disk name prefix -> the in-memory one, where transformers 5 renames on load
+    (GPT-NeoX's head: ``embed_out.`` on disk, ``lm_head.`` in memory).
     """
 
     layer_prefix: str  # "model.layers" -> "model.layers.{i}."
@@ -79,6 +81,14 @@ class ForwardSpec:
     experts: ExpertSpec | None = None
     localize: Localize | None = None  # after from_config, before loading the rank's tensors
     arch: str = ""  # filled in by the registry: the model_type asked for
+    renames: tuple[tuple[str, str], ...] = ()
+
+    def param(self, fqn: str) -> str:
+        """The in-memory name of an on-disk ``fqn``."""
+        for disk, memory in self.renames:
+            if fqn.startswith(disk):
+                return memory + fqn[len(disk) :]
+        return fqn
 
     @property
     def layer_re(self) -> re.Pattern[str]:

@@ -74,6 +74,19 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
         raise LayoutError(
             f"unknown heads {rule.heads!r}", where=f"{label}.heads", hint=f"use one of {HEADS}"
         )
+    if rule.groups is not None:
+        if rule.groups not in HEADS:
+            raise LayoutError(
+                f"unknown groups {rule.groups!r}",
+                where=f"{label}.groups",
+                hint=f"use one of {HEADS}",
+            )
+        if not rule.parts:
+            raise LayoutError(
+                "groups without parts",
+                where=f"{label}.groups",
+                hint="give the parts of one group, e.g. parts: [q, kv, kv]",
+            )
     for p in rule.parts or ():
         if isinstance(p, str) and p not in NAMED_PARTS:
             raise LayoutError(
