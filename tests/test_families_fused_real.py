@@ -4,7 +4,8 @@ Real vocabularies and head counts, shrunk only in width (head_dim) and depth, wh
 change the layout logic: Falcon-40B's 65,024 vocabulary with its 128 query heads in 8 KV groups
 (the grouped ``query_key_value``), Phi-2's 51,200 vocabulary and 32 heads with the biased
 vocab-parallel head. (GPT-NeoX's per-head qkv runs at tiny size in test_families.py; two
-real-size runs keep this file's CI time down.) Plus: ``plan`` of the Phi-2 manifest equals the published checkpoint's byte count.
+real-size runs keep this file's CI time down.) Plus: ``plan`` of the Phi-2 manifest equals
+the published checkpoint's byte count.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ REAL: dict[str, tuple[str, int, dict[str, Any]]] = {
                 "partial_rotary_factor": 0.4,
             },
         ),
-    ),  # fmt: skip
+    ),
 }
 
 
