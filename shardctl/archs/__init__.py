@@ -13,6 +13,7 @@ import difflib
 import fnmatch
 import re
 from collections.abc import Iterable
+from types import ModuleType
 
 from shardctl.archs import (
     falcon,
@@ -45,7 +46,8 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES: tuple[ModuleType, ...] = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3)
+_MODULES += (qwen2, qwen3)
 _MODULES += (gpt_neox, phi, falcon)  # fam-fused
 
 FAMILIES: dict[str, Family] = {

@@ -109,7 +109,15 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
         )
     if unplaced:
-        raise matcher.unplaced(unplaced)
+        from shardctl.archs.suggest import suggest_rules
+
+        placed = set(names) - set(unplaced)
+        suggestion = suggest_rules(
+            arch,
+            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in placed],
+            vocab_size=dims.vocab_size if dims is not None else None,
+        )
+        raise matcher.unplaced(unplaced, suggestion.line(limit=24))
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]
     num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)

@@ -135,8 +135,9 @@ class Matcher:
                 break
         return None if placed is None else Match(placed, stage)
 
-    def unplaced(self, fqns: Sequence[str]) -> LayoutError:
-        """One error listing every tensor no rule places, grouped as fqn patterns."""
+    def unplaced(self, fqns: Sequence[str], suggested: str | None = None) -> LayoutError:
+        """One error listing every tensor no rule places, grouped as fqn patterns;
+        ``suggested``: the rules that would place them (an architecture with no preset)."""
         from shardctl.layout.unplaced import UnplacedTensorsError
 
         preset = any(not cr.manifest for cr in self.rules)
@@ -146,6 +147,7 @@ class Matcher:
             architecture=self.architecture,
             preset=preset,
             closest=None if preset else closest_family(self.architecture, self.fqns or fqns),
+            suggested=None if preset else suggested,
         )
 
     def check_unused(self, fqns: Iterable[str]) -> None:

@@ -1,0 +1,84 @@
+"""An architecture with no family file (``nemotron``: transformers 5.23 has it, shardctl has no
+file for it), through the real CLI: ``inspect`` shows the manifest ``rules:`` that transformers'
+``base_model_tp_plan`` implies (never applied), ``reshard`` refuses in one line naming the
+closest family and those rules, and a manifest made of the suggested rules reshards and passes
+the bitwise level (the forward level cannot run it: exit 5, "could not verify", never 1).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "shardctl", *args],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=ROOT,
+    )
+
+
+@pytest.fixture(scope="module")
+def nemotron(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    path = tmp_path_factory.mktemp("unknown") / "nemotron"
+    cfg = AutoConfig.for_model(
+        "nemotron", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
+    return path
+
+
+def test_inspect_shows_rules_from_the_tp_plan(nemotron: Path) -> None:
+    done = _cli("inspect", str(nemotron), "--json")
+    assert done.returncode == 0, done.stderr
+    sug = json.loads(done.stdout)["suggested_rules"]
+    assert "NemotronConfig.base_model_tp_plan" in sug["source"]
+    assert sug["applied"] is False
+    rules = set(sug["rules"])
+    assert '{match: "model.layers.*.self_attn.q_proj.weight", tp: colwise}' in rules
+    assert '{match: "model.layers.*.self_attn.o_proj.weight", tp: rowwise}' in rules
+    assert '{match: "model.layers.*.mlp.up_proj.weight", tp: colwise}' in rules
+    assert '{match: "model.layers.*.mlp.down_proj.weight", tp: rowwise}' in rules
+    assert '{match: "model.embed_tokens.weight", tp: vocab, stage: embedding}' in rules
+    assert '{match: "model.norm.weight", tp: R, stage: last}' in rules
+    human = _cli("inspect", str(nemotron))
+    assert "not applied" in human.stdout and "rules:" in human.stdout
+
+
+def test_unknown_family_refused_naming_rules_then_manifest_works(
+    nemotron: Path, tmp_path: Path
+) -> None:
+    done = _cli("reshard", str(nemotron), str(tmp_path / "refused"), "--tp", "2")
+    assert done.returncode == 3
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "Traceback" not in done.stderr
+    assert "closest known family" in lines[0]
+    assert '{match: "model.layers.*.mlp.up_proj.weight", tp: colwise}' in lines[0]
+    assert not (tmp_path / "refused").exists()
+
+    sug = json.loads(_cli("inspect", str(nemotron), "--json").stdout)["suggested_rules"]
+    manifest = tmp_path / "nemotron-tp2.yaml"
+    body = "\n".join(f"  - {r}" for r in sug["rules"])
+    manifest.write_text(f"model:\n  checkpoint: {nemotron}\nmesh: {{tp: 2}}\nrules:\n{body}\n")
+    out = tmp_path / "tp2"
+    done = _cli("reshard", str(nemotron), str(out), "--manifest", str(manifest), "--quiet")
+    assert done.returncode == 0, done.stderr
+    done = _cli("verify", str(nemotron), str(out), "--level", "bitwise", "--json")
+    assert done.returncode == 0, done.stderr
+    done = _cli("verify", str(nemotron), str(out), "--device", "cpu")
+    assert done.returncode == 5, done.stderr  # forward cannot run it: could not verify
+    assert "could not verify" in done.stderr
