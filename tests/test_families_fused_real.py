@@ -94,3 +94,21 @@ def test_phi2_plan_weights_equal_published_total_size() -> None:
     data = json.loads(done.stdout)
     assert data["model"]["weight_bytes"] == 5_559_367_680
     assert data["model"]["parameters"] == 2_779_683_840
+
+
+def test_falcon40b_plan_weights_equal_published_total_size() -> None:
+    """tiiuae/falcon-40b ``model.safetensors.index.json``: ``total_size`` 83671941120 (BF16),
+    https://huggingface.co/tiiuae/falcon-40b — figure as quoted in a public vLLM deployment note
+    (found with the search tool; the index itself was not reachable from here). It equals the
+    count with ``lm_head.weight`` stored beside ``word_embeddings.weight``, hence the manifest's
+    ``tie_word_embeddings: false`` (the hub config.json leaves it to the tied default)."""
+    done = _cli("plan", "manifests/falcon-40b-tp8.yaml", "--json")
+    assert done.returncode in (0, 1), done.stderr
+    data = json.loads(done.stdout)
+    assert data["model"]["weight_bytes"] == 83_671_941_120
+    # TP8 = one whole kv group of [16 q; k; v] per rank: an eighth of everything but the
+    # LayerNorms (60 layers × 2 norms × weight+bias, plus ln_f: 1,982,464 BF16 values), which
+    # every rank holds whole.
+    norms = (60 * 2 * 2 * 8192 + 2 * 8192) * 2
+    per_rank = (83_671_941_120 - norms) // 8 + norms
+    assert [r["memory"]["weights"] for r in data["ranks"]] == [per_rank] * 8
