@@ -82,3 +82,34 @@ def test_unknown_family_refused_naming_rules_then_manifest_works(
     done = _cli("verify", str(nemotron), str(out), "--device", "cpu")
     assert done.returncode == 5, done.stderr  # forward cannot run it: could not verify
     assert "could not verify" in done.stderr
+
+
+def test_suggestions_without_dims_never_chunk_a_fused_tensor() -> None:
+    """No head counts (a checkpoint of an unknown architecture): a family rule with fused
+    parts becomes R, never a plain colwise chunk of [Q; K; V]; ``heads`` is dropped."""
+    from shardctl.archs.suggest import suggest_rules
+
+    names = [
+        ("transformer.word_embeddings.weight", (100, 8)),
+        ("transformer.h.0.self_attention.query_key_value.weight", (24, 8)),
+        ("transformer.h.0.self_attention.dense.weight", (8, 8)),
+        ("transformer.h.1.self_attention.dense.weight", (8, 8)),
+        ("transformer.h.0.mlp.gelu_proj.weight", (32, 8)),
+        ("transformer.ln_f.weight", (8,)),
+    ]
+    got = suggest_rules("bloom", names, vocab_size=100, use_transformers=False)
+    by = {r.match: r for r in got.rules}
+    assert len(got.rules) == 5  # one per pattern: layers 0 and 1 share one
+    qkv = by["transformer.h.*.self_attention.query_key_value.weight"]
+    assert (qkv.tp, qkv.parts, qkv.groups) == ("R", None, None)
+    dense = by["transformer.h.*.self_attention.dense.weight"]
+    assert (dense.tp, dense.heads) == ("rowwise", None)
+    assert by["transformer.h.*.mlp.gelu_proj.weight"].tp == "R"  # no rule, in a layer: by shape
+    emb = by["transformer.word_embeddings.weight"]
+    assert (emb.tp, emb.stage) == ("vocab", "embedding")
+    assert (by["transformer.ln_f.weight"].tp, by["transformer.ln_f.weight"].stage) == ("R", "last")
+    with_dims = suggest_rules(
+        "bloom", names, vocab_size=100, use_transformers=False, dims_known=True
+    )
+    qkv = next(r for r in with_dims.rules if "query_key_value" in r.match)
+    assert (qkv.tp, qkv.parts, qkv.groups) == ("colwise", ("q", "kv", "kv"), "kv")

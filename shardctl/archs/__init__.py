@@ -87,11 +87,15 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
 
 def refusal_hint(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The remedy for an architecture with no family file, as one line."""
+    from shardctl.archs.suggest import rule_yaml
+
     near = closest_family(model_type, fqns)
+    rules = ", ".join(rule_yaml(r) for r in FAMILIES[near].rules if r.tp is not None)
     return (
         f"closest known family: {near!r}; supported: {', '.join(SUPPORTED)}; for another "
         f"architecture inventory a checkpoint directory and place its tensors with manifest "
-        f"rules: (start from shardctl/archs/{FAMILIES[near].name}.py)"
+        f"rules: like {near!r}'s [{rules}] (shardctl/archs/{FAMILIES[near].name}.py; "
+        f"`shardctl inspect CHECKPOINT` suggests rules for its own tensor names)"
     )
 
 

@@ -90,8 +90,14 @@ def suggest_rules(
     *,
     vocab_size: int | None = None,
     use_transformers: bool = True,
+    dims_known: bool = False,
 ) -> Suggestion:
-    """Rules placing every tensor of ``tensors`` (``(fqn, shape)``), one per name pattern."""
+    """Rules placing every tensor of ``tensors`` (``(fqn, shape)``), one per name pattern.
+
+    ``dims_known``: the model has head counts (a config shardctl reads); without them a rule
+    cannot say ``heads`` / ``groups`` / named ``parts``, so a family rule needing them becomes
+    plain (``heads`` dropped) or, for fused parts, ``R`` — a plain chunk of a fused tensor
+    would be the plausible-but-wrong split of DESIGN.md's traps."""
     from shardctl.archs import FAMILIES, closest_family
 
     patterns: dict[str, tuple[int, ...]] = {}
@@ -116,7 +122,12 @@ def suggest_rules(
             for r in preset:
                 if fnmatch.fnmatchcase(pattern, r.match):
                     stage = None if in_layer else r.stage
-                    rule = RuleSpec(pattern, r.tp, r.parts, r.heads, stage, groups=r.groups)
+                    if dims_known:
+                        rule = RuleSpec(pattern, r.tp, r.parts, r.heads, stage, groups=r.groups)
+                    elif r.parts:
+                        rule = RuleSpec(pattern, "R", stage=stage)
+                    else:
+                        rule = RuleSpec(pattern, r.tp, stage=stage)
                     used_preset = True
                     break
         if rule is None:
@@ -153,4 +164,9 @@ def suggestion_for(model: Any) -> Suggestion | None:
     vocab = model.dims.vocab_size if model.dims is not None else None
     if vocab is None and isinstance(model.config.get("vocab_size"), int):
         vocab = model.config["vocab_size"]
-    return suggest_rules(arch, [(t.fqn, t.shape) for t in model.tensors], vocab_size=vocab)
+    return suggest_rules(
+        arch,
+        [(t.fqn, t.shape) for t in model.tensors],
+        vocab_size=vocab,
+        dims_known=model.dims is not None,
+    )

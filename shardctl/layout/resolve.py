@@ -109,6 +109,8 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
         )
     if unplaced:
+        import sys
+
         from shardctl.archs.suggest import suggest_rules
 
         placed = set(names) - set(unplaced)
@@ -116,6 +118,10 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             arch,
             [(t.fqn, t.shape) for t in model.tensors if t.fqn not in placed],
             vocab_size=dims.vocab_size if dims is not None else None,
+            # transformers' tp plan only when already loaded: importing it (and torch) costs
+            # seconds, and plan never imports torch; `shardctl inspect` reads the plan.
+            use_transformers="transformers" in sys.modules,
+            dims_known=dims is not None,
         )
         raise matcher.unplaced(unplaced, suggestion.line(limit=24))
     matcher.check_unused(names)
