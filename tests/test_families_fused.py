@@ -80,3 +80,23 @@ def test_qkv_split_as_q_k_v_blocks_fails_forward(root: Path, tmp_path: Path, nam
     result = verify(src, split, device="cpu", simulate=True)
     assert [lv.status for lv in result.levels] == ["pass", "pass", "fail"]
     assert not result.ok
+
+
+def test_alibi_falcon_at_tp2_could_not_verify_never_not_equivalent(
+    root: Path, tmp_path: Path
+) -> None:
+    """ALiBi slopes belong to global head indices; the forward level does not run ALiBi at
+    tp > 1, so it must say "could not verify" (exit 5), not claim a difference (exit 1)."""
+    from shardctl.errors import EnvironmentFailure
+
+    src = tmp_path / "alibi"
+    make_checkpoint("falcon-mha-sequential-bias", src, alibi=True)
+    split = tmp_path / "split"
+    reshard(src, split, mesh=Mesh(tp=2))
+    with pytest.raises(EnvironmentFailure, match=r"could not verify the forward level.*ALiBi"):
+        verify(src, split, device="cpu", simulate=True)
+    assert verify(src, split, level="bitwise").ok
+    tp1 = tmp_path / "pp2"  # tp = 1: the forward level runs it
+    reshard(src, tp1, mesh=Mesh(pp=2))
+    result = verify(src, tp1, device="cpu", simulate=True)
+    assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"]
