@@ -100,3 +100,30 @@ def test_alibi_falcon_at_tp2_could_not_verify_never_not_equivalent(
     reshard(src, tp1, mesh=Mesh(pp=2))
     result = verify(src, tp1, device="cpu", simulate=True)
     assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"]
+
+
+def test_old_pythia_buffers_travel_and_forward_skips_them(root: Path, tmp_path: Path) -> None:
+    """Older Pythia hub files also store the causal-mask buffers and rotary ``inv_freq`` per
+    layer, which transformers 5 recomputes: reshard places them (replicated), bitwise checks
+    them, the forward level skips them instead of calling them unexpected."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    src = tmp_path / "pythia-old"
+    make_checkpoint("gpt_neox", src)
+    tensors = load_file(src / "model.safetensors")
+    for i in range(2):
+        p = f"gpt_neox.layers.{i}.attention"
+        tensors[f"{p}.bias"] = torch.tril(torch.ones(128, 128, dtype=torch.bool))[None, None]
+        tensors[f"{p}.masked_bias"] = torch.tensor(-1e9)
+        tensors[f"{p}.rotary_emb.inv_freq"] = torch.rand(2)
+    save_file(tensors, src / "model.safetensors", metadata={"format": "pt"})
+    split = tmp_path / "split"
+    reshard(src, split, mesh=Mesh(tp=2))
+    result = verify(src, split, device="cpu", simulate=True)
+    assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"], [
+        str(f) for lv in result.levels for f in lv.findings
+    ]
+    merged = tmp_path / "merged"
+    reshard(split, merged)
+    assert (merged / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()

@@ -154,6 +154,11 @@ FAMILY = Family(
         local_config=_local_config,
         localize=_localize,
         renames=(("embed_out.", "lm_head."),),
+        recomputed=(
+            f"{_L}.attention.bias",
+            f"{_L}.attention.masked_bias",
+            f"{_L}.attention.rotary_emb.inv_freq",
+        ),
     ),
     follows="vLLM gpt_neox.py (GPTNeoXForCausalLM)",
     shape_keys=(

@@ -12,6 +12,7 @@ A mismatch is a *finding* (the layout does not compute as the model does), not a
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import threading
 from dataclasses import dataclass, field
@@ -186,6 +187,8 @@ def _load(
     covered: dict[int, int] = {}  # id(param) -> elements loaded
     misfit: set[int] = set()  # reported once, as a shape mismatch, not again as missing
     for fqn, t in tensors.items():
+        if any(fnmatch.fnmatchcase(fqn, g) for g in ad.recomputed):
+            continue  # an old file's buffer the model recomputes (the family file says which)
         target = _target(fqn, ad, d, role)
         if isinstance(target, str):
             problems.append(f"{fqn}: unexpected on rank {role.rank}: {target}")
