@@ -11,6 +11,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,10 +43,16 @@ def nemotron(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_inspect_shows_rules_from_the_tp_plan(nemotron: Path) -> None:
+@pytest.fixture(scope="module")
+def suggested(nemotron: Path) -> dict[str, Any]:
     done = _cli("inspect", str(nemotron), "--json")
     assert done.returncode == 0, done.stderr
-    sug = json.loads(done.stdout)["suggested_rules"]
+    sug: dict[str, Any] = json.loads(done.stdout)["suggested_rules"]
+    return sug
+
+
+def test_inspect_shows_rules_from_the_tp_plan(nemotron: Path, suggested: dict[str, Any]) -> None:
+    sug = suggested
     assert "NemotronConfig.base_model_tp_plan" in sug["source"]
     assert sug["applied"] is False
     rules = set(sug["rules"])
@@ -60,7 +67,7 @@ def test_inspect_shows_rules_from_the_tp_plan(nemotron: Path) -> None:
 
 
 def test_unknown_family_refused_naming_rules_then_manifest_works(
-    nemotron: Path, tmp_path: Path
+    nemotron: Path, suggested: dict[str, Any], tmp_path: Path
 ) -> None:
     done = _cli("reshard", str(nemotron), str(tmp_path / "refused"), "--tp", "2")
     assert done.returncode == 3
@@ -70,7 +77,7 @@ def test_unknown_family_refused_naming_rules_then_manifest_works(
     assert '{match: "model.layers.*.mlp.up_proj.weight", tp: colwise}' in lines[0]
     assert not (tmp_path / "refused").exists()
 
-    sug = json.loads(_cli("inspect", str(nemotron), "--json").stdout)["suggested_rules"]
+    sug = suggested
     manifest = tmp_path / "nemotron-tp2.yaml"
     body = "\n".join(f"  - {r}" for r in sug["rules"])
     manifest.write_text(f"model:\n  checkpoint: {nemotron}\nmesh: {{tp: 2}}\nrules:\n{body}\n")
