@@ -16,19 +16,25 @@ from collections.abc import Iterable
 from types import ModuleType
 
 from shardctl.archs import (
+    cohere,
     falcon,
     gemma,
     gemma2,
+    gemma3,
+    glm4,
     gpt2,
     gpt_neox,
     granite,
     llama,
     mistral,
     mixtral,
+    olmo2,
     phi,
     phi3,
     qwen2,
     qwen3,
+    stablelm,
+    starcoder2,
 )
 from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
 from shardctl.errors import InvalidInputError
@@ -46,14 +52,37 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES: tuple[ModuleType, ...] = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3)
-_MODULES += (qwen2, qwen3)
-_MODULES += (gpt_neox, phi, falcon)  # fam-fused
+_MODULES: tuple[ModuleType, ...] = (
+    gemma,
+    gemma2,
+    gpt2,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    # fam-dense
+    olmo2,
+    starcoder2,
+    cohere,
+    stablelm,
+    glm4,
+    gemma3,
+    # fam-fused
+    gpt_neox,
+    phi,
+    falcon,
+)
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
+# model_type -> why it is refused and what to do, for a known relative a family file declines
+# (a module's optional ``REFUSED`` dict, e.g. gemma3.py: the multimodal "gemma3" config).
+REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
@@ -89,6 +118,8 @@ def refusal_hint(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The remedy for an architecture with no family file, as one line."""
     from shardctl.archs.suggest import rule_yaml
 
+    if model_type in REFUSED:
+        return REFUSED[model_type]
     near = closest_family(model_type, fqns)
     rules = ", ".join(rule_yaml(r) for r in FAMILIES[near].rules if r.tp is not None)
     return (
