@@ -35,7 +35,9 @@ def test_member_split_is_the_weight_split_divided(case: tuple) -> None:  # type:
     except SplitError:
         return  # the weight itself cannot split: nothing for its members to follow
     stored_len = -(-length // factor)
-    spec = SplitSpec((stored_len, 7), 0, parts, None, False, factor, align, length, "X on dim")
+    spec = SplitSpec(
+        (stored_len, 7), 0, parts, factor=factor, align=align, logical=length, what="X on dim"
+    )
     edges = {
         e
         for pieces, _ in logical
