@@ -38,6 +38,12 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gpt2": [Mesh(tp=2), Mesh(pp=2, tp=2)],  # Conv1D [in, out], MHA
     "granite": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, tied, config multipliers
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
+    # fam-moe: dense + sparse layers; qwen2_moe shared expert + gate; llama4 packed experts
+    # [gate | up]; gpt_oss packed, interleaved gate/up, expert biases, sinks, sliding layers
+    "qwen2_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "qwen3_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "llama4_text": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "gpt_oss": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -12,19 +12,24 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
+from types import ModuleType
 from collections.abc import Iterable
 
 from shardctl.archs import (
     gemma,
     gemma2,
     gpt2,
+    gpt_oss,
     granite,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
 )
 from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
 from shardctl.errors import InvalidInputError
@@ -42,7 +47,20 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES: tuple[ModuleType, ...] = (
+    gemma,
+    gemma2,
+    gpt2,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+)
+# fam-moe: the MoE families
+_MODULES += (qwen2_moe, qwen3_moe, llama4_text, gpt_oss)
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
