@@ -12,8 +12,8 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from types import ModuleType
 from collections.abc import Iterable
+from types import ModuleType
 
 from shardctl.archs import (
     gemma,
