@@ -79,7 +79,7 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The known ``model_type`` nearest to an unknown one: by how many of its tensor names a
     family's rules place (when names are given), else by spelling.
 
-    >>> closest_family("llama4_text")
+    >>> closest_family("llama4")
     'llama'
     """
     templates = sorted({_LAYER_INDEX.sub(".*.", n) for n in fqns})
