@@ -128,11 +128,18 @@ def test_plan_runs_for_the_packed_flagships() -> None:
     """gpt-oss-120b (bf16 layout) and Llama-4-Scout (text): their published total_size counts
     other bytes (MXFP4 experts; the multimodal model's vision tower), so no byte figure is
     compared. gpt-oss-120b's parameter count is its model card's 116.83B; Scout's text model
-    must stay under the card's 109B multimodal total."""
+    must stay under the card's 109B multimodal total. Active parameters count what the MoE layers
+    really hold (shared experts, expert biases): gpt-oss-120b's card says 5.13B active without
+    the 0.58B embedding table; Scout is "17B" active."""
     oss = _plan("manifests/gpt-oss-120b-tp8.yaml")
     assert round(oss["model"]["parameters"] / 1e9, 2) == 116.83
+    assert oss["moe"]["parameters_total"] == oss["model"]["parameters"]
+    embedding = 201_088 * 2880
+    assert round((oss["moe"]["parameters_active"] - embedding) / 1e9, 2) == 5.13
     assert len(oss["ranks"]) == 8
     scout = _plan("manifests/llama-4-scout-tp8.yaml")
     assert scout["model"]["architecture"] == "llama4_text"
     assert 100e9 < scout["model"]["parameters"] < 109e9
+    assert scout["moe"]["parameters_total"] == scout["model"]["parameters"]
+    assert round(scout["moe"]["parameters_active"] / 1e9) == 17
     assert len(scout["ranks"]) == 8
