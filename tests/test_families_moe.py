@@ -143,3 +143,22 @@ def test_plan_runs_for_the_packed_flagships() -> None:
     assert scout["moe"]["parameters_total"] == scout["model"]["parameters"]
     assert round(scout["moe"]["parameters_active"] / 1e9) == 17
     assert len(scout["ranks"]) == 8
+
+
+def test_shared_ep_spreads_packed_experts_over_tp_and_dp(tmp_path: Path) -> None:
+    """Llama-4-Scout with ``expert_placement: shared`` on tp4 × dp2 = ep8: every rank holds
+    the dense weights' tp4 share plus 2 of the 16 experts whole (not a tp4 share of all 16)."""
+    text = Path("manifests/llama-4-scout-tp8.yaml").read_text()
+    text = text.replace("mesh: {tp: 8}", "mesh: {tp: 4, dp: 2, ep: 8, expert_placement: shared}")
+    manifest = tmp_path / "scout-shared.yaml"
+    manifest.write_text(text)
+    shared = _plan(str(manifest))
+    plain = _plan("manifests/llama-4-scout-tp8.yaml")
+    experts = plain["moe"]["parameters_expert"] * 2  # bf16 bytes of every packed expert tensor
+    tp8 = plain["ranks"][0]["memory"]["weights"]  # dense / 8 + experts / 8
+    dense_tp4 = {r["memory"]["weights"] - experts // 8 for r in shared["ranks"]}
+    assert len(shared["ranks"]) == 8 and len(dense_tp4) == 1
+    (dense4,) = dense_tp4
+    # the dense part on tp4 is twice its tp8 share, up to the replicated norms and routers
+    dense8 = tp8 - experts // 8
+    assert 2 * dense8 - 2 * 10**7 < dense4 <= 2 * dense8
