@@ -162,3 +162,18 @@ def test_shared_ep_spreads_packed_experts_over_tp_and_dp(tmp_path: Path) -> None
     # the dense part on tp4 is twice its tp8 share, up to the replicated norms and routers
     dense8 = tp8 - experts // 8
     assert 2 * dense8 - 2 * 10**7 < dense4 <= 2 * dense8
+
+
+def test_sparse_step_layers_keep_their_kind_on_a_later_stage(tmp_path: Path) -> None:
+    """Qwen2-MoE with ``decoder_sparse_step: 3``: only layer 2 of 4 is sparse. On PP2 the second
+    stage starts at layer 2, which its rank must build as sparse and layer 3 as dense (the rank's
+    config renumbers them; transformers' step rule on local indices would swap them)."""
+    src = make_checkpoint("qwen2_moe", tmp_path / "hf", decoder_sparse_step=3, mlp_only_layers=[])
+    model = from_config_file(src / "config.json")
+    assert sorted({t.fqn.split(".")[2] for t in model.tensors if ".mlp.gate." in t.fqn}) == ["2"]
+    split = tmp_path / "split"
+    reshard(src, split, mesh=Mesh(pp=2, tp=2))
+    result = verify(src, split, device="cpu", simulate=True)
+    assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"], [
+        str(f) for lv in result.levels for f in lv.findings
+    ]
