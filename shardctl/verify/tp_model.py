@@ -46,13 +46,13 @@ def implementations(cfg: dict[str, Any]) -> dict[str, str]:
 def warm_imports(model_type: str) -> None:
     """Import transformers' classes for ``model_type`` now, in the calling thread."""
     import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
     transformers.AutoModelForCausalLM  # noqa: B018
-    # The module of a model_type is not always its name (llama4_text lives in models/llama4).
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
-
-    module = model_type_to_module_name(model_type)
+    module = model_type_to_module_name(
+        model_type
+    )  # gemma3_text, llama4_text: models.gemma3/llama4
     importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
@@ -230,6 +230,23 @@ def _submodule(root: nn.Module, path: str) -> nn.Module | None:
         return None
 
 
+def _wrap_experts(
+    mlp: nn.Module, leaf: str, experts: nn.Module, ex: Any, d: Dims, role: Role, comm: Comm
+) -> None:
+    """Replace ``mlp.<leaf>`` by this rank's experts of it (ids outside go nowhere)."""
+    if role.tp != 0:  # added after the sum over tp: rank 0 adds it for all
+        for name in ex.once:
+            experts.get_parameter(name).data.zero_()
+    per_rank = d.num_experts // role.ep_size
+    first = role.ep * per_rank
+    local: nn.Module = (
+        StackedLocalExperts(experts, comm, first=first, count=per_rank, total=d.num_experts)
+        if ex.call == "stacked"
+        else LocalExperts(experts, comm, first=first, count=per_rank)
+    )
+    setattr(mlp, leaf, local)
+
+
 def _wrap(
     model: nn.Module,
     ad: Adapter,
@@ -254,19 +271,10 @@ def _wrap(
             mlp_path, _, leaf = ex.module.rpartition(".")
             mlp = _submodule(layer, mlp_path)
             experts = getattr(mlp, leaf, None) if mlp is not None else None
-            if not isinstance(experts, nn.Module):
-                continue
-            if role.tp != 0:  # added after the sum over tp: rank 0 adds it for all
-                for name in ex.once:
-                    experts.get_parameter(name).data.zero_()
-            per_rank = d.num_experts // role.ep_size
-            first = role.ep * per_rank
-            local: nn.Module = (
-                StackedLocalExperts(experts, comm, first=first, count=per_rank, total=d.num_experts)
-                if ex.call == "stacked"
-                else LocalExperts(experts, comm, first=first, count=per_rank)
-            )
-            setattr(mlp, leaf, local)
+            if mlp is not None and isinstance(experts, nn.Module):
+                _wrap_experts(mlp, leaf, experts, ex, d, role, comm)
+        if ad.shard_layer is not None:
+            ad.shard_layer(layer, comm, role.tp, role.tp_size, d)
     root, _, emb = ad.embeddings[0].rpartition(".")
     if vocab_sharded and role.first_stage:
         parent = model.get_submodule(root)
