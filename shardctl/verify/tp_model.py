@@ -50,9 +50,8 @@ def warm_imports(model_type: str) -> None:
 
     transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
     transformers.AutoModelForCausalLM  # noqa: B018
-    module = model_type_to_module_name(
-        model_type
-    )  # gemma3_text, llama4_text: models.gemma3/llama4
+    # gemma3_text, llama4_text: their modules are models.gemma3, models.llama4
+    module = model_type_to_module_name(model_type)
     importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
