@@ -1,0 +1,209 @@
+"""Training state as flat DCP keys, read one item at a time, from a DCP or an HF directory.
+
+Both inputs present the same face (:class:`TrainingState`): ``items`` (every key with its
+global shape and dtype, or ``None`` for a non-tensor object), ``tensor(key)``, ``obj(key)``.
+An HF directory maps ``model.safetensors`` tensors to ``model.<fqn>`` and its optional sidecar
+``optimizer.safetensors`` (written by :mod:`shardctl.formats.dcp.hf_out`) back to the keys it
+came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+from shardctl.errors import InvalidInputError
+from shardctl.formats.dcp.metadata import METADATA_NAME, SUFFIX, read_metadata
+from shardctl.formats.dcp.read import DcpReader
+
+MODEL_PREFIX = "model."
+OPTIM_PREFIX = "optimizer."
+SIDECAR_NAME = "optimizer.safetensors"
+SIDECAR_FORMAT = "shardctl.dcp-sidecar/1"
+OBJECTS_KEY = "shardctl.dcp.objects"  # sidecar __metadata__: {key: tagged JSON value}
+
+
+@dataclass(frozen=True)
+class Item:
+    key: str
+    shape: tuple[int, ...] | None  # None: a non-tensor object
+    dtype: Any = None  # torch.dtype
+
+    @property
+    def is_model(self) -> bool:
+        return self.key.startswith(MODEL_PREFIX)
+
+
+class TrainingState(Protocol):
+    root: Path
+    kind: str  # "dcp" | "hf"
+    items: tuple[Item, ...]
+    carried: tuple[str, ...]  # top-level non-checkpoint files that travel (config.json, ...)
+
+    def tensor(self, key: str) -> Any: ...
+
+    def obj(self, key: str) -> Any: ...
+
+    def close(self) -> None: ...
+
+
+def _carried(root: Path, skip: set[str], skip_suffixes: tuple[str, ...]) -> tuple[str, ...]:
+    return tuple(
+        n
+        for n in sorted(os.listdir(root))
+        if not n.startswith(".")
+        and n not in skip
+        and not n.endswith(skip_suffixes)
+        and (root / n).is_file()
+        and not (root / n).is_symlink()
+    )
+
+
+class DcpState:
+    kind = "dcp"
+
+    def __init__(self, root: Path):
+        self.root = root
+        self.md = read_metadata(root)
+        self._reader = DcpReader(self.md)
+        self.items = tuple(
+            [Item(k, t.shape, t.dtype) for k, t in self.md.tensors.items()]
+            + [Item(k, None) for k in self.md.objects]
+        )
+        if not any(i.is_model for i in self.items):
+            raise InvalidInputError(
+                "no model.<fqn> keys in this DCP checkpoint",
+                where=str(root / METADATA_NAME),
+                hint='expected dcp.save({"model": ..., "optimizer": ...}) as get_state_dict '
+                "returns them (torchtitan's flattened model keys are not supported)",
+            )
+        self.carried = _carried(root, set(self.md.files), (SUFFIX,))
+
+    def tensor(self, key: str) -> Any:
+        return self._reader.tensor(key)
+
+    def obj(self, key: str) -> Any:
+        return self._reader.obj(key)
+
+    def close(self) -> None:
+        self._reader.close()
+
+
+class HfState:
+    """An HF checkpoint (any shardctl-readable one) plus the optional optimizer sidecar."""
+
+    kind = "hf"
+
+    def __init__(self, root: Path, *, optimizer: bool = True):
+        from safetensors import safe_open
+
+        from shardctl.checkpoint.hf import open_checkpoint
+
+        self.root = root
+        ck = open_checkpoint(root, ignore_layout_record=True)
+        self._where: dict[str, tuple[Path, str]] = {}
+        items: list[Item] = []
+        for fqn, loc in ck.locations.items():
+            e = loc.entry
+            items.append(Item(MODEL_PREFIX + fqn, e.shape, _torch_dtype(e.dtype)))
+            self._where[MODEL_PREFIX + fqn] = (loc.path, fqn)
+        self._objects: dict[str, Any] = {}
+        sidecar = root / SIDECAR_NAME
+        if optimizer and sidecar.is_file() and not sidecar.is_symlink():
+            from shardctl.io.safetensors_header import read_header
+
+            header = read_header(sidecar)
+            meta = header.metadata or {}
+            if meta.get("format") != SIDECAR_FORMAT:
+                raise InvalidInputError(
+                    f"not a shardctl optimizer sidecar (format {meta.get('format')!r}, "
+                    f"expected {SIDECAR_FORMAT!r})",
+                    where=str(sidecar),
+                    hint="rename it, or pass --no-optimizer to convert the weights only",
+                )
+            for e in header.tensors:
+                items.append(Item(e.name, e.shape, _torch_dtype(e.dtype)))
+                self._where[e.name] = (sidecar, e.name)
+            self._objects = _decode_objects(meta.get(OBJECTS_KEY, "{}"), str(sidecar))
+            items.extend(Item(k, None) for k in self._objects)
+        self.items = tuple(items)
+        self.carried = tuple(str(p) for p in ck.extra_files)
+        self._open: dict[Path, Any] = {}
+        self._safe_open = safe_open
+
+    def tensor(self, key: str) -> Any:
+        path, name = self._where[key]
+        f = self._open.get(path)
+        if f is None:
+            f = self._open[path] = self._safe_open(str(path), framework="pt")
+        return f.get_tensor(name)
+
+    def obj(self, key: str) -> Any:
+        return self._objects[key]
+
+    def close(self) -> None:
+        self._open.clear()
+
+
+def open_state(root: Path, *, optimizer: bool = True) -> TrainingState:
+    from shardctl.formats.dcp.metadata import is_dcp
+
+    if is_dcp(root):
+        return DcpState(root)
+    return HfState(root, optimizer=optimizer)
+
+
+def _torch_dtype(name: str) -> Any:
+    import torch
+
+    from shardctl.dtypes import TORCH_NAMES
+
+    torch_name = TORCH_NAMES.get(name)
+    dtype = getattr(torch, torch_name or "", None)
+    if not isinstance(dtype, torch.dtype):
+        raise InvalidInputError(f"dtype {name} has no torch equivalent")
+    return dtype
+
+
+# ---- non-tensor objects (param_groups) as JSON: tuples tagged so they come back as tuples ----
+
+
+def encode_objects(objects: dict[str, Any], where: str) -> str:
+    def enc(v: Any) -> Any:
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        if isinstance(v, tuple):
+            return {"__tuple__": [enc(x) for x in v]}
+        if isinstance(v, list):
+            return [enc(x) for x in v]
+        if isinstance(v, dict) and all(isinstance(k, str) for k in v):
+            return {"__dict__": {k: enc(x) for k, x in v.items()}}
+        raise InvalidInputError(
+            f"cannot store a {type(v).__name__} in the optimizer sidecar",
+            where=where,
+            hint="pass --no-optimizer to convert the weights only",
+        )
+
+    return json.dumps({k: enc(v) for k, v in objects.items()}, allow_nan=True)
+
+
+def _decode_objects(text: str, where: str) -> dict[str, Any]:
+    def dec(v: Any) -> Any:
+        if isinstance(v, list):
+            return [dec(x) for x in v]
+        if isinstance(v, dict) and set(v) == {"__tuple__"}:
+            return tuple(dec(x) for x in v["__tuple__"])
+        if isinstance(v, dict) and set(v) == {"__dict__"}:
+            return {k: dec(x) for k, x in v["__dict__"].items()}
+        return v
+
+    try:
+        raw = json.loads(text)
+    except ValueError as exc:
+        raise InvalidInputError(f"{OBJECTS_KEY} is not JSON ({exc})", where=where) from None
+    if not isinstance(raw, dict):
+        raise InvalidInputError(f"{OBJECTS_KEY} must be a JSON object", where=where)
+    return {k: dec(v) for k, v in raw.items()}
