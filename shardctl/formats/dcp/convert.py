@@ -4,9 +4,9 @@ sibling under the output lock, fsynced, renamed into place last.
 
 ::
 
-    reshard_dcp(Path("ckpt-step-200"), Path("ckpt-dp4"), fmt="dcp", world=4)   # 2 ranks -> 4
-    reshard_dcp(Path("ckpt-step-200"), Path("hf"), fmt="hf")                   # + optimizer.safetensors
-    reshard_dcp(Path("hf"), Path("ckpt-dp3"), fmt="dcp", world=3)              # and back
+    reshard_dcp(Path("ckpt-200"), Path("ckpt-dp4"), fmt="dcp", mesh=Mesh(dp=4))  # 2 -> 4 ranks
+    reshard_dcp(Path("ckpt-200"), Path("hf"), fmt="hf")        # + optimizer.safetensors sidecar
+    reshard_dcp(Path("hf"), Path("ckpt-dp3"), fmt="dcp", mesh=Mesh(dp=3))        # and back
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from shardctl.errors import Interrupted, InvalidInputError, UsageError
-from shardctl.formats.dcp.state import TrainingState, open_state
+from shardctl.formats.dcp.state import DcpState, TrainingState, open_state
 from shardctl.formats.dcp.write_dcp import write_dcp
 from shardctl.formats.dcp.write_hf import write_hf
 from shardctl.io import atomic
@@ -65,7 +65,7 @@ def reshard_dcp(
                 hint="copy the model's config.json into it (it travels to the output)",
             )
         if fmt == "dcp" and world is None:
-            world = len(getattr(state, "md").files) if state.kind == "dcp" else 1
+            world = len(state.md.files) if isinstance(state, DcpState) else 1
         before = _stats(state, src)
         input_bytes = sum(size for size, _ in before.values())
         preflight_space(dst.parent, input_bytes)
@@ -77,7 +77,7 @@ def reshard_dcp(
                 if fmt == "dcp":
                     assert world is not None
                     items = [i for i in state.items if optimizer or i.is_model]
-                    planner = getattr(getattr(state, "md", None), "planner_data", None)
+                    planner = state.md.planner_data if isinstance(state, DcpState) else None
                     digests, tensor_bytes = write_dcp(
                         state,
                         staging,
@@ -141,9 +141,8 @@ def _world(fmt: str | None, mesh: Mesh | None) -> int | None:
 
 
 def _input_files(state: TrainingState) -> list[str]:
-    md = getattr(state, "md", None)
-    if md is not None:
-        return [".metadata", *md.files]
+    if isinstance(state, DcpState):
+        return [".metadata", *state.md.files]
     names = [p.name for p in state.root.iterdir() if p.name.endswith(".safetensors")]
     return names
 
