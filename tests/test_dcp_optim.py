@@ -141,11 +141,11 @@ def test_hf_export_equals_full_state_dict(trained: dict[str, Path]) -> None:
     reshard(trained["ck2"], root / "h2", format="hf")
     dump = load(trained["dump2"])
     with safe_open(root / "h2" / "model.safetensors", framework="pt") as f:
-        got = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 - safe_open has no iter
+        got = {k: f.get_tensor(k) for k in f.keys()}
     assert_same_state(got, dump["model"])
     with safe_open(root / "h2" / "optimizer.safetensors", framework="pt") as f:
         meta = f.metadata()
-        side = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        side = {k: f.get_tensor(k) for k in f.keys()}
     assert meta["format"] == "shardctl.dcp-sidecar/1"
     for fqn, states in dump["optimizer"]["state"].items():
         for name, value in states.items():
@@ -288,3 +288,42 @@ def test_truncated_or_inconsistent_metadata_is_refused(
     (moved / ".metadata").write_bytes(pickle.dumps(md))
     with pytest.raises(InvalidInputError, match="overlap"):
         read_metadata(moved)
+
+
+def _flip(path: Path, name: str) -> None:
+    """Flip one bit in the first byte of tensor ``name`` of a safetensors file."""
+    from shardctl.io.safetensors_header import read_header
+
+    header = read_header(path)
+    entry = next(e for e in header.tensors if e.name == name)
+    data = bytearray(path.read_bytes())
+    data[header.data_offset + entry.begin] ^= 1
+    path.write_bytes(bytes(data))
+
+
+def test_verify_accepts_dcp_on_either_side(trained: dict[str, Path], tmp_path: Path) -> None:
+    from shardctl import verify
+
+    hf = tmp_path / "h"
+    reshard(trained["ck2"], hf, format="hf")
+    ok = verify(trained["ck2"], hf, level="bitwise")
+    assert ok.ok and ok.src == str(trained["ck2"])
+    dump = load(trained["dump2"])
+    entries = 3 * len(dump["model"]) + len(dump["optimizer"]["param_groups"][0])
+    assert ok.level_result("bitwise").figures["optimizer_state"] == f"{entries} entries compared"
+    # DCP as DST, up to the forward level (the weights run as a model)
+    reshard(hf, tmp_path / "d3", format="dcp", mesh={"dp": 3})
+    fwd = verify(hf, tmp_path / "d3", level="forward")
+    assert fwd.ok and fwd.level_result("forward").status == "pass"
+
+    # one bit of one moment, or of one weight, is a bitwise failure naming it
+    bad = _copy(hf, tmp_path / "bad-moment")
+    _flip(bad / "optimizer.safetensors", "optimizer.state.lm_head.weight.exp_avg_sq")
+    r = verify(trained["ck2"], bad, level="forward")
+    assert not r.ok and r.failed_level is not None and r.failed_level.name == "bitwise"
+    assert r.failed_level.findings[0].fqn == "optimizer.state.lm_head.weight.exp_avg_sq"
+    assert r.level_result("forward").status == "not-run"
+    bad = _copy(hf, tmp_path / "bad-weight")
+    _flip(bad / "model.safetensors", "model.norm.weight")
+    r = verify(bad, trained["ck2"], level="bitwise")
+    assert not r.ok and r.failed_level is not None and r.failed_level.name == "bitwise"
