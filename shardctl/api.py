@@ -129,8 +129,9 @@ def reshard(
         raise UsageError(f"--format: expected ranks, hf or dcp, got {format!r}")
     # --- dcp-optim: DCP training checkpoints (formats/dcp) ---
     from shardctl.formats.dcp.metadata import is_dcp
+    from shardctl.formats.dcp.zero import is_zero
 
-    if format == "dcp" or is_dcp(Path(src)):
+    if format == "dcp" or is_dcp(Path(src)) or is_zero(Path(src)):
         from shardctl.formats.dcp.convert import reshard_dcp
 
         if manifest is not None:

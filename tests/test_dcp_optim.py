@@ -327,3 +327,47 @@ def test_verify_accepts_dcp_on_either_side(trained: dict[str, Path], tmp_path: P
     _flip(bad / "model.safetensors", "model.norm.weight")
     r = verify(bad, trained["ck2"], level="bitwise")
     assert not r.ok and r.failed_level is not None and r.failed_level.name == "bitwise"
+
+
+def test_deepspeed_zero2_input(trained: dict[str, Path], tmp_path: Path) -> None:
+    """A real ZeRO-2 checkpoint (2 ranks) -> DCP for 3 ranks, loaded by FSDP2; -> HF.
+
+    Needs deepspeed (README: "DeepSpeed ZeRO input"); shardctl itself never imports it.
+    """
+    pytest.importorskip("deepspeed")
+    import torch
+
+    hf = trained["hf"]
+    zero, oracle = tmp_path / "zero", tmp_path / "oracle.pt"
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests._deepspeed_zero", str(hf), str(zero), "2", str(oracle)],
+        cwd=ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    (zero / "config.json").write_bytes((hf / "config.json").read_bytes())
+    expected = load(oracle)
+
+    reshard(zero, tmp_path / "h")  # default for a ZeRO input: HF + optimizer sidecar
+    reshard(zero, tmp_path / "d3", format="dcp", mesh={"dp": 3})
+    _fsdp(f"load,{hf},{tmp_path / 'd3'},3,{tmp_path / 'l3.pt'}")
+    got = flat(load(tmp_path / "l3.pt"))
+    for key, want in expected.items():
+        have = got[key]
+        assert torch.equal(have.reshape(-1).view(torch.uint8), want.reshape(-1).view(torch.uint8))
+    steps = [v for k, v in got.items() if k.endswith(".step")]
+    assert steps and all(float(s) == 2.0 for s in steps)
+
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "h" / "model.safetensors")
+    assert {f"model.{k}" for k in weights} == {k for k in expected if k.startswith("model.")}
+    for k, v in weights.items():
+        assert torch.equal(v, expected[f"model.{k}"]), k

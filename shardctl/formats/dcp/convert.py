@@ -19,6 +19,7 @@ from shardctl.errors import Interrupted, InvalidInputError, UsageError
 from shardctl.formats.dcp.state import DcpState, TrainingState, open_state
 from shardctl.formats.dcp.write_dcp import write_dcp
 from shardctl.formats.dcp.write_hf import write_hf
+from shardctl.formats.dcp.zero import ZeroState, listing
 from shardctl.io import atomic
 from shardctl.io.checksum import default_hash
 from shardctl.io.lock import OutputLock
@@ -50,7 +51,7 @@ def reshard_dcp(
     dst = check_output(src, dst, force=force)
     state = open_state(src, optimizer=optimizer)
     try:
-        fmt = fmt or ("hf" if state.kind == "dcp" else "dcp")
+        fmt = fmt or ("dcp" if state.kind == "hf" else "hf")
         if fmt not in FORMATS:
             raise UsageError(
                 f"--format {fmt}: a DCP checkpoint converts to dcp or hf",
@@ -65,7 +66,13 @@ def reshard_dcp(
                 hint="copy the model's config.json into it (it travels to the output)",
             )
         if fmt == "dcp" and world is None:
-            world = len(state.md.files) if isinstance(state, DcpState) else 1
+            world = (
+                len(state.md.files)
+                if isinstance(state, DcpState)
+                else state.world
+                if isinstance(state, ZeroState)
+                else 1
+            )
         before = _stats(state, src)
         input_bytes = sum(size for size, _ in before.values())
         preflight_space(dst.parent, input_bytes)
@@ -143,6 +150,9 @@ def _world(fmt: str | None, mesh: Mesh | None) -> int | None:
 def _input_files(state: TrainingState) -> list[str]:
     if isinstance(state, DcpState):
         return [".metadata", *state.md.files]
+    if isinstance(state, ZeroState):
+        tag = state.tag.relative_to(state.root)
+        return [str(tag / n) for n in listing(state.tag) if n.endswith(".pt")]
     names = [p.name for p in state.root.iterdir() if p.name.endswith(".safetensors")]
     return names
 

@@ -39,7 +39,7 @@ class Item:
 
 class TrainingState(Protocol):
     root: Path
-    kind: str  # "dcp" | "hf"
+    kind: str  # "dcp" | "hf" | "zero"
     items: tuple[Item, ...]
     carried: tuple[str, ...]  # top-level non-checkpoint files that travel (config.json, ...)
 
@@ -150,9 +150,12 @@ class HfState:
 
 def open_state(root: Path, *, optimizer: bool = True) -> TrainingState:
     from shardctl.formats.dcp.metadata import is_dcp
+    from shardctl.formats.dcp.zero import ZeroState, is_zero
 
     if is_dcp(root):
         return DcpState(root)
+    if is_zero(root):
+        return ZeroState(root)
     return HfState(root, optimizer=optimizer)
 
 
