@@ -371,3 +371,8 @@ def test_deepspeed_zero2_input(trained: dict[str, Path], tmp_path: Path) -> None
     assert {f"model.{k}" for k in weights} == {k for k in expected if k.startswith("model.")}
     for k, v in weights.items():
         assert torch.equal(v, expected[f"model.{k}"]), k
+
+    from shardctl import verify
+
+    r = verify(zero, tmp_path / "d3", level="bitwise")  # ZeRO vs DCP, optimizer state too
+    assert r.ok and "entries compared" in r.level_result("bitwise").figures["optimizer_state"]

@@ -8,6 +8,7 @@ structure, bitwise and forward run on it unchanged. When both sides carry optimi
 or HF with the ``optimizer.safetensors`` sidecar), the bitwise level also compares every
 optimizer tensor (``exp_avg``, ``exp_avg_sq``, ``step``, ...) bit for bit and every
 ``param_groups`` value; with optimizer state on one side only it says so in its figures.
+A DeepSpeed ZeRO-1/2 directory is presented the same way.
 """
 
 from __future__ import annotations
@@ -20,23 +21,29 @@ from typing import Any
 
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.formats.dcp.metadata import is_dcp
-from shardctl.formats.dcp.state import DcpState, open_state
+from shardctl.formats.dcp.state import open_state
 from shardctl.formats.dcp.write_hf import write_hf
+from shardctl.formats.dcp.zero import is_zero
 from shardctl.io.checksum import default_hash
 from shardctl.io.tempdirs import owned_tempdir
 
 
+def _training(path: Path) -> bool:
+    return is_dcp(path) or is_zero(path)
+
+
 def involves_dcp(src: Path, dst: Path) -> bool:
-    return is_dcp(src) or is_dcp(dst)
+    """Either side is a DCP or a DeepSpeed ZeRO training checkpoint."""
+    return _training(src) or _training(dst)
 
 
 @contextmanager
 def as_hf(path: Path) -> Iterator[Path]:
-    """``path`` itself, or for a DCP checkpoint a temporary HF copy of its model weights."""
-    if not is_dcp(path):
+    """``path`` itself, or for a DCP (or ZeRO) checkpoint a temporary HF copy of its weights."""
+    if not _training(path):
         yield path
         return
-    state = DcpState(path)
+    state = open_state(path)
     try:
         if "config.json" not in state.carried:
             raise InvalidInputError(
