@@ -98,23 +98,22 @@ class HfState:
     kind = "hf"
 
     def __init__(self, root: Path, *, optimizer: bool = True):
-        from safetensors import safe_open
-
         from shardctl.checkpoint.hf import open_checkpoint
+        from shardctl.io.safetensors_header import read_header
 
         self.root = root
         ck = open_checkpoint(root, ignore_layout_record=True)
-        self._where: dict[str, tuple[Path, str]] = {}
+        # key -> (file, byte offset, byte length): read with pread, never mmap (RSS stays one
+        # tensor; an mmap'd file counts every page touched)
+        self._where: dict[str, tuple[Path, int, int]] = {}
         items: list[Item] = []
         for fqn, loc in ck.locations.items():
             e = loc.entry
             items.append(Item(MODEL_PREFIX + fqn, e.shape, _torch_dtype(e.dtype)))
-            self._where[MODEL_PREFIX + fqn] = (loc.path, fqn)
+            self._where[MODEL_PREFIX + fqn] = (loc.path, loc.file_offset, e.nbytes)
         self._objects: dict[str, Any] = {}
         sidecar = root / SIDECAR_NAME
         if optimizer and sidecar.is_file() and not sidecar.is_symlink():
-            from shardctl.io.safetensors_header import read_header
-
             header = read_header(sidecar)
             meta = header.metadata or {}
             if meta.get("format") != SIDECAR_FORMAT:
@@ -126,26 +125,40 @@ class HfState:
                 )
             for e in header.tensors:
                 items.append(Item(e.name, e.shape, _torch_dtype(e.dtype)))
-                self._where[e.name] = (sidecar, e.name)
+                self._where[e.name] = (sidecar, header.data_offset + e.begin, e.nbytes)
             self._objects = _decode_objects(meta.get(OBJECTS_KEY, "{}"), str(sidecar))
             items.extend(Item(k, None) for k in self._objects)
         self.items = tuple(items)
         self.carried = tuple(str(p) for p in ck.extra_files)
-        self._open: dict[Path, Any] = {}
-        self._safe_open = safe_open
+        self._shapes = {i.key: (i.shape, i.dtype) for i in items if i.shape is not None}
+        self._fds: dict[Path, int] = {}
 
     def tensor(self, key: str) -> Any:
-        path, name = self._where[key]
-        f = self._open.get(path)
-        if f is None:
-            f = self._open[path] = self._safe_open(str(path), framework="pt")
-        return f.get_tensor(name)
+        import torch
+
+        path, begin, length = self._where[key]
+        fd = self._fds.get(path)
+        if fd is None:
+            fd = self._fds[path] = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        buf = bytearray(length)
+        view, at = memoryview(buf), 0
+        while at < length:
+            n = os.preadv(fd, [view[at:]], begin + at)
+            if n == 0:
+                raise InvalidInputError(f"{key!r}: file ends early", where=str(path))
+            at += n
+        shape, dtype = self._shapes[key]
+        if length == 0:
+            return torch.empty(shape, dtype=dtype)
+        return torch.frombuffer(buf, dtype=dtype).reshape(shape)
 
     def obj(self, key: str) -> Any:
         return self._objects[key]
 
     def close(self) -> None:
-        self._open.clear()
+        for fd in self._fds.values():
+            os.close(fd)
+        self._fds.clear()
 
 
 def open_state(root: Path, *, optimizer: bool = True) -> TrainingState:
