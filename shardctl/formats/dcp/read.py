@@ -54,7 +54,7 @@ class DcpReader:
         import torch
 
         t: DcpTensor = self.md.tensors[key]
-        out = torch.empty(t.shape, dtype=t.dtype)
+        out = torch.empty(t.shape, dtype=t.dtype) if len(t.chunks) != 1 else None
         for c in t.chunks:
             where = f"{Path(self.md.root) / c.file} @ {c.begin}"
             piece = self._load(c.file, c.begin, c.length, where)
@@ -68,6 +68,9 @@ class DcpReader:
                     f"{key!r}: stored chunk is {piece.dtype}, the metadata says {t.dtype}",
                     where=where,
                 )
+            if len(t.chunks) == 1:  # the chunk is the tensor: no copy
+                return piece.contiguous()
+            assert out is not None
             view = out
             for dim, (o, s) in enumerate(zip(c.offsets, c.sizes, strict=True)):
                 view = view.narrow(dim, o, s)
