@@ -25,6 +25,7 @@ from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
 NAME = "llama"  # 4 layers, k/v rows 16, vocab 256: uneven dim-0 chunks on 3 ranks
+TIED = "llama-tied-mha"  # tie_word_embeddings: no lm_head.weight on disk, one in FSDP2's DCP
 
 
 def _fsdp(*jobs: str) -> None:
@@ -45,12 +46,18 @@ def trained(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     """HF source (fp32) and the DCP checkpoints FSDP2 saved on 2 and 4 ranks, with dumps."""
     root = tmp_path_factory.mktemp("dcp")
     hf = make_checkpoint(NAME, root / "hf", dtype="float32")
-    p = {"root": root, "hf": hf}
+    tied = make_checkpoint(TIED, root / "tied-hf", dtype="float32")
+    p = {"root": root, "hf": hf, "tied-hf": tied}
     for w in (2, 4):
         p[f"ck{w}"], p[f"dump{w}"] = root / f"ck{w}", root / f"dump{w}.pt"
-    _fsdp(*(f"save,{hf},{p[f'ck{w}']},{w},{p[f'dump{w}']}" for w in (2, 4)))
-    for w in (2, 4):  # HF export needs the model's config next to the DCP files
-        (p[f"ck{w}"] / "config.json").write_bytes((hf / "config.json").read_bytes())
+    p["tied-ck"], p["tied-dump"] = root / "tied-ck", root / "tied-dump.pt"
+    _fsdp(
+        *(f"save,{hf},{p[f'ck{w}']},{w},{p[f'dump{w}']}" for w in (2, 4)),
+        f"save,{tied},{p['tied-ck']},2,{p['tied-dump']}",
+    )
+    for ck, src in ((p["ck2"], hf), (p["ck4"], hf), (p["tied-ck"], tied)):
+        # HF export needs the model's config next to the DCP files
+        (ck / "config.json").write_bytes((src / "config.json").read_bytes())
     return p
 
 
@@ -119,13 +126,21 @@ def test_reshard_to_other_world_sizes_loads_bit_exact(trained: dict[str, Path]) 
             assert [c.file for c in t.chunks] == [f"__{r}_0.distcp" for r in range(len(want))]
     assert md.tensors["optimizer.state.lm_head.weight.step"].shape == ()
 
+    # tied: DCP (lm_head.weight present) -> HF (left out, as save_pretrained does) -> DCP
+    # (put back: dcp.load wants every key of the tied model's state dict)
+    reshard(trained["tied-ck"], root / "tied-h", format="hf")
+    reshard(root / "tied-h", root / "tied-d3", format="dcp", mesh={"dp": 3})
+    assert "model.lm_head.weight" in read_metadata(root / "tied-d3").tensors
+
     _fsdp(
         f"load,{trained['hf']},{root / 'd3'},3,{root / 'l3.pt'}",
         f"load,{trained['hf']},{root / 'd2'},2,{root / 'l2.pt'}",
+        f"load,{trained['tied-hf']},{root / 'tied-d3'},3,{root / 'tied-l3.pt'}",
     )
     dump2, dump4 = load(trained["dump2"]), load(trained["dump4"])
     assert_same_state(load(root / "l3.pt"), dump2)
     assert_same_state(load(root / "l2.pt"), dump4)
+    assert_same_state(load(root / "tied-l3.pt"), load(trained["tied-dump"]))
     # the checkpoints hold trained state, not the initial weights, and step 2
     step = dump2["optimizer"]["state"]["lm_head.weight"]["step"]
     assert float(step) == 2.0

@@ -128,10 +128,26 @@ class HfState:
                 self._where[e.name] = (sidecar, header.data_offset + e.begin, e.nbytes)
             self._objects = _decode_objects(meta.get(OBJECTS_KEY, "{}"), str(sidecar))
             items.extend(Item(k, None) for k in self._objects)
-        self.items = tuple(items)
         self.carried = tuple(str(p) for p in ck.extra_files)
+        self._tie(items)
+        self.items = tuple(items)
         self._shapes = {i.key: (i.shape, i.dtype) for i in items if i.shape is not None}
         self._fds: dict[Path, int] = {}
+
+    def _tie(self, items: list[Item]) -> None:
+        """A tied checkpoint has no ``lm_head.weight`` on disk; the model's state dict (and so
+        FSDP2's DCP checkpoint, which ``dcp.load`` must find every key of) has it: the table."""
+        from shardctl.formats.dcp.write_hf import EMBEDDINGS, tied_lm_head
+
+        head = MODEL_PREFIX + "lm_head.weight"
+        if head in self._where or not tied_lm_head(self.root, self.carried):
+            return
+        for name in EMBEDDINGS:
+            emb = next((i for i in items if i.key == MODEL_PREFIX + name), None)
+            if emb is not None:
+                items.insert(items.index(emb) + 1, Item(head, emb.shape, emb.dtype))
+                self._where[head] = self._where[emb.key]
+                return
 
     def tensor(self, key: str) -> Any:
         import torch

@@ -48,12 +48,16 @@ def st_name(dtype: Any) -> str:
     raise InvalidInputError(f"dtype {torch_name} cannot be stored in safetensors")
 
 
-def tied_lm_head(state: TrainingState) -> bool:
+# input embedding names whose table a tied ``lm_head.weight`` shares (Llama-likes, GPT-2)
+EMBEDDINGS = ("model.embed_tokens.weight", "transformer.wte.weight")
+
+
+def tied_lm_head(root: Path, carried: tuple[str, ...]) -> bool:
     """config.json (carried) says ``tie_word_embeddings``: transformers saves no lm_head."""
-    if "config.json" not in state.carried:
+    if "config.json" not in carried:
         return False
     try:
-        cfg = json.loads((state.root / "config.json").read_text())
+        cfg = json.loads((root / "config.json").read_text())
     except (OSError, ValueError):
         return False
     text = cfg.get("text_config") if isinstance(cfg.get("text_config"), dict) else {}
@@ -115,7 +119,7 @@ def write_hf(
             where=str(state.root),
         )
     named = [(i.key[len(MODEL_PREFIX) :], i) for i in model]
-    if tied_lm_head(state) and any(n == "model.embed_tokens.weight" for n, _ in named):
+    if tied_lm_head(state.root, state.carried) and any(n in EMBEDDINGS for n, _ in named):
         named = [(n, i) for n, i in named if n != "lm_head.weight"]
     rest = [i for i in state.items if not i.is_model] if optimizer else []
     total = sum(_nbytes(i) for _, i in named) + sum(_nbytes(i) for i in rest if i.shape)
