@@ -172,6 +172,14 @@ def test_hf_export_equals_full_state_dict(trained: dict[str, Path]) -> None:
     model = AutoModelForCausalLM.from_pretrained(root / "h2", dtype=torch.float32)
     assert_same_state(dict(model.state_dict()), dump["model"])
 
+    # weights only, to DCP: model keys only, one rank file
+    from shardctl.formats.dcp.metadata import read_metadata
+
+    reshard(trained["ck2"], root / "d1w", format="dcp", mesh={"dp": 1}, optimizer=False)
+    md = read_metadata(root / "d1w")
+    assert md.files == ("__0_0.distcp",) and not md.objects
+    assert {k for k in md.tensors} == {f"model.{k}" for k in dump["model"]}
+
     # weights only: no sidecar, the same model.safetensors bytes
     reshard(trained["ck2"], root / "h2w", format="hf", optimizer=False)
     assert not (root / "h2w" / "optimizer.safetensors").exists()
@@ -344,12 +352,17 @@ def test_verify_accepts_dcp_on_either_side(trained: dict[str, Path], tmp_path: P
     assert not r.ok and r.failed_level is not None and r.failed_level.name == "bitwise"
 
 
-def test_deepspeed_zero2_input(trained: dict[str, Path], tmp_path: Path) -> None:
+@pytest.fixture
+def deepspeed() -> None:
+    """Skip before the expensive fixtures are built when deepspeed is not installed."""
+    pytest.importorskip("deepspeed")
+
+
+def test_deepspeed_zero2_input(deepspeed: None, trained: dict[str, Path], tmp_path: Path) -> None:
     """A real ZeRO-2 checkpoint (2 ranks) -> DCP for 3 ranks, loaded by FSDP2; -> HF.
 
-    Needs deepspeed (README: "DeepSpeed ZeRO input"); shardctl itself never imports it.
+    Needs deepspeed (docs/dcp-training-checkpoints.md); shardctl itself never imports it.
     """
-    pytest.importorskip("deepspeed")
     import torch
 
     hf = trained["hf"]
