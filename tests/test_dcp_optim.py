@@ -365,7 +365,7 @@ def test_deepspeed_zero2_input(deepspeed: None, trained: dict[str, Path], tmp_pa
     """
     import torch
 
-    hf = trained["hf"]
+    hf = make_checkpoint(NAME, tmp_path / "hf", dtype="float32")
     zero, oracle = tmp_path / "zero", tmp_path / "oracle.pt"
     env = {
         **os.environ,
