@@ -358,7 +358,7 @@ def deepspeed() -> None:
     pytest.importorskip("deepspeed")
 
 
-def test_deepspeed_zero2_input(deepspeed: None, trained: dict[str, Path], tmp_path: Path) -> None:
+def test_deepspeed_zero2_input(deepspeed: None, tmp_path: Path) -> None:
     """A real ZeRO-2 checkpoint (2 ranks) -> DCP for 3 ranks, loaded by FSDP2; -> HF.
 
     Needs deepspeed (docs/dcp-training-checkpoints.md); shardctl itself never imports it.
