@@ -20,7 +20,13 @@ if TYPE_CHECKING:
     from shardctl.reshard.result import ReshardResult
 
 
-Src = Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")]
+Src = Annotated[
+    Path,
+    typer.Argument(
+        help="Input: an HF checkpoint dir, a shardctl layout, or a training checkpoint "
+        "(torch DCP dir with .metadata, DeepSpeed ZeRO-1/2 dir)."
+    ),
+]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
 Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1, max=MAX_AXIS)]
 Pp = Annotated[

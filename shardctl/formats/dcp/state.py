@@ -124,6 +124,13 @@ class HfState:
                     hint="rename it, or pass --no-optimizer to convert the weights only",
                 )
             for e in header.tensors:
+                if e.name.startswith(MODEL_PREFIX):
+                    raise InvalidInputError(
+                        f"sidecar tensor {e.name!r} claims a model key; model weights live in "
+                        "model.safetensors",
+                        where=str(sidecar),
+                        hint="pass --no-optimizer to ignore the sidecar",
+                    )
                 items.append(Item(e.name, e.shape, _torch_dtype(e.dtype)))
                 self._where[e.name] = (sidecar, header.data_offset + e.begin, e.nbytes)
             self._objects = _decode_objects(meta.get(OBJECTS_KEY, "{}"), str(sidecar))
