@@ -258,6 +258,13 @@ def test_cli_refusals(trained: dict[str, Path], tmp_path: Path) -> None:
     line = _one_line(_cli("reshard", str(bare), str(tmp_path / "o")), 3)
     assert "config.json" in line
     assert not (tmp_path / "o").exists()
+    line = _one_line(_cli("reshard", str(ck), str(tmp_path / "o"), "--format", "ranks"), 2)
+    assert "dcp or hf" in line
+    # a shardctl per-rank layout is merged first (one line says how)
+    reshard(trained["hf"], tmp_path / "tp2", mesh={"tp": 2})
+    with pytest.raises(InvalidInputError, match="merge it first"):
+        reshard(tmp_path / "tp2", tmp_path / "o", format="dcp")
+    assert not (tmp_path / "o").exists()
 
 
 def _copy(src: Path, dst: Path) -> Path:

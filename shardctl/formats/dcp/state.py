@@ -102,6 +102,16 @@ class HfState:
         from shardctl.io.safetensors_header import read_header
 
         self.root = root
+        if (root / "shardctl.layout.json").is_file():
+            from shardctl.checkpoint import record as rec
+
+            if rec.read(root).layout is not None:
+                raise InvalidInputError(
+                    "a shardctl per-rank layout cannot be converted to DCP directly",
+                    where=str(root),
+                    hint="merge it first (shardctl reshard SRC MERGED --format hf), then "
+                    "convert MERGED with --format dcp",
+                )
         ck = open_checkpoint(root, ignore_layout_record=True)
         # key -> (file, byte offset, byte length): read with pread, never mmap (RSS stays one
         # tensor; an mmap'd file counts every page touched)
