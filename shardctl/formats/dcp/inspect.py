@@ -14,7 +14,7 @@ from typing import Any
 from shardctl.checkpoint.summary import FileSummary, InspectResult, RankSummary
 from shardctl.formats.dcp.metadata import read_metadata
 from shardctl.formats.dcp.read import DcpReader
-from shardctl.formats.dcp.state import MODEL_PREFIX, _carried
+from shardctl.formats.dcp.state import MODEL_PREFIX, carried_files
 from shardctl.formats.dcp.write_hf import st_name
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import TensorInfo
@@ -78,7 +78,7 @@ def inspect_dcp(root: Path) -> InspectResult:
         kind="dcp",
         model=model,
         files=tuple(FileSummary(n, (root / n).stat().st_size, c) for n, (c, _) in per_file.items()),
-        carried=_carried(root, set(md.files), (".distcp",)),
+        carried=carried_files(root, set(md.files), (".distcp",)),
         mesh={"pp": 1, "dp": len(md.files), "ep": 1, "tp": 1},
         layout_format="dcp",
         ranks=ranks,

@@ -50,7 +50,7 @@ class TrainingState(Protocol):
     def close(self) -> None: ...
 
 
-def _carried(root: Path, skip: set[str], skip_suffixes: tuple[str, ...]) -> tuple[str, ...]:
+def carried_files(root: Path, skip: set[str], skip_suffixes: tuple[str, ...]) -> tuple[str, ...]:
     return tuple(
         n
         for n in sorted(os.listdir(root))
@@ -80,7 +80,7 @@ class DcpState:
                 hint='expected dcp.save({"model": ..., "optimizer": ...}) as get_state_dict '
                 "returns them (torchtitan's flattened model keys are not supported)",
             )
-        self.carried = _carried(root, set(self.md.files), (SUFFIX,))
+        self.carried = carried_files(root, set(self.md.files), (SUFFIX,))
 
     def tensor(self, key: str) -> Any:
         return self._reader.tensor(key)
