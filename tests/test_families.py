@@ -38,6 +38,9 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gpt2": [Mesh(tp=2), Mesh(pp=2, tp=2)],  # Conv1D [in, out], MHA
     "granite": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, tied, config multipliers
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
+    # fam-mla: MLA has no K/V heads to replicate; tp=4 = one head per rank
+    "deepseek_v2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "deepseek_v3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

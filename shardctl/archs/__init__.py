@@ -15,6 +15,8 @@ import re
 from collections.abc import Iterable
 
 from shardctl.archs import (
+    deepseek_v2,
+    deepseek_v3,
     gemma,
     gemma2,
     gpt2,
@@ -43,6 +45,7 @@ __all__ = [
 ]
 
 _MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES += (deepseek_v2, deepseek_v3)  # fam-mla
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types

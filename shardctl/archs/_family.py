@@ -59,6 +59,9 @@ class ExpertSpec:
 Localize = Callable[[Any, Any, ModelDims, int, int, Any], None]
 # (config, dims, tp, ep, first_layer, num_layers) -> the local config's changed keys.
 LocalConfig = Callable[[Config, ModelDims, int, int, int, int], dict[str, Any]]
+# (router logits [tokens, E], chosen experts [tokens, k], config) -> their routing weights,
+# for a router that is not "softmax, then top-k, renormalized when norm_topk_prob".
+RouteWeights = Callable[[Any, Any, Config], Any]
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ForwardSpec:
     conv1d: bool = False
     experts: ExpertSpec | None = None
     localize: Localize | None = None  # after from_config, before loading the rank's tensors
+    route_weights: RouteWeights | None = None  # verify/routing.py: weights at pinned experts
     arch: str = ""  # filled in by the registry: the model_type asked for
 
     @property
