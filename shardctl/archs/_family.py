@@ -110,6 +110,10 @@ class Family:
     # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...).
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
+    # False: plan/memory/shapes.py's Llama/Mixtral closed-form counts do not describe this
+    # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from
+    # the layout engine instead (plan/memory/layout_counts.py).
+    closed_form: bool = True
 
 
 # ---- config readers ----------------------------------------------------------------------

@@ -390,6 +390,7 @@ def mla_family(
         follows=follows,
         shape_keys=SHAPE_KEYS,
         config_keys=CONFIG_KEYS,
+        closed_form=False,
     )
 
 

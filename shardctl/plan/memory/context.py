@@ -16,6 +16,7 @@ from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
+from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
@@ -71,6 +72,10 @@ class Context:
         if self.shape is None:
             n = self.model.parameters // (self.mesh.pp * self.mesh.tp * self.mesh.ep)
             c = Counts(linear=n)
+        elif uses_layout_counts(self.model):
+            vocab_padding = self.shape.vocab_padding
+            self._counts.update(layout_counts(self.model, self.mesh, self.stages, vocab_padding))
+            return self._counts[st.index]
         else:
             c = stage_counts(self.shape, st, self.mesh.pp, self.mesh.tp, self.mesh.ep)
         self._counts[st.index] = c

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardctl.layout.types import Stage
+from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.layout_counts import inventory_moe, uses_layout_counts
 from shardctl.plan.memory.shapes import ModelShape, stage_counts
 
 
@@ -33,13 +35,18 @@ class MoeParams:
         }
 
 
-def moe_params(shape: ModelShape) -> MoeParams:
+def moe_params(shape: ModelShape, model: ModelInfo | None = None) -> MoeParams:
     """Total and active parameters of the whole (unsharded) model.
 
-    ``active = total - expert · (1 - k/E)``.
+    ``active = total - expert · (1 - k/E)``. From ``model``'s inventory for a family the
+    closed form does not describe (plan/memory/layout_counts.py).
     """
     d = shape.dims
-    c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
     e, k = d.num_experts, d.experts_per_token
-    active = c.total - (c.expert - c.expert * k // e if e else 0)
-    return MoeParams(c.total, active, c.expert, e, k)
+    if model is not None and uses_layout_counts(model):
+        total, expert = inventory_moe(model)
+    else:
+        c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
+        total, expert = c.total, c.expert
+    active = total - (expert - expert * k // e if e else 0)
+    return MoeParams(total, active, expert, e, k)
