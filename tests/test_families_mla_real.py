@@ -83,7 +83,7 @@ def test_deepseek_v3_forward_at_real_vocabulary_and_heads_tp4_gloo(tmp_path: Pat
     assert tokens * V3_REAL["vocab_size"] * 8 > 8 * 2**20  # logits above TCPStore's 8 MiB
     # rank 0 really held 32 of the 128 heads of the by-head projections, all of the low-rank
     with safe_open(dst / "rank-00000-of-00004.safetensors", "pt") as f:
-        shape = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}  # noqa: SIM118
+        shape = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
     attn = "model.layers.1.self_attn"
     assert shape[f"{attn}.kv_b_proj.weight"] == (32 * (8 + 8), 32)
     assert shape[f"{attn}.q_b_proj.weight"] == (32 * (8 + 4), 48)
@@ -106,7 +106,7 @@ def _with_mtp(src: Path) -> Path:
     h = cfg["hidden_size"]
     path = src / "model.safetensors"
     with safe_open(path, "pt") as f:
-        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open has no iter)
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
     gen = torch.Generator().manual_seed(7)
     extra: dict[str, torch.Tensor] = {}
     for name, t in tensors.items():
@@ -171,9 +171,12 @@ def test_mtp_layer_inventory_plan_reshard_verify_merge(tmp_path: Path) -> None:
     ]
     merged = tmp_path / "merged"
     reshard(split, merged)
-    with safe_open(merged / "model.safetensors", "pt") as a, safe_open(src / "model.safetensors", "pt") as b:
+    with (
+        safe_open(merged / "model.safetensors", "pt") as a,
+        safe_open(src / "model.safetensors", "pt") as b,
+    ):
         assert set(a.keys()) == set(b.keys())
-        for k in b.keys():  # noqa: SIM118
+        for k in b.keys():
             assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
 
 

@@ -45,10 +45,10 @@ __all__ = [
 ]
 
 _MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
-_MODULES += (deepseek_v2, deepseek_v3)  # fam-mla
+_MLA_MODULES = (deepseek_v2, deepseek_v3)  # fam-mla
 
 FAMILIES: dict[str, Family] = {
-    model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
+    model_type: m.FAMILY for m in (*_MODULES, *_MLA_MODULES) for model_type in m.FAMILY.model_types
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 

@@ -245,7 +245,9 @@ def _moe(
 ) -> Shapes:
     h, e = d.hidden_size, d.num_experts
     moe_i = get_int(config, "moe_intermediate_size", where)
-    shared = 0 if config.get("n_shared_experts") == 0 else get_int(config, "n_shared_experts", where)
+    shared = (
+        0 if config.get("n_shared_experts") == 0 else get_int(config, "n_shared_experts", where)
+    )
     out: Shapes = [(f"{p}.mlp.gate.weight", (e, h))]
     if router_bias:
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))

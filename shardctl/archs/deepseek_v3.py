@@ -33,7 +33,9 @@ def _sigmoid_weights(logits: Any, indices: Any, config: Config) -> Any:
 
 # transformers 5.23 DeepseekV3Config defaults for the keys a hub config may leave out
 V3_DEFAULTS: Config = {
-    "q_lora_rank": 1536, "first_k_dense_replace": 3, "n_shared_experts": 1,
+    "q_lora_rank": 1536,
+    "first_k_dense_replace": 3,
+    "n_shared_experts": 1,
     "num_nextn_predict_layers": 1,
 }
 
