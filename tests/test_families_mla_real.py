@@ -171,13 +171,7 @@ def test_mtp_layer_inventory_plan_reshard_verify_merge(tmp_path: Path) -> None:
     ]
     merged = tmp_path / "merged"
     reshard(split, merged)
-    with (
-        safe_open(merged / "model.safetensors", "pt") as a,
-        safe_open(src / "model.safetensors", "pt") as b,
-    ):
-        assert set(a.keys()) == set(b.keys())
-        for k in b.keys():
-            assert torch.equal(a.get_tensor(k), b.get_tensor(k)), k
+    assert (merged / "model.safetensors").read_bytes() == (src / "model.safetensors").read_bytes()
 
 
 def test_mtp_layer_beyond_the_config_is_refused(tmp_path: Path) -> None:
@@ -206,3 +200,33 @@ def test_split_low_rank_projection_fails_forward(tmp_path: Path) -> None:
     assert [lv.status for lv in result.levels] == ["pass", "pass", "fail"]
     findings = " ".join(str(f) for f in result.levels[2].findings)
     assert "kv_a_proj_with_mqa" in findings, findings
+
+
+# ---- routing weights at pinned experts --------------------------------------------------------
+
+
+def test_route_weights_reproduce_transformers_routers() -> None:
+    """verify pins expert choices and recomputes their weights with the family's rule
+    (``ForwardSpec.route_weights``); at the router's own choices that rule must give exactly
+    the router's weights (V2: softmax × scaling; V3: sigmoid, renormalized, × scaling), or the
+    pinned unsharded and sharded runs would both drift from the float64 reference."""
+    from transformers import AutoModelForCausalLM
+
+    from shardctl.archs import family_for
+    from tests._models import make_config
+
+    for name in ("deepseek_v2", "deepseek_v3"):
+        cfg = make_config(name)
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+        router = model.model.layers[1].mlp.gate
+        with torch.no_grad():
+            router.weight.normal_()
+            if hasattr(router, "e_score_correction_bias"):
+                router.e_score_correction_bias.normal_(std=0.1)
+            logits, weights, chosen = router(torch.randn(64, cfg.hidden_size))
+        rule = family_for(name).forward.route_weights  # type: ignore[union-attr]
+        assert rule is not None
+        got = rule(logits, chosen, cfg.to_dict())
+        torch.testing.assert_close(got, weights.float(), rtol=1e-6, atol=1e-6)
+        assert not torch.allclose(got, torch.softmax(logits, -1).gather(-1, chosen))
