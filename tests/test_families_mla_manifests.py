@@ -119,3 +119,31 @@ def test_plan_from_config_json_and_checkpoint_dir(tmp_path: Path) -> None:
         doc = _plan(str(target), "--tp", "2", "--ep", "2", "--gpu", "h100-sxm")
         assert doc["model"]["architecture"] == "deepseek_v3"
         assert 0 < doc["model"]["weight_bytes"] < on_disk  # the file adds only its header
+
+
+@pytest.mark.parametrize("name", ["deepseek_v2", "deepseek_v3"])
+def test_layout_counts_equal_engine_bytes_on_every_mesh(name: str) -> None:
+    """The by-kind counts replace the closed form (tests/test_memory_closed_form.py) for
+    these families: equal to the engine's bytes on every rank, tp/pp/ep and both paddings."""
+    import itertools
+
+    from shardctl.errors import LayoutError
+    from tests._models import CONFIGS
+
+    model = from_config(dict(CONFIGS[name]))
+    compared = 0
+    for (tp, pp, ep), padding in itertools.product(
+        itertools.product([1, 2, 4], [1, 2], [1, 2, 4]), ["tp", "megatron"]
+    ):
+        mesh = Mesh(tp=tp, pp=pp, ep=ep)
+        options = LayoutOptions(vocab_padding=padding)
+        try:
+            stages, exact = staged_weight_bytes(model, mesh, options=options)
+        except LayoutError:
+            continue
+        counts = layout_counts(model, mesh, stages, padding)
+        for (p, e, t), nbytes in exact.items():
+            if e == 0 and t == 0:
+                assert counts[p].total * 2 == nbytes, (mesh, padding, p)
+        compared += 1
+    assert compared >= 16
