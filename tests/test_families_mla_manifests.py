@@ -147,3 +147,30 @@ def test_layout_counts_equal_engine_bytes_on_every_mesh(name: str) -> None:
                 assert counts[p].total * 2 == nbytes, (mesh, padding, p)
         compared += 1
     assert compared >= 16
+
+
+def test_zero3_gathers_the_largest_real_layer(tmp_path: Path) -> None:
+    """FSDP/ZeRO-3 holds two gathered layers: for DeepSeek-V2-Lite the largest is a MoE layer
+    of the inventory (584.8M parameters), not the closed form's 64 experts of the dense
+    intermediate_size (4.3B)."""
+    from shardctl import plan
+    from shardctl.layout.pipeline import layer_index
+
+    text = (MANIFESTS / "deepseek-v2-lite-tp1.yaml").read_text()
+    text = text[: text.index("mesh:")] + (
+        "mesh: {dp: 8}\nhardware: {gpu: h100-sxm}\n"
+        "workload: {batch_size: 8, sequence_length: 4096}\n"
+        "training: {optimizer: adamw, zero: FULL_SHARD, recompute: selective}\n"
+    )
+    path = tmp_path / "train.yaml"
+    path.write_text(text)
+    doc = plan(path).to_json()
+    gathered = doc["memory_model"]["detail_per_stage"][0]["weights.zero3_gather"]
+    model = from_config(load_manifest(path).model.config_dict())
+    per_layer: dict[int, int] = {}
+    for t in model.tensors:
+        i = layer_index(t.fqn)
+        if i is not None:
+            per_layer[i] = per_layer.get(i, 0) + t.nbytes
+    assert gathered == 2 * max(per_layer.values())
+    assert max(per_layer.values()) // 2 == 584_847_872  # router + 64 + 2 shared experts + MLA

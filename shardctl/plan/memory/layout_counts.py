@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from shardctl.archs import find
 from shardctl.layout.engine import resolve
+from shardctl.layout.pipeline import layer_index
 from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import split
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
@@ -62,6 +63,24 @@ def layout_counts(
         for p in t.stages:
             out[p] = out[p] + c
     return out
+
+
+def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:
+    """Elements of the largest decoder layer on a ``tp = 0, ep = 0`` rank (what ZeRO-3 /
+    FSDP gathers at once); MTP layers included, they are layers too."""
+    options = LayoutOptions(vocab_padding=vocab_padding)
+    res = resolve(model, Mesh(ep=mesh.ep, tp=mesh.tp), options=options)
+    per_layer: dict[int, int] = {}
+    for t in res.tensors:
+        layer = layer_index(t.info.fqn)
+        if layer is None or t.ep_rank not in (None, 0):
+            continue
+        local = split(t.split, mesh.tp)[0][1]
+        numel = 1
+        for n in local:
+            numel *= n
+        per_layer[layer] = per_layer.get(layer, 0) + numel
+    return max(per_layer.values(), default=0)
 
 
 def inventory_moe(model: ModelInfo) -> tuple[int, int]:
