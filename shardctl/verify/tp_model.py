@@ -20,6 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardctl.archs import find
 from shardctl.verify.adapters import Adapter, Dims, adapter_for, dims_of, local_config
 from shardctl.verify.comm import Comm
 from shardctl.verify.parallel import GatherHead, LocalExperts, RowParallel, VocabParallelEmbedding
@@ -32,7 +33,9 @@ _BUILD_LOCK = threading.Lock()
 def implementations(cfg: dict[str, Any]) -> dict[str, str]:
     """Eager attention (and eager experts: the grouped kernels lack float64) everywhere."""
     impl = {"attn_implementation": "eager"}
-    if cfg.get("num_local_experts") or adapter_for(str(cfg.get("model_type"))).experts:
+    family = find(str(cfg.get("model_type")))
+    experts = family is not None and family.forward is not None and family.forward.experts
+    if cfg.get("num_local_experts") or experts:
         impl["experts_implementation"] = "eager"
     return impl
 
