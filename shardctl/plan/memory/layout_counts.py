@@ -12,8 +12,6 @@ holds the same amounts up to padding)::
     embedding  vocab-placed tensors other than a head;  head: vocab-placed ``*head*`` tensors
     norm       1-D tensors (norms, biases) and routers (replicated ``[E, H]``)
     linear     every other matrix; ``matrices`` / ``rows`` / ``cols`` over linear + expert
-
-Also the whole-model MoE summary (total / active / expert parameters) from the inventory.
 """
 
 from __future__ import annotations
@@ -21,7 +19,6 @@ from __future__ import annotations
 from shardctl.archs import find
 from shardctl.layout.engine import resolve
 from shardctl.layout.pipeline import layer_index
-from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import split
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
@@ -81,10 +78,3 @@ def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:
             numel *= n
         per_layer[layer] = per_layer.get(layer, 0) + numel
     return max(per_layer.values(), default=0)
-
-
-def inventory_moe(model: ModelInfo) -> tuple[int, int]:
-    """``(total, expert)`` parameters of the inventory; expert = what expert rules place."""
-    rules = model_rules(model, ())
-    expert = sum(t.info.numel for t in rules.tensors if t.expert is not None)
-    return model.parameters, expert

@@ -9,11 +9,11 @@ Mixtral: 46.7B total, 12.9B active with E = 8, k = 2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardctl.layout.types import Stage
-from shardctl.model.types import ModelInfo
-from shardctl.plan.memory.layout_counts import inventory_moe, uses_layout_counts
+from shardctl.model.types import TensorInfo
 from shardctl.plan.memory.shapes import ModelShape, stage_counts
 
 
@@ -35,16 +35,19 @@ class MoeParams:
         }
 
 
-def moe_params(shape: ModelShape, model: ModelInfo | None = None) -> MoeParams:
+def moe_params(shape: ModelShape, tensors: Sequence[TensorInfo] = ()) -> MoeParams:
     """Total and active parameters of the whole (unsharded) model.
 
-    ``active = total - expert · (1 - k/E)``. From ``model``'s inventory for a family the
-    closed form does not describe (plan/memory/layout_counts.py).
+    ``active = total - expert · (1 - k/E)``. With an inventory (``tensors``) the counts are
+    its own: expert tensors are those under ``.experts.`` (per-expert or packed), so shared
+    experts, dense layers and biases count as they are (the closed form assumes uniform MoE
+    layers without them).
     """
     d = shape.dims
     e, k = d.num_experts, d.experts_per_token
-    if model is not None and uses_layout_counts(model):
-        total, expert = inventory_moe(model)
+    if tensors:
+        total = sum(t.numel for t in tensors)
+        expert = sum(t.numel for t in tensors if ".experts." in t.fqn)
     else:
         c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
         total, expert = c.total, c.expert

@@ -1,0 +1,1 @@
+"""Engine checkpoint formats: one module or subpackage per engine (dcp, megatron, vllm)."""
