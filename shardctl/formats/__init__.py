@@ -1,0 +1,1 @@
+"""Engine checkpoint formats: readers and writers of formats other than HF and shardctl ranks."""

@@ -1,0 +1,148 @@
+"""Load shardctl's ``--format megatron`` output with megatron-core's own loader, run its forward.
+
+Run as a script (one fresh process: mcore's model-parallel state is process-global)::
+
+    python tests/_mcore_load.py MEGATRON_DIR HF_DIR [MEGATRON_DIR HF_DIR ...]
+
+For each pair: build ``GPTModel`` on CPU from the sidecar's spec with mcore's transformer-engine
+-free ``get_gpt_layer_local_spec``, ``dist_checkpointing.load`` the ``release/`` directory
+strictly (``StrictHandling.RAISE_ALL``: any missing or unexpected key raises), copy the loaded
+state into the model (``load_state_dict(strict=True)``), run a forward on fixed token ids and
+compare the logits with transformers' on the HF original. Prints one JSON line per pair.
+
+CPU patches (the only ones): ``torch.cuda.current_device`` returns ``"cpu"`` in this process,
+because mcore's ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to the current CUDA device on
+first use; mcore's CUDA RNG tracker ``fork()`` (entered around attention dropout, which is 0
+here) is a null context, because it switches CUDA RNG states; ``moe_utils.te_general_gemm`` is
+set to None, because megatron-core 0.16.1 without transformer-engine never defines that name
+yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgather"`` because the default
+``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+from pathlib import Path
+
+
+def main(argv: list[str]) -> None:
+    warnings.filterwarnings("ignore")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        os.environ.setdefault("MASTER_PORT", str(s.getsockname()[1]))
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.current_device = lambda: "cpu"  # see the module docstring
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    from megatron.core import parallel_state
+
+    parallel_state.initialize_model_parallel(1, 1)
+    import contextlib
+
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    get_cuda_rng_tracker().fork = lambda *a, **k: contextlib.nullcontext()  # see the docstring
+    from megatron.core.transformer.moe import moe_utils
+
+    if not hasattr(moe_utils, "te_general_gemm"):
+        moe_utils.te_general_gemm = None  # see the docstring
+    for mg, hf in zip(argv[::2], argv[1::2], strict=True):
+        print(json.dumps(check(Path(mg), Path(hf))), flush=True)
+    dist.destroy_process_group()
+
+
+def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
+    import torch
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    moe = spec["experts"] > 0
+    cfg = TransformerConfig(
+        num_layers=spec["layers"],
+        hidden_size=spec["hidden"],
+        num_attention_heads=spec["heads"],
+        num_query_groups=spec["groups"],
+        kv_channels=spec["head_dim"],
+        ffn_hidden_size=spec["ffn"],
+        normalization="RMSNorm",
+        layernorm_epsilon=spec["eps"],
+        gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu,
+        add_bias_linear=False,
+        add_qkv_bias=spec["qkv_bias"],
+        qk_layernorm=spec["qk_norm"],
+        use_cpu_initialization=True,
+        params_dtype=dtype,
+        bf16=dtype == torch.bfloat16,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        num_moe_experts=spec["experts"] or None,
+        moe_ffn_hidden_size=spec["ffn"] if moe else None,
+        moe_router_topk=spec["topk"] or 2,
+        moe_router_pre_softmax=False,
+        moe_token_dispatcher_type="allgather",
+        moe_aux_loss_coeff=0.0,
+    )
+    layer_spec = get_gpt_layer_local_spec(
+        num_experts=spec["experts"] or None, moe_grouped_gemm=False, qk_layernorm=spec["qk_norm"]
+    )
+    model = GPTModel(
+        config=cfg,
+        transformer_layer_spec=layer_spec,
+        vocab_size=spec["padded_vocab"],
+        max_sequence_length=128,
+        position_embedding_type="rope",
+        rotary_base=int(spec["rope_theta"]),
+        share_embeddings_and_output_weights=spec["tied"],
+    )
+    return model.eval()
+
+
+def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
+    import torch
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from transformers import AutoModelForCausalLM
+
+    side = json.loads((mg / "shardctl.megatron.json").read_text())
+    spec = side["spec"]
+    ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
+    model = build(spec, torch.float32)
+    # the checkpoint's dtype is bf16; mcore loads into the model's tensors: build in bf16, then
+    # upcast for a float32 comparison with the float32 reference.
+    model_bf = build(spec, torch.bfloat16)
+    sharded = model_bf.sharded_state_dict()
+    loaded = dist_checkpointing.load(sharded, str(mg / "release"), strict=StrictHandling.RAISE_ALL)
+    common = {k: loaded.pop(k) for k in ("checkpoint_version", "iteration")}
+    model_bf.load_state_dict(loaded, strict=True)
+    model.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+                           for k, v in model_bf.state_dict().items()}, strict=True)
+    torch.manual_seed(0)
+    ids = torch.randint(0, spec["vocab"], (2, 24))
+    pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)
+    mask = torch.triu(torch.ones(24, 24, dtype=torch.bool), diagonal=1)[None, None]
+    with torch.no_grad():
+        got = model(ids, pos, mask)[..., : spec["vocab"]].float()
+        want = ref(ids).logits.float()
+    return {
+        "dir": str(mg),
+        "common": common,
+        "max_abs": float((got - want).abs().max()),
+        "ref_max": float(want.abs().max()),
+        "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
+        "padded_rows_zero": bool(
+            (model.embedding.word_embeddings.weight[spec["vocab"] :] == 0).all()
+        ),
+    }
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
