@@ -15,8 +15,8 @@ because mcore's ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to the current CU
 first use; mcore's CUDA RNG tracker ``fork()`` (entered around attention dropout, which is 0
 here) is a null context, because it switches CUDA RNG states; ``moe_utils.te_general_gemm`` is
 set to None, because megatron-core 0.16.1 without transformer-engine never defines that name
-yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgather"`` because the default
-``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction.
+yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgather"``
+because the default ``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction.
 """
 
 from __future__ import annotations
@@ -123,8 +123,13 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     loaded = dist_checkpointing.load(sharded, str(mg / "release"), strict=StrictHandling.RAISE_ALL)
     common = {k: loaded.pop(k) for k in ("checkpoint_version", "iteration")}
     model_bf.load_state_dict(loaded, strict=True)
-    model.load_state_dict({k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
-                           for k, v in model_bf.state_dict().items()}, strict=True)
+    model.load_state_dict(
+        {
+            k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
+            for k, v in model_bf.state_dict().items()
+        },
+        strict=True,
+    )
     torch.manual_seed(0)
     ids = torch.randint(0, spec["vocab"], (2, 24))
     pos = torch.arange(ids.shape[1]).unsqueeze(0).expand_as(ids)

@@ -20,7 +20,12 @@ if TYPE_CHECKING:
     from shardctl.reshard.result import ReshardResult
 
 
-Src = Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")]
+Src = Annotated[
+    Path,
+    typer.Argument(
+        help="Input: an HF checkpoint dir, a shardctl layout or a Megatron torch_dist checkpoint."
+    ),
+]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
 Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1, max=MAX_AXIS)]
 Pp = Annotated[
@@ -38,7 +43,9 @@ Format = Annotated[
     typer.Option(
         "--format",
         help="ranks (per-rank files) or hf (whole tensors). Default: "
-        "ranks when the target has more than one rank, else hf.",
+        "ranks when the target has more than one rank, else hf. megatron: a Megatron-Core "
+        "torch_dist checkpoint (--tp/--pp/--ep: the degrees it is written for; a torch_dist SRC "
+        "is read as input).",
     ),
 ]
 MaxShardSize = Annotated[

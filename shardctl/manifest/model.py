@@ -49,7 +49,9 @@ MODES = ("inference", "training", "weights-only")
 # tp×dp ranks that run attention (ep = tp·dp, world = pp·dp·tp), as vLLM's
 # --enable-expert-parallel and Megatron's expert-parallel groups over data-parallel ranks.
 EXPERT_PLACEMENTS = ("separate", "shared")
-ENGINES = ("generic", "vllm")  # the memory profiles (shardctl.plan.memory.vllm.ENGINES)
+# the memory profiles (shardctl.plan.memory.vllm.ENGINES); megatron and hf price as generic and
+# make plan print the reshard command for that engine's format (issue 16)
+ENGINES = ("generic", "vllm", "megatron", "hf")
 OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
 RULE_HEADS = HEADS

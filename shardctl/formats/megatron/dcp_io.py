@@ -43,7 +43,7 @@ from shardctl.errors import InvalidInputError
 
 @dataclass(frozen=True)
 class Chunk:
-    """One chunk to write: ``fqn``, its global shape and offsets, its dtype; ``make()`` builds it."""
+    """One chunk to write: ``fqn``, global shape, offsets, sizes, dtype; ``make()`` builds it."""
 
     fqn: str
     global_shape: tuple[int, ...]
@@ -82,7 +82,10 @@ class _LazyPlanner(DefaultSavePlanner):
             )
             for c in self._chunks.values()
         ]
-        items += [WriteItem(index=MetadataIndex(b.fqn), type=WriteItemType.BYTE_IO) for b in self._blobs.values()]
+        items += [
+            WriteItem(index=MetadataIndex(b.fqn), type=WriteItemType.BYTE_IO)
+            for b in self._blobs.values()
+        ]
         self.plan = SavePlan(items)
         return self.plan
 

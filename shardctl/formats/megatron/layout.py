@@ -39,7 +39,9 @@ def is_megatron(path: Path) -> bool:
     p = Path(path)
     if not p.is_dir():
         return False
-    return (p / TRACKER).is_file() or (p / MCORE_METADATA).is_file() and (p / ".metadata").is_file()
+    if (p / TRACKER).is_file():
+        return True
+    return (p / MCORE_METADATA).is_file() and (p / ".metadata").is_file()
 
 
 def locate(path: Path) -> tuple[Path, Path]:
@@ -91,7 +93,9 @@ def read_sidecar(root: Path) -> dict[str, Any] | None:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError) as exc:
-        raise InvalidInputError(f"unreadable sidecar ({type(exc).__name__})", where=str(path)) from None
+        raise InvalidInputError(
+            f"unreadable sidecar ({type(exc).__name__})", where=str(path)
+        ) from None
     if not isinstance(data, dict) or data.get("schema") != SIDECAR_SCHEMA:
         raise InvalidInputError(
             f"sidecar schema: expected {SIDECAR_SCHEMA!r}, got "

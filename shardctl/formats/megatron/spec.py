@@ -23,7 +23,7 @@ VOCAB_DIVISOR = 128  # Megatron-LM's --make-vocab-size-divisible-by default
 
 @dataclass(frozen=True)
 class MegatronSpec:
-    """The mcore model's shape, e.g. ``MegatronSpec("llama", layers=32, heads=32, groups=8, ...)``."""
+    """The mcore model's shape: ``MegatronSpec("llama", layers=32, heads=32, groups=8, ...)``."""
 
     model_type: str
     layers: int

@@ -60,8 +60,7 @@ def hf_spec(source: Source, *, tp: int, pp: int, ep: int) -> MegatronSpec:
     for t in source.model.tensors:
         if t.dtype not in _DTYPES:
             raise InvalidInputError(
-                f"format megatron: tensor {t.fqn!r} has dtype {t.dtype}; expected BF16, F16 "
-                "or F32",
+                f"format megatron: tensor {t.fqn!r} has dtype {t.dtype}; expected BF16, F16 or F32",
                 where=str(source.root),
             )
     return spec

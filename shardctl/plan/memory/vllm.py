@@ -22,7 +22,7 @@ from dataclasses import dataclass, replace
 from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 
-ENGINES = ("generic", "vllm")
+ENGINES = ("generic", "vllm", "megatron", "hf")  # megatron, hf: the generic profile
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM measured it on that GPU:
