@@ -169,12 +169,14 @@ def write_hf_into(
                         f"{dtype}",
                         where=str(ck.ckpt),
                     )
-                raw = t.contiguous().view(torch.uint8).numpy().tobytes()
-                if len(raw) != n:
+                raw = memoryview(t.contiguous().view(torch.uint8).numpy()).cast("B")
+                if raw.nbytes != n:
                     raise InvalidInputError(
-                        f"tensor {fqn!r}: {len(raw)} bytes, expected {n}", where=str(ck.ckpt)
+                        f"tensor {fqn!r}: {raw.nbytes} bytes, expected {n}", where=str(ck.ckpt)
                     )
-                os.pwrite(fds[i], raw, begin)
+                while raw.nbytes:  # no copy of the tensor's bytes
+                    wrote = os.pwrite(fds[i], raw, begin)
+                    raw, begin = raw[wrote:], begin + wrote
                 done.add(fqn)
         missing = sorted(set(where) - done)
         if missing:

@@ -111,16 +111,27 @@ def _check_dst(src: Path, dst: Path, force: bool, inputs: list[Path]) -> Path:
 
 
 def _write_into(staging: Path, source: Source, spec: MegatronSpec) -> None:
-    from safetensors import safe_open
-
-    where = {fqn: source.files[shards[0].file].path for fqn, shards in source.shards.items()}
-    handles: dict[Path, Any] = {}
+    fds: dict[int, int] = {}
 
     def get(fqn: str) -> torch.Tensor:
-        path = where[fqn]
-        if path not in handles:
-            handles[path] = safe_open(str(path), framework="pt")
-        return handles[path].get_tensor(fqn)
+        # pread into a fresh buffer, not an mmap: resident memory stays one unit's tensors
+        # (a mapped file's touched pages would count against this process up to its size)
+        shard = source.shards[fqn][0]
+        if shard.file not in fds:
+            fds[shard.file] = os.open(source.files[shard.file].path, os.O_RDONLY)
+        buf = bytearray(shard.nbytes)
+        view = memoryview(buf)
+        got = 0
+        while got < shard.nbytes:
+            n = os.preadv(fds[shard.file], [view[got:]], shard.begin + got)
+            if n <= 0:
+                raise InvalidInputError(
+                    f"tensor {fqn!r}: file ends early", where=str(source.files[shard.file].path)
+                )
+            got += n
+        if not buf:
+            return torch.empty(shard.local_shape, dtype=_DTYPES[shard.dtype])
+        return torch.frombuffer(buf, dtype=_DTYPES[shard.dtype]).reshape(shard.local_shape)
 
     dtypes = {t.fqn: _DTYPES[t.dtype] for t in source.model.tensors}
     chunks = [
@@ -139,8 +150,11 @@ def _write_into(staging: Path, source: Source, spec: MegatronSpec) -> None:
     blobs = [dcp_io.Blob(k, none.getvalue()) for k, _ in names.extra_state_keys(spec)]
     ckpt = staging / layout.RELEASE
     os.mkdir(ckpt)
-    dcp_io.write(ckpt, chunks, blobs)
-    handles.clear()
+    try:
+        dcp_io.write(ckpt, chunks, blobs)
+    finally:
+        for fd in fds.values():
+            os.close(fd)
     common = io.BytesIO()
     torch.save({"checkpoint_version": 3.0, "iteration": 0}, common)
     atomic.write_file(ckpt / layout.COMMON, common.getvalue())
