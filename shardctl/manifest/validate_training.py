@@ -164,18 +164,48 @@ def read_training(
         get(section, "num_microbatches", path, read_positive, None)
         or keys.gradient_accumulation_steps
     )
+    recompute = get(section, "recompute", path, enum(m.RECOMPUTE), "none")
+    schedule = get(section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b")
+    virtual = get(section, "virtual_stages", path, read_positive, None)
+    if (schedule == "interleaved") != (virtual is not None and virtual > 1):
+        problems.add(
+            Invalid(
+                "training.virtual_stages",
+                f"pipeline_schedule: {schedule} with virtual_stages: {virtual}: the interleaved "
+                "schedule needs virtual_stages >= 2, and virtual_stages needs it",
+                lines.get("virtual_stages", lines.get("pipeline_schedule")),
+                "set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or drop "
+                "virtual_stages",
+            )
+        )
+        schedule, virtual = "1f1b", None  # the manifest is refused; keep the spec constructible
+    recompute_layers = get(
+        section, "recompute_layers", path, lambda n, p: read_int(n, p, minimum=0), None
+    )
+    if recompute_layers is not None and recompute != "full":
+        problems.add(
+            Invalid(
+                "training.recompute_layers",
+                f"recompute_layers needs recompute: full, got recompute: {recompute}",
+                lines["recompute_layers"],
+                "set recompute: full (Megatron --recompute-method block), or drop recompute_layers",
+            )
+        )
+        recompute_layers = None
     return TrainingSpec(
         optimizer=get(section, "optimizer", path, enum(m.OPTIMIZERS), "adamw"),
         zero=zero,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
-        recompute=get(section, "recompute", path, enum(m.RECOMPUTE), "none"),
+        recompute=recompute,
+        recompute_layers=recompute_layers,
+        lora_rank=get(section, "lora_rank", path, lambda n, p: read_int(n, p, minimum=0), 0),
+        lora_targets=get(section, "lora_targets", path, enum(m.LORA_TARGETS), "all-linear"),
         sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
         master_weights=get(section, "master_weights", path, read_bool, True),
         grad_dtype=get(section, "grad_dtype", path, read_dtype, None),
-        pipeline_schedule=get(
-            section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b"
-        ),
+        pipeline_schedule=schedule,
+        virtual_stages=virtual or 1,
         grad_accumulation_steps=steps,
         global_batch_size=micro * steps * dp,
         **common,

@@ -168,6 +168,28 @@ def vocab_rows_per_rank(vocab: int, tp: int, padding: str = "tp") -> int:
     return -(-vocab // mult) * mult // tp
 
 
+def lora_layer_params(dims: ModelDims, rank: int, targets: str, tp: int) -> int:
+    """LoRA parameters of one decoder layer on one tp rank: ``r · (in + out)`` per target
+    matrix at its local sizes (column-parallel: ``A [r, in]`` replicated, ``B [out/t, r]``;
+    row-parallel: ``A [r, in/t]``, ``B [out, r]`` — Megatron-Bridge / vLLM punica layouts).
+    Dense MLP or, for MoE, the experts' share is not adapted (PEFT ``all-linear`` matches
+    ``nn.Linear`` modules; packed experts are parameters).
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(4096, 32, 32, 8, 128, 14336, 128256, False)  # Llama-3-8B
+    >>> lora_layer_params(d, 16, "all-linear", 1) * 32  # PEFT reports 41,943,040
+    41943040
+    """
+    h, t = dims.hidden_size, tp
+    q = dims.num_heads * dims.head_dim
+    kv = kv_heads_per_rank(dims.num_kv_heads, t) * dims.head_dim
+    attn = (h + q // t) + 2 * (h + kv) + (q // t + h)  # q, k, v colwise; o rowwise
+    f = dims.intermediate_size // t
+    mlp = 0 if dims.num_experts else ((h + f) * (2 if dims.gated_mlp else 1) + (f + h))
+    per = {"all-linear": attn + mlp, "attention": attn, "mlp": mlp}[targets]
+    return rank * per
+
+
 def layer_counts(shape: ModelShape, tp: int, ep: int = 1) -> Counts:
     """One decoder layer's elements on one ``(tp, ep)`` rank."""
     d = shape.dims
