@@ -272,6 +272,10 @@ model:
 mesh: {{tp: {tp}, pp: 2}}
 workload:
   engine: megatron
+  mode: training
+  sequence_length: 64
+training:
+  optimizer: adamw
 """
 
 
@@ -293,3 +297,40 @@ def test_plan_prints_the_reshard_command(tmp_path: Path) -> None:
     code, out, err = cli("plan", str(m), "--json")
     got = json.loads(out)["reshard"]
     assert got["command"] is None and "does not divide num_key_value_heads" in got["refused"]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "metadata", "tracker"])
+def test_damaged_torch_dist_input_is_one_line_exit_3(tmp_path: Path, damage: str) -> None:
+    hf = make_checkpoint("llama", tmp_path / "hf")
+    mg = _mg(hf, tmp_path / "mg")
+    if damage == "truncate":
+        data = mg / "release" / "__0_0.distcp"
+        os.truncate(data, data.stat().st_size // 2)
+    elif damage == "metadata":
+        (mg / "release" / ".metadata").write_bytes(b"not a pickle")
+    else:
+        (mg / "latest_checkpointed_iteration.txt").write_text("0\n")
+    before = sorted(p.name for p in tmp_path.iterdir())
+    code, _, err = cli("reshard", str(mg), str(tmp_path / "back"))
+    one_line(code, err, 3)
+    assert sorted(p.name for p in tmp_path.iterdir()) == before  # nothing written
+
+
+def test_hostile_metadata_pickle_is_refused_not_run(tmp_path: Path) -> None:
+    """DCP's ``.metadata`` is a pickle: one naming anything but DCP's classes is exit 3 and
+    its payload never runs."""
+    import pickle
+
+    hf = make_checkpoint("llama", tmp_path / "hf")
+    mg = _mg(hf, tmp_path / "mg")
+    marker = tmp_path / "pwned"
+
+    class Payload:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, (f"touch {marker}",))
+
+    (mg / "release" / ".metadata").write_bytes(pickle.dumps(Payload()))
+    code, _, err = cli("reshard", str(mg), str(tmp_path / "back"))
+    one_line(code, err, 3)
+    assert "not plain DCP metadata" in err and "system" in err
+    assert not marker.exists()

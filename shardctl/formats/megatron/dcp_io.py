@@ -3,16 +3,18 @@ and a chunk reader of DCP's ``.metadata`` + ``__*.distcp`` files.
 
 Writing: :func:`write` hands DCP a plan of write items (one per chunk, plus ``BYTE_IO`` items)
 and a planner whose ``resolve_data`` builds each chunk only when DCP's ``FileSystemWriter``
-asks for it (one thread: one chunk in memory at a time). The on-disk format is therefore
-exactly DCP's, written by DCP. Reading: the ``.metadata`` pickle is loaded with DCP's own
-``FileSystemReader.read_metadata``; each chunk is a ``torch.save``d tensor at a byte range of a
-``.distcp`` file, loaded with ``torch.load(weights_only=True)``.
+asks for it (one thread: one chunk built at a time; DCP itself keeps the last chunk of each
+key until the file is done). The on-disk format is therefore exactly DCP's, written by DCP.
+Reading: the ``.metadata`` pickle goes through an allow-list unpickler (DCP's own metadata
+classes only: a hostile pickle is refused, never run); each chunk is a ``torch.save``d tensor
+at a byte range of a ``.distcp`` file, loaded with ``torch.load(weights_only=True)``.
 """
 
 from __future__ import annotations
 
 import io
 import os
+import pickle
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -20,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import (
@@ -110,25 +112,81 @@ def write(path: Path, chunks: Sequence[Chunk], blobs: Sequence[Blob]) -> None:
         dcp_save({}, storage_writer=writer, planner=_LazyPlanner(chunks, blobs), no_dist=True)
 
 
+# DCP's ``.metadata`` is a pickle: only these classes may be named in it (what torch's
+# FileSystemWriter writes); anything else is refused instead of executed.
+_DCP = "torch.distributed.checkpoint"
+_ALLOWED = {
+    ("pathlib", "PosixPath"),
+    ("pathlib", "PurePosixPath"),
+    ("collections", "OrderedDict"),
+    ("torch", "Size"),
+    ("torch.serialization", "_get_layout"),
+    (f"{_DCP}.filesystem", "_StorageInfo"),
+    *(
+        (f"{_DCP}.metadata", n)
+        for n in (
+            "Metadata",
+            "MetadataIndex",
+            "StorageMeta",
+            "TensorProperties",
+            "TensorStorageMetadata",
+            "BytesStorageMetadata",
+            "ChunkStorageMetadata",
+            "_MEM_FORMAT_ENCODING",
+        )
+    ),
+    *(
+        ("torch", n)
+        for n in ("bfloat16", "float16", "float32", "float64", "int8", "int16", "int32")
+    ),
+    *(("torch", n) for n in ("int64", "uint8", "bool", "float8_e4m3fn", "float8_e5m2")),
+}
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    def find_class(self, module: str, name: str) -> Any:
+        if (module, name) not in _ALLOWED:
+            raise pickle.UnpicklingError(f"{module}.{name}")
+        return super().find_class(module, name)
+
+
+def read_metadata(path: Path) -> Metadata:
+    """DCP's ``.metadata`` through an allow-list unpickler (never arbitrary code)."""
+    where = path / ".metadata"
+    try:
+        with open(where, "rb") as f:
+            meta = _MetadataUnpickler(f).load()
+    except FileNotFoundError:
+        raise InvalidInputError(
+            "not a torch DCP checkpoint (no .metadata file)",
+            where=str(path),
+            hint="point at a Megatron torch_dist checkpoint directory",
+        ) from None
+    except pickle.UnpicklingError as exc:
+        raise InvalidInputError(
+            f"DCP .metadata is not plain DCP metadata ({exc})",
+            where=str(where),
+            hint="shardctl unpickles only torch DCP's own metadata classes",
+        ) from None
+    except Exception as exc:  # truncated or garbage: name it, never a traceback
+        raise InvalidInputError(
+            f"unreadable DCP .metadata ({type(exc).__name__})",
+            where=str(where),
+            hint="the checkpoint is damaged or from an incompatible torch",
+        ) from None
+    if not isinstance(meta, Metadata):
+        raise InvalidInputError(
+            f"DCP .metadata holds a {type(meta).__name__}, not DCP Metadata", where=str(where)
+        )
+    return meta
+
+
 class DcpReader:
     """Chunks of a DCP checkpoint directory, read one at a time (``boxes`` of global tensors)."""
 
     def __init__(self, path: Path):
         self.path = path
-        try:
-            self.metadata: Metadata = FileSystemReader(str(path)).read_metadata()
-        except FileNotFoundError:
-            raise InvalidInputError(
-                "not a torch DCP checkpoint (no .metadata file)",
-                where=str(path),
-                hint="point at a Megatron torch_dist checkpoint directory",
-            ) from None
-        except Exception as exc:  # a corrupt pickle: name it, never a traceback
-            raise InvalidInputError(
-                f"unreadable DCP .metadata ({type(exc).__name__})",
-                where=str(path / ".metadata"),
-                hint="the checkpoint is damaged or from an incompatible torch",
-            ) from None
+        self.metadata: Metadata = read_metadata(path)
         storage = self.metadata.storage_data or {}
         self._where: dict[tuple[str, tuple[int, ...]], Any] = {
             (k.fqn, tuple(k.offset or ())): v for k, v in storage.items()
