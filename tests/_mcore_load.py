@@ -1,14 +1,17 @@
 """Load shardctl's ``--format megatron`` output with megatron-core's own loader, run its forward.
 
-Run as a script (one fresh process: mcore's model-parallel state is process-global)::
+Run as a script (fresh processes: mcore's model-parallel state is process-global)::
 
     python tests/_mcore_load.py MEGATRON_DIR HF_DIR [MEGATRON_DIR HF_DIR ...]
+    MCORE_TP=2 torchrun --standalone --nproc-per-node 2 tests/_mcore_load.py ...   # TP 2
+    MCORE_EP=2 torchrun --standalone --nproc-per-node 2 tests/_mcore_load.py ...   # EP 2
 
 For each pair: build ``GPTModel`` on CPU from the sidecar's spec with mcore's transformer-engine
 -free ``get_gpt_layer_local_spec``, ``dist_checkpointing.load`` the ``release/`` directory
 strictly (``StrictHandling.RAISE_ALL``: any missing or unexpected key raises), copy the loaded
 state into the model (``load_state_dict(strict=True)``), run a forward on fixed token ids and
-compare the logits with transformers' on the HF original. Prints one JSON line per pair.
+compare the logits (gathered over TP ranks) with transformers' on the HF original. Rank 0
+prints one JSON line per pair.
 
 CPU patches (the only ones): ``torch.cuda.current_device`` returns ``"cpu"`` in this process,
 because mcore's ``RotaryEmbedding.get_emb`` moves ``inv_freq`` to the current CUDA device on
@@ -40,10 +43,19 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
-    dist.init_process_group("gloo", rank=0, world_size=1)
+    # under torchrun: WORLD_SIZE ranks, model-parallel degrees from MCORE_TP / MCORE_EP
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    dist.init_process_group("gloo", rank=rank, world_size=world)
     from megatron.core import parallel_state
 
-    parallel_state.initialize_model_parallel(1, 1)
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=int(os.environ.get("MCORE_TP", "1")),
+        expert_model_parallel_size=int(os.environ.get("MCORE_EP", "1")),
+        expert_tensor_parallel_size=int(
+            os.environ.get("MCORE_ETP", os.environ.get("MCORE_TP", "1"))
+        ),
+    )
     import contextlib
 
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
@@ -54,7 +66,9 @@ def main(argv: list[str]) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # see the docstring
     for mg, hf in zip(argv[::2], argv[1::2], strict=True):
-        print(json.dumps(check(Path(mg), Path(hf))), flush=True)
+        row = check(Path(mg), Path(hf))
+        if rank == 0:
+            print(json.dumps(row), flush=True)
     dist.destroy_process_group()
 
 
@@ -102,13 +116,14 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         position_embedding_type="rope",
         rotary_base=int(spec["rope_theta"]),
         share_embeddings_and_output_weights=spec["tied"],
+        parallel_output=False,  # logits gathered over TP ranks
     )
     return model.eval()
 
 
 def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     import torch
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing, parallel_state
     from megatron.core.dist_checkpointing.validation import StrictHandling
     from transformers import AutoModelForCausalLM
 
@@ -140,13 +155,27 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     return {
         "dir": str(mg),
         "common": common,
+        "tp": parallel_state.get_tensor_model_parallel_world_size(),
+        "ep": parallel_state.get_expert_model_parallel_world_size(),
+        "local_qkv_rows": int(model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]),
         "max_abs": float((got - want).abs().max()),
         "ref_max": float(want.abs().max()),
         "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
-        "padded_rows_zero": bool(
-            (model.embedding.word_embeddings.weight[spec["vocab"] :] == 0).all()
-        ),
+        "padded_rows_zero": _padding_is_zero(model, spec["vocab"]),
     }
+
+
+def _padding_is_zero(model, vocab: int) -> bool:  # type: ignore[no-untyped-def]
+    """Every embedding row past the HF vocabulary is zero, over all TP ranks' local rows."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+
+    w = model.embedding.word_embeddings.weight
+    start = parallel_state.get_tensor_model_parallel_rank() * w.shape[0]
+    ok = torch.tensor([int(bool((w[max(0, vocab - start) :] == 0).all()))])
+    dist.all_reduce(ok, op=dist.ReduceOp.MIN)
+    return bool(ok.item())
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """``--format megatron``: HF -> Megatron-Core torch_dist -> HF, loaded by megatron-core itself.
 
 - megatron-core 0.16.1's own ``dist_checkpointing.load`` reads the output strictly into a
-  ``GPTModel`` it builds on CPU, and its logits match transformers' on the HF original
-  (``tests/_mcore_load.py``, one subprocess for all models; a plain-concatenated ``[q; k; v]``
-  fails the same check, so it can fail).
+  ``GPTModel`` it builds on CPU at TP 2 (Mixtral's experts at EP 2) on two gloo processes, its
+  logits match transformers' on the HF original (``tests/_mcore_load.py`` under torchrun; a
+  plain-concatenated ``[q; k; v]`` fails the same check, so it can fail).
 - HF -> megatron -> HF is byte-identical (``model.safetensors``), for dense, tied, biased,
   qk-normed and MoE families, written for several TP/EP degrees.
 - the CLI: reshard in and out (hf, ranks), verify with torch_dist on either side, refusals
@@ -117,6 +117,30 @@ def test_vocab_padding_is_recorded_and_stripped(tmp_path: Path) -> None:
     assert not table[200:].any()
 
 
+def _mcore(pairs: list[tuple[Path, Path]], **env: str) -> list[dict[str, Any]]:
+    """``tests/_mcore_load.py`` on two gloo processes (torchrun); rank 0's JSON rows."""
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node"),
+            *("2", str(REPO / "tests" / "_mcore_load.py")),
+            *(str(p) for pair in pairs for p in pair),
+        ],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO), "OMP_NUM_THREADS": "1", **env},
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    assert len(rows) == len(pairs), done.stdout
+    return rows
+
+
+def _qkv_rows(mg: str) -> int:
+    spec = json.loads((Path(mg) / "shardctl.megatron.json").read_text())["spec"]
+    return int((spec["heads"] + 2 * spec["groups"]) * spec["head_dim"])
+
+
 @pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core not installed (dev extra)")
 def test_megatron_core_loads_strictly_and_logits_match(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
@@ -124,10 +148,10 @@ def test_megatron_core_loads_strictly_and_logits_match(
     pairs: list[tuple[Path, Path]] = []
     for name, mesh in [
         ("llama", {"tp": 2}),  # GQA 8/2
-        ("mixtral", {"ep": 2}),  # MoE, SequentialMLP experts
-        ("qwen2", {}),  # qkv bias
+        ("mixtral", {"tp": 2, "ep": 2}),  # MoE, SequentialMLP experts (TP-split at load)
+        ("qwen2", {"tp": 2}),  # qkv bias
         ("qwen3", {}),  # q/k layernorm, head_dim != hidden/heads
-        ("llama-tied-mha", {}),  # tied, vocab 200 padded to 256
+        ("llama-tied-mha", {"tp": 2}),  # tied, vocab 200 padded to 256
     ]:
         hf = make_checkpoint(name, tmp_path / f"{name}-hf")
         pairs.append((_mg(hf, tmp_path / f"{name}-mg", **mesh), hf))
@@ -137,20 +161,13 @@ def test_megatron_core_loads_strictly_and_logits_match(
     monkeypatch.setattr(names, "_interleave", lambda q, k, v, spec: torch.cat([q, k, v], 0))
     pairs.append((_mg(pairs[0][1], tmp_path / "bad-mg", tp=2), pairs[0][1]))
     monkeypatch.undo()
-    args = [str(p) for pair in pairs for p in pair]
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
-    done = subprocess.run(
-        [sys.executable, str(REPO / "tests" / "_mcore_load.py"), *args],
-        capture_output=True,
-        text=True,
-        env=env,
-        cwd=REPO,
-    )
-    assert done.returncode == 0, done.stderr[-3000:]
-    rows = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
-    assert len(rows) == len(pairs), done.stdout
+    # TP 2 for every model; Mixtral's experts also split over EP 2 (expert TP 1): no expert
+    # may be dropped or misplaced, or the logits differ
+    rows = _mcore(pairs, MCORE_TP="2", MCORE_EP="2", MCORE_ETP="1")
     *good, bad = rows
     for row in good:
+        assert (row["tp"], row["ep"]) == (2, 2), row
+        assert row["local_qkv_rows"] * 2 == _qkv_rows(row["dir"]), row
         assert row["max_abs"] < LOGITS_TOL, row
         assert row["argmax_equal"] and row["padded_rows_zero"], row
         assert row["common"] == {"checkpoint_version": 3.0, "iteration": 0}, row
