@@ -3,8 +3,10 @@ and a chunk reader of DCP's ``.metadata`` + ``__*.distcp`` files.
 
 Writing: :func:`write` hands DCP a plan of write items (one per chunk, plus ``BYTE_IO`` items)
 and a planner whose ``resolve_data`` builds each chunk only when DCP's ``FileSystemWriter``
-asks for it (one thread: one chunk built at a time; DCP itself keeps the last chunk of each
-key until the file is done). The on-disk format is therefore exactly DCP's, written by DCP.
+asks for it (one thread: one chunk at a time). DCP's writer keeps a reference to the last chunk
+of every key until the file is done; the planner releases each chunk's storage once DCP asks
+for the next one (by then the serial writer has written it). The on-disk format is therefore
+exactly DCP's, written by DCP.
 Reading: the ``.metadata`` pickle goes through an allow-list unpickler (DCP's own metadata
 classes only: a hostile pickle is refused, never run); each chunk is a ``torch.save``d tensor
 at a byte range of a ``.distcp`` file, loaded with ``torch.load(weights_only=True)``.
@@ -25,6 +27,7 @@ import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import (
     BytesStorageMetadata,
     ChunkStorageMetadata,
@@ -70,6 +73,7 @@ class _LazyPlanner(DefaultSavePlanner):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self._chunks = {(c.fqn, c.offsets): c for c in chunks}
         self._blobs = {b.fqn: b for b in blobs}
+        self._last: torch.Tensor | None = None
 
     def create_local_plan(self) -> SavePlan:
         items = [
@@ -97,15 +101,28 @@ class _LazyPlanner(DefaultSavePlanner):
             return io.BytesIO(self._blobs[idx.fqn].data)
         assert idx.offset is not None
         c = self._chunks[(idx.fqn, tuple(idx.offset))]
+        if self._last is not None:
+            # written already (DCP's serial loader asks for the next item only after writing
+            # this one): free its bytes, which DCP's writer would otherwise hold to the end
+            self._last.untyped_storage().resize_(0)
+            self._last = None
         t = c.make()
         assert tuple(t.shape) == c.sizes and t.dtype == c.dtype, (c.fqn, t.shape, t.dtype)
+        if t.untyped_storage().nbytes() != t.nbytes or not t.untyped_storage().resizable():
+            t = t.clone()  # a storage of its own, exactly its bytes (DCP would clone it anyway)
+        self._last = t
         return t
 
 
 def write(path: Path, chunks: Sequence[Chunk], blobs: Sequence[Blob]) -> None:
     """Write a DCP checkpoint of ``chunks`` and ``blobs`` into the existing directory ``path``."""
     writer = FileSystemWriter(
-        str(path), single_file_per_rank=True, sync_files=True, thread_count=1, overwrite=True
+        str(path),
+        single_file_per_rank=True,
+        sync_files=True,
+        thread_count=1,  # the serial loader: one chunk resolved at a time (see _LazyPlanner)
+        overwrite=True,
+        serialization_format=SerializationFormat.TORCH_SAVE,  # what mcore's loader reads
     )
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is meant
         warnings.simplefilter("ignore", UserWarning)

@@ -119,8 +119,8 @@ def _write_into(staging: Path, source: Source, spec: MegatronSpec) -> None:
         shard = source.shards[fqn][0]
         if shard.file not in fds:
             fds[shard.file] = os.open(source.files[shard.file].path, os.O_RDONLY)
-        buf = bytearray(shard.nbytes)
-        view = memoryview(buf)
+        t = torch.empty(shard.local_shape, dtype=_DTYPES[shard.dtype])
+        view = memoryview(t.view(-1).view(torch.uint8).numpy().data).cast("B")
         got = 0
         while got < shard.nbytes:
             n = os.preadv(fds[shard.file], [view[got:]], shard.begin + got)
@@ -129,9 +129,7 @@ def _write_into(staging: Path, source: Source, spec: MegatronSpec) -> None:
                     f"tensor {fqn!r}: file ends early", where=str(source.files[shard.file].path)
                 )
             got += n
-        if not buf:
-            return torch.empty(shard.local_shape, dtype=_DTYPES[shard.dtype])
-        return torch.frombuffer(buf, dtype=_DTYPES[shard.dtype]).reshape(shard.local_shape)
+        return t
 
     dtypes = {t.fqn: _DTYPES[t.dtype] for t in source.model.tensors}
     chunks = [
