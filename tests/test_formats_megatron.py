@@ -4,8 +4,8 @@
   ``GPTModel`` it builds on CPU at TP 2 (Mixtral's experts at EP 2) on two gloo processes, its
   logits match transformers' on the HF original (``tests/_mcore_load.py`` under torchrun; a
   plain-concatenated ``[q; k; v]`` fails the same check, so it can fail).
-- HF -> megatron -> HF is byte-identical (``model.safetensors``), for dense, tied, biased,
-  qk-normed and MoE families, written for several TP/EP degrees.
+- HF -> megatron -> HF is byte-identical (every file, also a split checkpoint with its index),
+  for dense, tied, biased, qk-normed and MoE families, written for several TP/EP degrees.
 - the CLI: reshard in and out (hf, ranks), verify with torch_dist on either side, refusals
   (one line, exit 3, nothing written), ``plan`` with ``workload.engine: megatron``.
 """
@@ -43,19 +43,20 @@ def _mg(src: Path, dst: Path, **mesh: int) -> Path:
 
 
 @pytest.mark.parametrize(
-    ("name", "mesh"),
+    ("name", "mesh", "split"),
     [
-        ("llama", {"tp": 2}),
-        ("llama-tied-mha", {"tp": 4, "pp": 3}),
-        ("qwen2", {}),
-        ("qwen3", {"tp": 2}),
-        ("mixtral", {"tp": 2, "ep": 4}),
+        ("llama", {"tp": 2}, None),
+        ("llama-tied-mha", {"tp": 4, "pp": 3}, None),
+        ("qwen2", {}, None),
+        ("qwen3", {"tp": 2}, None),
+        ("mixtral", {"tp": 2, "ep": 4}, None),
+        ("mixtral", {"ep": 2}, "100KB"),  # several files + index: the same files come back
     ],
 )
 def test_roundtrip_hf_megatron_hf_is_byte_identical(
-    tmp_path: Path, name: str, mesh: dict[str, int]
+    tmp_path: Path, name: str, mesh: dict[str, int], split: str | None
 ) -> None:
-    hf = make_checkpoint(name, tmp_path / "hf")
+    hf = make_checkpoint(name, tmp_path / "hf", max_shard_size=split)
     mg = _mg(hf, tmp_path / "mg", **mesh)
     side = json.loads((mg / "shardctl.megatron.json").read_text())
     tp = mesh.get("tp", 1)
@@ -67,10 +68,11 @@ def test_roundtrip_hf_megatron_hf_is_byte_identical(
         "torch_dist"
     )
     reshard(mg, tmp_path / "back", format="hf")
-    assert (tmp_path / "back" / "model.safetensors").read_bytes() == (
-        hf / "model.safetensors"
-    ).read_bytes()
-    assert (tmp_path / "back" / "config.json").read_bytes() == (hf / "config.json").read_bytes()
+    names = sorted(p.name for p in hf.iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "back").iterdir())
+    assert len([n for n in names if n.endswith(".safetensors")]) == (1 if split is None else 5)
+    for n in names:  # every weight file, the index, config.json: the same bytes
+        assert (tmp_path / "back" / n).read_bytes() == (hf / n).read_bytes(), n
 
 
 def test_layout_of_the_dcp_tensors(tmp_path: Path) -> None:

@@ -4,13 +4,17 @@ The HF files are planned first (``checkpoint.plan_files.hf_files``: the same hea
 offsets every shardctl HF output has), then filled unit by unit: one mcore chunk set (a layer's
 ``linear_qkv``, an expert's ``linear_fc1``) is read, split back into its HF tensors, and each is
 written at its planned offset. Memory: one unit. For a checkpoint shardctl wrote, the sidecar
-gives the original HF tensor order and dtypes, so HF -> megatron -> HF is byte-identical; for
+gives the original HF tensor order, dtypes and file split (names, tensors per file, index
+bytes), so HF -> megatron -> HF is byte-identical (an explicit ``max_shard_size`` other than
+the default re-splits); for
 one Megatron wrote, the HF names are sorted and the model's ``config.json`` must be present.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +29,16 @@ from shardctl.io import atomic
 from shardctl.io.lock import OutputLock
 from shardctl.model.types import TensorInfo
 from shardctl.reshard.safety import check_output, preflight_space
+from shardctl.reshard.target import DEFAULT_MAX_SHARD_SIZE
 
 _NAMES = {torch.bfloat16: "BF16", torch.float16: "F16", torch.float32: "F32"}
 
 
 class MegatronCheckpoint:
     """A torch_dist checkpoint presented as HF-named global tensors (read one unit at a time)."""
+
+    hf_files: list[list[Any]] | None = None  # the original HF split: [[name, [fqn, ...]], ...]
+    hf_index: str | None = None
 
     def __init__(self, path: Path):
         self.root, self.ckpt = layout.locate(Path(path))
@@ -49,12 +57,12 @@ class MegatronCheckpoint:
             fields = dict(side["spec"])
             self.spec = MegatronSpec(**fields)
             self.hf = [TensorInfo(f, tuple(s), d) for f, s, d in side["tensors"]]
+            self.hf_files = side.get("hf_files")
+            self.hf_index = side.get("hf_index")
         else:
             cfg = layout.read_config(self.root, self.ckpt)
             cfg = {**cfg, "tie_word_embeddings": "output_layer.weight" not in tensors}
             spec = spec_from_config(cfg, where=str(self.root / "config.json"))
-            from dataclasses import replace
-
             self.spec = replace(spec, padded_vocab=int(emb.size[0]))
             self.hf = self._derive_tensors(tensors)
         self._check_shapes(tensors)
@@ -124,7 +132,10 @@ def to_hf(src: Path, dst: Path, *, force: bool = False, max_shard_size: int = 5 
     ck = MegatronCheckpoint(src)
     inputs = [ck.ckpt / n for n in os.listdir(ck.ckpt)]
     dst = check_output(src, dst, force=force, input_files=inputs)
-    files, index = plan_files.hf_files(ck.hf, max_shard_size)
+    if ck.hf_files and max_shard_size == DEFAULT_MAX_SHARD_SIZE:
+        files, index = original_split(ck)
+    else:
+        files, index = plan_files.hf_files(ck.hf, max_shard_size)
     preflight_space(dst.parent, sum(f.size for f in files) + 2**20)
     lock = OutputLock(dst)
     lock.acquire()
@@ -139,6 +150,45 @@ def to_hf(src: Path, dst: Path, *, force: bool = False, max_shard_size: int = 5 
         atomic.discard(staging)
         lock.release()
     return dst
+
+
+def original_split(ck: MegatronCheckpoint) -> tuple[list[plan_files.OutputFile], bytes | None]:
+    """The HF files the source had (names, tensors per file, index bytes), from the sidecar."""
+    where = str(ck.root / layout.SIDECAR)
+    by_name = {t.fqn: t for t in ck.hf}
+    files: list[plan_files.OutputFile] = []
+    seen: list[str] = []
+    for entry in ck.hf_files or []:
+        ok = isinstance(entry, list) and len(entry) == 2 and isinstance(entry[0], str)
+        name = entry[0] if ok else ""
+        if (
+            not ok
+            or Path(name).name != name
+            or name.startswith(".")
+            or not name.endswith(".safetensors")
+        ):
+            raise InvalidInputError(f"sidecar hf_files: bad entry {str(entry)[:80]}", where=where)
+        fqns = [f for f in entry[1] if isinstance(f, str)]
+        if len(fqns) != len(entry[1]) or any(f not in by_name for f in fqns):
+            raise InvalidInputError(f"sidecar hf_files {name}: unknown tensors", where=where)
+        planned, _ = plan_files.hf_files([by_name[f] for f in fqns], 2**62)
+        if len(planned) != 1:
+            raise InvalidInputError(f"sidecar hf_files {name}: too many tensors", where=where)
+        files.append(replace(planned[0], name=name))
+        seen += fqns
+    if sorted(seen) != sorted(by_name) or len({f.name for f in files}) != len(files):
+        raise InvalidInputError(
+            "sidecar hf_files do not list every tensor exactly once", where=where
+        )
+    index = None if ck.hf_index is None else ck.hf_index.encode("utf-8")
+    if index is not None:
+        try:
+            weight_map = json.loads(index).get("weight_map")
+        except (ValueError, AttributeError):
+            weight_map = None
+        if weight_map != {t.fqn: f.name for f in files for t in f.tensors}:
+            raise InvalidInputError("sidecar hf_index does not match its hf_files", where=where)
+    return files, index
 
 
 def write_hf_into(

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from shardctl.checkpoint.hf import INDEX_NAME
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import InvalidInputError, OutputConflictError
 from shardctl.formats.megatron import dcp_io, layout, names
@@ -165,12 +166,28 @@ def _write_into(staging: Path, source: Source, spec: MegatronSpec) -> None:
         "schema": layout.SIDECAR_SCHEMA,
         "spec": spec.to_json(),
         "tensors": [[t.fqn, list(t.shape), t.dtype] for t in source.model.tensors],
+        **_hf_split(source),
         "load_flags": load_flags(spec),
     }
     atomic.write_file(
         staging / layout.SIDECAR, (json.dumps(sidecar, indent=1) + "\n").encode("utf-8")
     )
     atomic.fsync_dir(ckpt)
+
+
+def _hf_split(source: Source) -> dict[str, Any]:
+    """The source's HF file split (names, tensors per file in order) and its index bytes, so
+    that megatron -> HF rebuilds the same files."""
+    if len(source.files) < 2 or not (source.root / INDEX_NAME).is_file():
+        return {}
+    groups: list[list[str]] = [[] for _ in source.files]
+    order = sorted(source.shards.items(), key=lambda kv: (kv[1][0].file, kv[1][0].begin))
+    for fqn, shards in order:
+        groups[shards[0].file].append(fqn)
+    return {
+        "hf_files": [[f.path.name, g] for f, g in zip(source.files, groups, strict=True)],
+        "hf_index": (source.root / INDEX_NAME).read_text(encoding="utf-8"),
+    }
 
 
 def load_flags(spec: MegatronSpec) -> str:
