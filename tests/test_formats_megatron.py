@@ -75,6 +75,7 @@ def test_roundtrip_hf_megatron_hf_is_byte_identical(
         assert (tmp_path / "back" / n).read_bytes() == (hf / n).read_bytes(), n
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_layout_of_the_dcp_tensors(tmp_path: Path) -> None:
     """Global tensors under mcore's names, layers stacked, qkv interleaved per query group,
     fc1 = [gate; up], vocab zero-padded to 128·tp — read back with torch DCP's own loader."""
@@ -103,6 +104,7 @@ def test_layout_of_the_dcp_tensors(tmp_path: Path) -> None:
     assert torch.equal(fc1[160:], ref["model.layers.2.mlp.up_proj.weight"])
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_vocab_padding_is_recorded_and_stripped(tmp_path: Path) -> None:
     hf = make_checkpoint("llama-tied-mha", tmp_path / "hf")  # vocab 200, tied
     mg = _mg(hf, tmp_path / "mg", tp=2)
@@ -353,3 +355,10 @@ def test_hostile_metadata_pickle_is_refused_not_run(tmp_path: Path) -> None:
     one_line(code, err, 3)
     assert "not plain DCP metadata" in err and "system" in err
     assert not marker.exists()
+
+
+def test_inspect_names_the_format_and_the_conversion(tmp_path: Path) -> None:
+    mg = _mg(make_checkpoint("llama", tmp_path / "hf"), tmp_path / "mg")
+    code, _, err = cli("inspect", str(mg))
+    one_line(code, err, 3)
+    assert "Megatron-Core torch_dist" in err and "--format hf" in err
