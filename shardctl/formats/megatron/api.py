@@ -43,6 +43,27 @@ def reshard(
 
     ``forward(src, dst, mesh, fmt)`` is :func:`shardctl.api.reshard` for the legs that go
     through an HF checkpoint in a temporary directory."""
+    from shardctl.reshard.safety import os_failure
+    from shardctl.reshard.signals import interrupts_raise
+
+    # SIGINT/SIGTERM become Interrupted (130/143) and clean the staging; an OSError (disk full,
+    # permission) is one exit-5 line, as in every reshard
+    with interrupts_raise():
+        try:
+            return _reshard(src, dst, fmt, mesh, max_shard_size, force, forward)
+        except OSError as exc:
+            raise os_failure(exc) from None
+
+
+def _reshard(
+    src: Path,
+    dst: Path,
+    fmt: str | None,
+    mesh: Mesh | None,
+    max_shard_size: int,
+    force: bool,
+    forward: Any,
+) -> ReshardResult:
     from shardctl.formats.megatron import read, write
 
     t0 = time.monotonic()
