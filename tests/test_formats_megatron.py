@@ -23,6 +23,8 @@ from typing import Any
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from safetensors.torch import load_file
 
 from shardctl.api import reshard
@@ -48,6 +50,7 @@ def _mg(src: Path, dst: Path, **mesh: int) -> Path:
         ("llama", {"tp": 2}, None),
         ("llama-tied-mha", {"tp": 4, "pp": 3}, None),
         ("qwen2", {}, None),
+        ("mistral", {"tp": 2, "pp": 2}, None),
         ("qwen3", {"tp": 2}, None),
         ("mixtral", {"tp": 2, "ep": 4}, None),
         ("mixtral", {"ep": 2}, "100KB"),  # several files + index: the same files come back
@@ -362,3 +365,39 @@ def test_inspect_names_the_format_and_the_conversion(tmp_path: Path) -> None:
     code, _, err = cli("inspect", str(mg))
     one_line(code, err, 3)
     assert "Megatron-Core torch_dist" in err and "--format hf" in err
+
+
+@given(
+    groups=st.integers(1, 4),
+    per_group=st.integers(1, 4),
+    head_dim=st.integers(1, 8),
+    cols=st.sampled_from([(), (3,)]),  # a weight [rows, H] or a bias [rows]
+)
+@settings(max_examples=60, deadline=None)
+def test_qkv_interleave_property(
+    groups: int, per_group: int, head_dim: int, cols: tuple[int, ...]
+) -> None:
+    """Group g of ``linear_qkv`` is [its q heads; k_g; v_g], and unpack(pack(x)) == x."""
+    from shardctl.formats.megatron import names
+    from shardctl.formats.megatron.spec import MegatronSpec
+
+    heads = groups * per_group
+    spec = MegatronSpec(
+        "llama", 1, 8, heads, groups, head_dim, 8, 8, 128, False, True, False, 0, 0, 1e4, 1e-6
+    )
+    q = torch.randn(heads * head_dim, *cols)
+    k = torch.randn(groups * head_dim, *cols)
+    v = torch.randn(groups * head_dim, *cols)
+    unit = names.Unit("k", (0,), (1, spec.qkv_rows, *cols), ("q", "k", "v"), "qkv")
+    packed = names.pack(unit, spec, {"q": q, "k": k, "v": v}.__getitem__)[0]
+    rows = (per_group + 2) * head_dim
+    for g in range(groups):
+        block = packed[g * rows : (g + 1) * rows]
+        qg = q[g * per_group * head_dim : (g + 1) * per_group * head_dim]
+        assert torch.equal(block[: per_group * head_dim], qg)
+        assert torch.equal(
+            block[per_group * head_dim : -head_dim], k[g * head_dim : (g + 1) * head_dim]
+        )
+        assert torch.equal(block[-head_dim:], v[g * head_dim : (g + 1) * head_dim])
+    back = names.unpack(unit, spec, packed.unsqueeze(0))
+    assert all(torch.equal(back[n], t) for n, t in zip("qkv", (q, k, v), strict=True))
