@@ -34,7 +34,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "overhead",
     ),
     "model": ("config", "checkpoint", "parameters", "dtype"),
-    "mesh": ("pp", "dp", "tp", "ep", "expert_placement"),
+    "mesh": ("pp", "dp", "tp", "ep", "cp", "expert_placement"),
     "hardware": (
         "device_memory",
         "gpus_per_node",

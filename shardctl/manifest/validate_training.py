@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardctl.manifest import model as m
@@ -29,6 +29,9 @@ class WorkloadKeys:
     mode: str
     micro_batch_size: int | None
     gradient_accumulation_steps: int
+    # Whether the manifest gave these (with ``micro_batch_size`` they fix the accumulation).
+    batch_given: bool = False
+    steps_given: bool = False
 
 
 def read_workload(section: Map | None, training: bool, problems: Problems) -> WorkloadKeys:
@@ -78,6 +81,8 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         mode,
         get(section, "micro_batch_size", path, read_positive, None),
         get(section, "gradient_accumulation_steps", path, read_positive, 1),
+        batch_given="batch_size" in section.entries,
+        steps_given="gradient_accumulation_steps" in section.entries,
     )
 
 
@@ -108,14 +113,49 @@ def _micro_per_rank(keys: WorkloadKeys, dp: int, problems: Problems) -> int:
     return batch // (dp * steps)
 
 
+def _steps_from_batch(keys: WorkloadKeys, dp: int, problems: Problems) -> WorkloadKeys:
+    """``batch_size`` (global) with ``micro_batch_size``: the accumulation is ``batch / (micro
+    × dp)`` (Megatron's ``--global-batch-size`` with ``--micro-batch-size``); given as well, the
+    three must agree. Never silently drop the global batch."""
+    batch, micro = keys.workload.batch_size, keys.micro_batch_size
+    assert micro is not None
+    per = micro * dp
+    if keys.steps_given:
+        steps = keys.gradient_accumulation_steps
+        if batch != per * steps:
+            problems.add(
+                Invalid(
+                    "workload.batch_size",
+                    f"is {batch}, but micro_batch_size × mesh.dp × gradient_accumulation_steps "
+                    f"= {micro} × {dp} × {steps} = {per * steps}",
+                    None,
+                    "drop one of the three (it is derived from the others), or make them agree",
+                )
+            )
+        return keys
+    if batch % per:
+        problems.add(
+            Invalid(
+                "workload.batch_size",
+                f"is {batch}, not divisible by micro_batch_size × mesh.dp = {micro} × {dp} = {per}",
+                None,
+                f"use a batch_size that is a multiple of {per}",
+            )
+        )
+        return keys
+    return replace(keys, gradient_accumulation_steps=batch // per)
+
+
 def read_training(
-    section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems
+    section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems, *, cp: int = 1
 ) -> TrainingSpec:
     """The memory model's :class:`TrainingSpec`: the ``training:`` keys, plus the micro-batch,
     accumulation, sequence length and attention kernel of ``workload:``. The global batch is
     pinned to this manifest's ``mesh.dp`` (a ``--dp`` override or the search keeps it)."""
     w = keys.workload
     micro = keys.micro_batch_size or _micro_per_rank(keys, dp, problems)
+    if keys.micro_batch_size is not None and keys.batch_given:
+        keys = _steps_from_batch(keys, dp, problems)
     common: dict[str, Any] = {
         "micro_batch_size": micro,
         "sequence_length": w.sequence_length,
@@ -124,7 +164,10 @@ def read_training(
     if section is None:
         steps = keys.gradient_accumulation_steps
         return TrainingSpec(
-            grad_accumulation_steps=steps, global_batch_size=micro * steps * dp, **common
+            grad_accumulation_steps=steps,
+            global_batch_size=micro * steps * dp,
+            context_parallel=cp,
+            **common,
         )
     problems.keys(section, "training")
     get, path = problems.get, "training"
@@ -208,6 +251,7 @@ def read_training(
         virtual_stages=virtual or 1,
         grad_accumulation_steps=steps,
         global_batch_size=micro * steps * dp,
+        context_parallel=cp,
         **common,
     )
 

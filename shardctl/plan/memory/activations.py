@@ -51,8 +51,12 @@ def layer_activation_bytes(
     act_bytes: int = 2,
     capacity_factor: float = 1.0,
     saved: str = "korthikanti",
+    kv_seq: int | None = None,
 ) -> int:
     """Bytes one decoder layer stores for backward, for one micro-batch on one tp rank.
+
+    ``kv_seq``: keys each query attends over when it differs from ``seq`` — context parallelism
+    holds ``seq = s/cp`` queries per rank against all ``s`` keys (ring attention).
 
     ``saved="transformers"``: what autograd saves in transformers' own Llama-style modules
     (measured with ``torch.autograd.graph.saved_tensors_hooks``, tests/test_memory_engines.py):
@@ -96,7 +100,8 @@ def layer_activation_bytes(
     elif recompute == "selective":
         scores = 0  # recomputed in backward (Korthikanti §5)
     else:
-        scores = heads * s * s * b * (2 * nb + mask if dropout else nb)
+        keys = s if kv_seq is None else kv_seq
+        scores = heads * s * keys * b * (2 * nb + mask if dropout else nb)
     return replicated // sp + split + scores
 
 

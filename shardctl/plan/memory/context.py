@@ -50,6 +50,7 @@ class Context:
         self.nb = _dense_bytes(self.dtype)
         self.kv_dtype = workload.kv_cache_dtype or self.dtype
         self.engine = engine_profile(workload.engine, training=training is not None)
+        self.cp = training.context_parallel if training is not None else 1
         self.vllm = training is None and workload.engine == "vllm"
         n_layers = shape.dims.num_layers if shape is not None else 0
         self.windows = layer_windows(model.architecture, model.config, n_layers)

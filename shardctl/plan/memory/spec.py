@@ -156,6 +156,9 @@ class TrainingSpec:
     # weights are frozen (no gradients, no optimizer states); QLoRA = LoRA over a 4-bit base
     # (``quantization.method: nf4``). 0 = full fine-tuning.
     lora_rank: int = 0
+    # Context parallelism (``mesh.cp``; Megatron --context-parallel-size, Liu et al. 2023 ring
+    # attention): each of ``cp`` ranks holds ``sequence_length / cp`` tokens of every sequence.
+    context_parallel: int = 1
     lora_targets: str = "all-linear"
     # Partial recompute (Megatron --recompute-method block --recompute-num-layers N): with
     # ``recompute: full``, only the first N layers of each stage are recomputed, the rest keep
@@ -212,6 +215,15 @@ class TrainingSpec:
                 where="training.virtual_stages",
                 hint="set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or "
                 "drop virtual_stages",
+            )
+        _positive(self.context_parallel, "mesh.cp")
+        cp = self.context_parallel
+        if cp > 1 and self.sequence_length % (2 * cp):
+            raise InvalidInputError(
+                f"sequence_length {self.sequence_length} is not divisible by 2 × cp = {2 * cp}",
+                where="mesh.cp",
+                hint="Megatron splits each sequence into 2·cp chunks (load-balanced causal "
+                "attention): use a sequence_length that is a multiple of 2·cp",
             )
         if isinstance(self.lora_rank, bool) or self.lora_rank < 0:
             raise InvalidInputError(

@@ -44,9 +44,11 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     if tr.lora_rank:
         return _lora_states(ctx, st, dense_w, weights - dense_w)
     # (parameters, the group that shards their states, their stored bytes)
+    # ZeRO / the distributed optimizer shard over the data-parallel ranks, context-parallel
+    # ones included (Megatron's dp×cp group; the cp ranks of a replica hold the same weights).
     groups = (
-        (dense, ctx.mesh.dp * ctx.mesh.ep, dense_w),
-        (c.expert, ctx.mesh.dp, weights - dense_w),
+        (dense, ctx.mesh.dp * ctx.mesh.ep * ctx.cp, dense_w),
+        (c.expert, ctx.mesh.dp * ctx.cp, weights - dense_w),
     )
     parts = [
         model_states(
@@ -93,10 +95,10 @@ def _lora_states(ctx: Context, st: Stage, dense_w: int, expert_w: int) -> States
     o_bytes = optimizer_bytes_per_param(
         tr.optimizer, hidden=ctx.shape.dims.hidden_size, mixed_precision=False
     )
-    dp = ctx.mesh.dp * ctx.mesh.ep
+    dp = ctx.mesh.dp * ctx.mesh.ep * ctx.cp
     base = [
         model_states(0, zero=tr.zero, dp=g, weights_stored=w, offload_params=tr.offload_params)
-        for w, g in ((dense_w, dp), (expert_w, ctx.mesh.dp))
+        for w, g in ((dense_w, dp), (expert_w, ctx.mesh.dp * ctx.cp))
     ]
     lora = model_states(
         n,

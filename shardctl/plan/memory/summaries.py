@@ -137,4 +137,6 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             out.update(recompute_layers=tr.recompute_layers)
         if tr.lora_rank:
             out.update(lora_rank=tr.lora_rank, lora_targets=tr.lora_targets)
+        if tr.context_parallel > 1:
+            out.update(context_parallel=tr.context_parallel)
     return out

@@ -102,7 +102,9 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
 def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     assert ctx.shape is not None and ctx.training is not None
     d, tr, m = ctx.shape.dims, ctx.training, ctx.mesh
-    seq, mb, tp, sp = tr.sequence_length, tr.micro_batch_size, m.tp, tr.sequence_parallel
+    # Context parallelism: a rank keeps the activations of its s/cp tokens (Megatron CP).
+    seq, mb, tp, sp = tr.sequence_length // ctx.cp, tr.micro_batch_size, m.tp, tr.sequence_parallel
+    kv_seq = tr.sequence_length if ctx.cp > 1 else None
     per_layer = act.layer_activation_bytes(
         d,
         seq=seq,
@@ -115,6 +117,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         act_bytes=ctx.nb,
         capacity_factor=tr.capacity_factor,
         saved=ctx.engine.saved,
+        kv_seq=kv_seq,
     )
     # Partial recompute (``recompute_layers``): N layers keep only their input, the rest all.
     stored_layers = st.num_layers
@@ -135,6 +138,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             act_bytes=ctx.nb,
             capacity_factor=tr.capacity_factor,
             saved=ctx.engine.saved,
+            kv_seq=kv_seq,
         )
     layers = per_layer * stored_layers + full_input
     if tr.lora_rank and stored_layers and tr.recompute != "full":
@@ -179,6 +183,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             act_bytes=ctx.nb,
             capacity_factor=tr.capacity_factor,
             saved=ctx.engine.saved,
+            kv_seq=kv_seq,
         )
     if tr.pipeline_schedule == "interleaved" and m.pp > 1:
         # Chunks of 1/v of the stage's layers; the embedding sits on chunk 0 (the first pp
