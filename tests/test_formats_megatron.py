@@ -401,3 +401,22 @@ def test_qkv_interleave_property(
         assert torch.equal(block[-head_dim:], v[g * head_dim : (g + 1) * head_dim])
     back = names.unpack(unit, spec, packed.unsqueeze(0))
     assert all(torch.equal(back[n], t) for n, t in zip("qkv", (q, k, v), strict=True))
+
+
+@pytest.mark.parametrize(
+    "edit",
+    [
+        lambda side: side["spec"].update(layers=10**9),
+        lambda side: side["spec"].update(heads="8"),
+        lambda side: side["spec"].update(bogus=1),
+        lambda side: side.update(tensors=[["x", [1], "NOPE"]]),
+    ],
+)
+def test_hostile_sidecar_is_one_line_exit_3(tmp_path: Path, edit: Any) -> None:
+    mg = _mg(make_checkpoint("llama", tmp_path / "hf"), tmp_path / "mg")
+    side = json.loads((mg / "shardctl.megatron.json").read_text())
+    edit(side)
+    (mg / "shardctl.megatron.json").write_text(json.dumps(side))
+    code, _, err = cli("reshard", str(mg), str(tmp_path / "back"))
+    one_line(code, err, 3)
+    assert not (tmp_path / "back").exists()

@@ -54,9 +54,14 @@ class MegatronCheckpoint:
                 where=str(self.ckpt),
             )
         if side is not None:
-            fields = dict(side["spec"])
-            self.spec = MegatronSpec(**fields)
-            self.hf = [TensorInfo(f, tuple(s), d) for f, s, d in side["tensors"]]
+            self.spec, self.hf = _from_sidecar(side, self.root / layout.SIDECAR)
+            qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
+            layers = None if qkv is None else int(qkv.size[0])
+            if layers != self.spec.layers:  # before anything is sized from the sidecar
+                raise InvalidInputError(
+                    f"sidecar says {self.spec.layers} layers, the checkpoint holds {layers}",
+                    where=str(self.root / layout.SIDECAR),
+                )
             self.hf_files = side.get("hf_files")
             self.hf_index = side.get("hf_index")
         else:
@@ -125,6 +130,35 @@ class MegatronCheckpoint:
         """``(unit, {hf fqn: tensor})`` for every unit, reading one chunk set at a time."""
         for u in names.units(self.spec):
             yield u, names.unpack(u, self.spec, self.reader.read_box(u.key, u.index))
+
+
+_INT_FIELDS = ("layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "padded_vocab")
+
+
+def _from_sidecar(side: dict[str, Any], where: Path) -> tuple[MegatronSpec, list[TensorInfo]]:
+    """The spec and HF tensor list a sidecar records, validated (hostile input: exit 3)."""
+    try:
+        spec = MegatronSpec(**dict(side["spec"]))
+        ints = [getattr(spec, f) for f in _INT_FIELDS] + [spec.experts, spec.topk]
+        if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints) or not all(
+            ints[: len(_INT_FIELDS)]
+        ):
+            raise ValueError("dimensions must be positive integers")
+        if spec.heads % spec.groups or spec.experts > 2**16:
+            raise ValueError("inconsistent heads/groups/experts")
+        hf = [
+            TensorInfo(str(f), tuple(int(x) for x in shape), str(d))
+            for f, shape, d in side["tensors"]
+        ]
+        if any(t.dtype not in _NAMES.values() for t in hf):
+            raise ValueError("unknown dtype")
+    except (TypeError, ValueError, KeyError) as exc:
+        raise InvalidInputError(
+            f"sidecar is malformed ({type(exc).__name__}: {str(exc)[:80]})",
+            where=str(where),
+            hint="remove it to read the checkpoint from config.json",
+        ) from None
+    return spec, hf
 
 
 def to_hf(src: Path, dst: Path, *, force: bool = False, max_shard_size: int = 5 * 10**9) -> Path:
