@@ -312,7 +312,11 @@ def test_plan_prints_the_reshard_command(tmp_path: Path) -> None:
     want = f"shardctl reshard {hf} {hf.parent}/hf-megatron-tp2-pp2 --format megatron --tp 2 --pp 2"
     assert want in out.replace("\n", ""), out
     code, out, err = cli("plan", str(m), "--json")
-    assert json.loads(out)["reshard"] == {"engine": "megatron", "command": want, "refused": None}
+    got = json.loads(out)["reshard"]
+    assert (got["engine"], got["command"], got["refused"]) == ("megatron", want, None)
+    flags = got["load_flags"]  # what Megatron-LM is launched with to load it
+    assert "--tensor-model-parallel-size 2 --pipeline-model-parallel-size 2" in flags
+    assert "--num-query-groups 2" in flags and "--untie-embeddings-and-output-weights" in flags
     # the printed command runs and writes what it says
     code, _, err = cli(*want.split()[1:])
     assert code == 0, err

@@ -79,6 +79,8 @@ def render_plan(
     if cmd is not None:
         if cmd["command"] is not None:
             console.print(f"{cmd['engine']} checkpoint: {cmd['command']}", markup=False)
+            if cmd.get("load_flags"):
+                console.print(f"  load with: {cmd['load_flags']}", markup=False)
         else:
             console.print(
                 f"{cmd['engine']}: cannot write this layout: {cmd['refused']}", markup=False

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import ShardctlError
-from shardctl.formats.megatron.spec import spec_from_config
+from shardctl.formats.megatron.spec import load_flags, spec_from_config
 
 
 def _config(model: Any) -> tuple[dict[str, Any] | None, Path | None]:
@@ -37,21 +37,29 @@ def _config(model: Any) -> tuple[dict[str, Any] | None, Path | None]:
 
 
 def reshard_command(manifest: Any, mesh: Any) -> dict[str, Any]:
-    """``{"engine": "megatron", "command": str | None, "refused": str | None}`` for the plan."""
+    """``{"engine": "megatron", "command": str | None, "refused": str | None, "load_flags":
+    str | None}`` for the plan."""
     cfg, ckpt = _config(manifest.model)
     src = str(ckpt) if ckpt is not None else "HF_CHECKPOINT_DIR"
     name = Path(src).name if ckpt is not None else "model"
     axes = [("tp", mesh.tp), ("pp", mesh.pp), ("ep", mesh.ep)]
     suffix = "-".join(f"{a}{n}" for a, n in axes if n > 1)
     dst = f"{name}-megatron" + (f"-{suffix}" if suffix else "")
+    flags = None
     if cfg is not None:
         try:
-            spec_from_config(cfg, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep)
+            spec = spec_from_config(cfg, tp=mesh.tp, pp=mesh.pp, ep=mesh.ep)
         except ShardctlError as exc:
             return {"engine": "megatron", "command": None, "refused": exc.message}
+        flags = load_flags(spec)
     parts = ["shardctl", "reshard", src, str(Path(src).parent / dst) if ckpt else dst]
     parts += ["--format", "megatron"]
     for a, n in axes:
         if n > 1:
             parts += [f"--{a}", str(n)]
-    return {"engine": "megatron", "command": shlex.join(parts), "refused": None}
+    return {
+        "engine": "megatron",
+        "command": shlex.join(parts),
+        "refused": None,
+        "load_flags": flags,  # the Megatron-LM arguments that build the matching model
+    }

@@ -168,3 +168,35 @@ def _rope_theta(cfg: dict[str, Any]) -> float:
 
 def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
+
+
+def load_flags(spec: MegatronSpec) -> str:
+    """The Megatron-LM arguments that build the model this checkpoint holds."""
+    flags = [
+        f"--tensor-model-parallel-size {spec.tp}",
+        f"--pipeline-model-parallel-size {spec.pp}",
+        f"--num-layers {spec.layers}",
+        f"--hidden-size {spec.hidden}",
+        f"--ffn-hidden-size {spec.ffn}",
+        f"--num-attention-heads {spec.heads}",
+        f"--group-query-attention --num-query-groups {spec.groups}",
+        f"--kv-channels {spec.head_dim}",
+        "--normalization RMSNorm --swiglu --disable-bias-linear",
+        "--position-embedding-type rope",
+        f"--rotary-base {spec.rope_theta:g}",
+        f"--norm-epsilon {spec.eps:g}",
+        "--make-vocab-size-divisible-by 128",
+        "--ckpt-format torch_dist --finetune --no-load-optim --no-load-rng",
+    ]
+    if not spec.tied:
+        flags.append("--untie-embeddings-and-output-weights")
+    if spec.qkv_bias:
+        flags.append("--add-qkv-bias")
+    if spec.qk_norm:
+        flags.append("--qk-layernorm")
+    if spec.moe:
+        flags.append(
+            f"--num-experts {spec.experts} --moe-router-topk {spec.topk} "
+            f"--expert-model-parallel-size {spec.ep}"
+        )
+    return " ".join(flags)

@@ -19,7 +19,7 @@ from shardctl.checkpoint.hf import INDEX_NAME
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import InvalidInputError, OutputConflictError
 from shardctl.formats.megatron import dcp_io, layout, names
-from shardctl.formats.megatron.spec import MegatronSpec, spec_from_config
+from shardctl.formats.megatron.spec import MegatronSpec, load_flags, spec_from_config
 from shardctl.io import atomic
 from shardctl.io.lock import OutputLock
 from shardctl.reshard.safety import check_output, preflight_space
@@ -188,38 +188,6 @@ def _hf_split(source: Source) -> dict[str, Any]:
         "hf_files": [[f.path.name, g] for f, g in zip(source.files, groups, strict=True)],
         "hf_index": (source.root / INDEX_NAME).read_text(encoding="utf-8"),
     }
-
-
-def load_flags(spec: MegatronSpec) -> str:
-    """The Megatron-LM arguments that build the model this checkpoint holds."""
-    flags = [
-        f"--tensor-model-parallel-size {spec.tp}",
-        f"--pipeline-model-parallel-size {spec.pp}",
-        f"--num-layers {spec.layers}",
-        f"--hidden-size {spec.hidden}",
-        f"--ffn-hidden-size {spec.ffn}",
-        f"--num-attention-heads {spec.heads}",
-        f"--group-query-attention --num-query-groups {spec.groups}",
-        f"--kv-channels {spec.head_dim}",
-        "--normalization RMSNorm --swiglu --disable-bias-linear",
-        "--position-embedding-type rope",
-        f"--rotary-base {spec.rope_theta:g}",
-        f"--norm-epsilon {spec.eps:g}",
-        "--make-vocab-size-divisible-by 128",
-        "--ckpt-format torch_dist --finetune --no-load-optim --no-load-rng",
-    ]
-    if not spec.tied:
-        flags.append("--untie-embeddings-and-output-weights")
-    if spec.qkv_bias:
-        flags.append("--add-qkv-bias")
-    if spec.qk_norm:
-        flags.append("--qk-layernorm")
-    if spec.moe:
-        flags.append(
-            f"--num-experts {spec.experts} --moe-router-topk {spec.topk} "
-            f"--expert-model-parallel-size {spec.ep}"
-        )
-    return " ".join(flags)
 
 
 def _sizes(dst: Path) -> list[tuple[str, int]]:
