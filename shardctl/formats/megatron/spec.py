@@ -170,6 +170,10 @@ def _divisors(n: int) -> str:
     return ", ".join(str(d) for d in range(1, n + 1) if n % d == 0)
 
 
+def _num(x: float) -> str:
+    return str(int(x)) if float(x).is_integer() else repr(float(x))
+
+
 def load_flags(spec: MegatronSpec) -> str:
     """The Megatron-LM arguments that build the model this checkpoint holds."""
     flags = [
@@ -183,7 +187,7 @@ def load_flags(spec: MegatronSpec) -> str:
         f"--kv-channels {spec.head_dim}",
         "--normalization RMSNorm --swiglu --disable-bias-linear",
         "--position-embedding-type rope",
-        f"--rotary-base {spec.rope_theta:g}",
+        f"--rotary-base {_num(spec.rope_theta)}",  # an int in Megatron-LM's arguments
         f"--norm-epsilon {spec.eps:g}",
         "--make-vocab-size-divisible-by 128",
         "--ckpt-format torch_dist --finetune --no-load-optim --no-load-rng",
