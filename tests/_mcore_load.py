@@ -19,7 +19,9 @@ first use; mcore's CUDA RNG tracker ``fork()`` (entered around attention dropout
 here) is a null context, because it switches CUDA RNG states; ``moe_utils.te_general_gemm`` is
 set to None, because megatron-core 0.16.1 without transformer-engine never defines that name
 yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgather"``
-because the default ``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction.
+because the default ``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction;
+``Tensor.cuda`` returns the tensor itself, because with tied embeddings and PP > 1 mcore's
+``LanguageModule`` moves the last stage's copy of the embedding to CUDA before its all-reduce.
 """
 
 from __future__ import annotations
@@ -43,6 +45,7 @@ def main(argv: list[str]) -> None:
     import torch.distributed as dist
 
     torch.cuda.current_device = lambda: "cpu"  # see the module docstring
+    torch.Tensor.cuda = lambda self, *a, **k: self  # type: ignore[method-assign]  # ditto
     # under torchrun: WORLD_SIZE ranks, model-parallel degrees from MCORE_TP / MCORE_EP
     world = int(os.environ.get("WORLD_SIZE", "1"))
     rank = int(os.environ.get("RANK", "0"))
@@ -51,6 +54,7 @@ def main(argv: list[str]) -> None:
 
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=int(os.environ.get("MCORE_TP", "1")),
+        pipeline_model_parallel_size=int(os.environ.get("MCORE_PP", "1")),
         expert_model_parallel_size=int(os.environ.get("MCORE_EP", "1")),
         expert_tensor_parallel_size=int(
             os.environ.get("MCORE_ETP", os.environ.get("MCORE_TP", "1"))
@@ -66,7 +70,8 @@ def main(argv: list[str]) -> None:
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # see the docstring
     for mg, hf in zip(argv[::2], argv[1::2], strict=True):
-        row = check(Path(mg), Path(hf))
+        pp = int(os.environ.get("MCORE_PP", "1"))
+        row = check(Path(mg), Path(hf)) if pp == 1 else check_stage(Path(mg), Path(hf))
         if rank == 0:
             print(json.dumps(row), flush=True)
     dist.destroy_process_group()
@@ -74,6 +79,7 @@ def main(argv: list[str]) -> None:
 
 def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     import torch
+    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.transformer.transformer_config import TransformerConfig
@@ -81,6 +87,11 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     moe = spec["experts"] > 0
     cfg = TransformerConfig(
         num_layers=spec["layers"],
+        tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
+        pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
+        expert_model_parallel_size=(
+            parallel_state.get_expert_model_parallel_world_size() if spec["experts"] else 1
+        ),
         hidden_size=spec["hidden"],
         num_attention_heads=spec["heads"],
         num_query_groups=spec["groups"],
@@ -95,6 +106,7 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         qk_layernorm=spec["qk_norm"],
         use_cpu_initialization=True,
         params_dtype=dtype,
+        pipeline_dtype=dtype,
         bf16=dtype == torch.bfloat16,
         hidden_dropout=0.0,
         attention_dropout=0.0,
@@ -117,6 +129,8 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         rotary_base=int(spec["rope_theta"]),
         share_embeddings_and_output_weights=spec["tied"],
         parallel_output=False,  # logits gathered over TP ranks
+        pre_process=parallel_state.is_pipeline_first_stage(),
+        post_process=parallel_state.is_pipeline_last_stage(),
     )
     return model.eval()
 
@@ -163,6 +177,56 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
         "padded_rows_zero": _padding_is_zero(model, spec["vocab"]),
     }
+
+
+def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
+    """PP > 1: each stage's model loads strictly; its layers equal the HF layers of that
+    stage (global layer = stage offset + local index). Rows gathered to rank 0."""
+    import torch
+    import torch.distributed as dist
+    from megatron.core import dist_checkpointing, parallel_state
+    from megatron.core.dist_checkpointing.validation import StrictHandling
+    from safetensors import safe_open
+
+    spec = json.loads((mg / "shardctl.megatron.json").read_text())["spec"]
+    model = build(spec, torch.bfloat16)
+    loaded = dist_checkpointing.load(
+        model.sharded_state_dict(), str(mg / "release"), strict=StrictHandling.RAISE_ALL
+    )
+    for k in ("checkpoint_version", "iteration"):
+        loaded.pop(k)
+    model.load_state_dict(loaded, strict=True)
+    stage = parallel_state.get_pipeline_model_parallel_rank()
+    per = spec["layers"] // parallel_state.get_pipeline_model_parallel_world_size()
+    ref = safe_open(str(hf / "model.safetensors"), framework="pt")
+    equal = []
+    for i, layer in enumerate(model.decoder.layers):
+        g = stage * per + i
+        want = ref.get_tensor(f"model.layers.{g}.self_attn.o_proj.weight")
+        equal.append(torch.equal(layer.self_attention.linear_proj.weight.data, want))
+        if spec["experts"]:
+            moe = f"model.layers.{g}.block_sparse_moe."
+            want = ref.get_tensor(moe + "gate.weight")
+            equal.append(torch.equal(layer.mlp.router.weight.data, want))
+            for e, expert in enumerate(layer.mlp.experts.local_experts):
+                want = ref.get_tensor(f"{moe}experts.{e}.w2.weight")
+                equal.append(torch.equal(expert.linear_fc2.weight.data, want))
+        else:
+            want = ref.get_tensor(f"model.layers.{g}.mlp.down_proj.weight")
+            equal.append(torch.equal(layer.mlp.linear_fc2.weight.data, want))
+    if parallel_state.is_pipeline_first_stage():
+        emb = model.embedding.word_embeddings.weight.data[: spec["vocab"]]
+        equal.append(torch.equal(emb, ref.get_tensor("model.embed_tokens.weight")))
+    if parallel_state.is_pipeline_last_stage():
+        head = "model.embed_tokens.weight" if spec["tied"] else "lm_head.weight"
+        out = model.shared_embedding_or_output_weight() if spec["tied"] else None
+        out = model.output_layer.weight if out is None else out
+        equal.append(torch.equal(out.data[: spec["vocab"]], ref.get_tensor(head)))
+    rows: list[object] = [None] * dist.get_world_size()
+    dist.all_gather_object(
+        rows, {"stage": stage, "layers": len(model.decoder.layers), "equal": equal}
+    )
+    return {"dir": str(mg), "stages": rows}
 
 
 def _padding_is_zero(model, vocab: int) -> bool:  # type: ignore[no-untyped-def]

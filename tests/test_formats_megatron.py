@@ -181,6 +181,23 @@ def test_megatron_core_loads_strictly_and_logits_match(
     assert bad["max_abs"] > 100 * LOGITS_TOL, bad
 
 
+@pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core not installed (dev extra)")
+def test_megatron_core_loads_pipeline_stages_strictly(tmp_path: Path) -> None:
+    """PP 2: each stage's GPTModel (pre/post process) loads strictly; its layers are the HF
+    layers of that stage, the first stage has the embedding, the last the head (or, tied, a
+    copy of the embedding)."""
+    pairs = []
+    for name in ("llama", "qwen2-tied", "mixtral"):
+        hf = make_checkpoint(name, tmp_path / f"{name}-hf")
+        pairs.append((_mg(hf, tmp_path / f"{name}-mg", pp=2), hf))
+    for row in _mcore(pairs, MCORE_PP="2"):
+        stages = row["stages"]
+        assert [s["stage"] for s in stages] == [0, 1], row
+        spec = json.loads((Path(row["dir"]) / "shardctl.megatron.json").read_text())["spec"]
+        assert sum(s["layers"] for s in stages) == spec["layers"], row
+        assert all(all(s["equal"]) and s["equal"] for s in stages), row
+
+
 def test_cli_in_and_out_and_verify_either_side(tmp_path: Path) -> None:
     hf = make_checkpoint("llama", tmp_path / "hf")
     mg, back, ranks = tmp_path / "mg", tmp_path / "back", tmp_path / "r2"
