@@ -3,7 +3,8 @@
 - megatron-core 0.16.1's own ``dist_checkpointing.load`` reads the output strictly into a
   ``GPTModel`` it builds on CPU at TP 2 (Mixtral's experts at EP 2) on two gloo processes, its
   logits match transformers' on the HF original (``tests/_mcore_load.py`` under torchrun; a
-  plain-concatenated ``[q; k; v]`` fails the same check, so it can fail).
+  plain-concatenated ``[q; k; v]`` fails the same check, so it can fail); at PP 2 every stage
+  loads strictly and holds its HF layers bit for bit.
 - HF -> megatron -> HF is byte-identical (every file, also a split checkpoint with its index),
   for dense, tied, biased, qk-normed and MoE families, written for several TP/EP degrees.
 - the CLI: reshard in and out (hf, ranks), verify with torch_dist on either side, refusals
