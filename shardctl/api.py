@@ -109,6 +109,7 @@ def reshard(
     verify_input: bool = True,
     resume: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    optimizer: bool = True,
 ) -> ReshardResult:
     """Split, merge or convert the checkpoint ``src`` into ``dst``: streaming, atomic.
 
@@ -117,12 +118,39 @@ def reshard(
     whole tensors (``format="hf"``); otherwise per-rank files (``format="ranks"``).
     ``max_shard_size``: bytes, or a string like ``"5GB"`` / ``"500MiB"``. ``progress(done,
     total)`` is called with bytes as the copy advances. ``dst`` must not exist unless ``force``.
+    ``format="dcp"`` or a DCP input (a dir with ``.metadata``): a training checkpoint with
+    optimizer state, ``mesh={"dp": N}`` its FSDP world size; ``optimizer=False`` drops the
+    optimizer state (:mod:`shardctl.formats.dcp`).
     """
     from shardctl.reshard.api import reshard as run_reshard
     from shardctl.units import parse_size
 
-    if format is not None and format not in ("ranks", "hf", "megatron"):
-        raise UsageError(f"--format: expected ranks, hf or megatron, got {format!r}")
+    if format is not None and format not in ("ranks", "hf", "dcp", "megatron"):
+        raise UsageError(f"--format: expected ranks, hf, dcp or megatron, got {format!r}")
+    # (megatron first: a torch_dist directory is a DCP directory too)
+    from shardctl.formats.megatron.layout import is_megatron
+
+    megatron = format == "megatron" or is_megatron(Path(src))
+    # --- dcp-optim: DCP training checkpoints (formats/dcp) ---
+    from shardctl.formats.dcp.metadata import is_dcp
+    from shardctl.formats.dcp.zero import is_zero
+
+    if not megatron and (format == "dcp" or is_dcp(Path(src)) or is_zero(Path(src))):
+        from shardctl.formats.dcp.convert import reshard_dcp
+
+        if manifest is not None:
+            raise UsageError("--manifest does not apply to DCP checkpoints; pass --dp N")
+        axes = _overrides(mesh)
+        return reshard_dcp(
+            Path(src),
+            Path(dst),
+            fmt=format,
+            mesh=Mesh(**axes) if axes else None,
+            optimizer=optimizer,
+            force=force,
+            progress=progress,
+        )
+    # --- end dcp-optim ---
     size = (
         parse_size(max_shard_size, option="--max-shard-size")
         if isinstance(max_shard_size, str)
@@ -130,9 +158,7 @@ def reshard(
     )
     target, rules, options = _reshard_target(mesh, manifest)
     # -- engine formats (issue 16): Megatron-Core torch_dist out (--format megatron) and in --
-    from shardctl.formats.megatron.layout import is_megatron
-
-    if format == "megatron" or is_megatron(Path(src)):
+    if megatron:
         from shardctl.formats.megatron.api import reshard as megatron_reshard
 
         def forward(s: Path, d: Path, m: Mesh | None, f: str | None) -> ReshardResult:

@@ -23,7 +23,9 @@ if TYPE_CHECKING:
 Src = Annotated[
     Path,
     typer.Argument(
-        help="Input: an HF checkpoint dir, a shardctl layout or a Megatron torch_dist checkpoint."
+        help="Input: an HF checkpoint dir, a shardctl layout, a training checkpoint "
+        "(torch DCP dir with .metadata, DeepSpeed ZeRO-1/2 dir) or a Megatron torch_dist "
+        "checkpoint."
     ),
 ]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
@@ -32,6 +34,18 @@ Pp = Annotated[
     int | None, typer.Option(help="Target pipeline-parallel degree.", min=1, max=MAX_AXIS)
 ]
 Ep = Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1, max=MAX_AXIS)]
+Dp = Annotated[
+    int | None,
+    typer.Option(help="FSDP world size of a --format dcp output.", min=1, max=MAX_AXIS),
+]
+NoOptimizer = Annotated[
+    bool,
+    typer.Option(
+        "--no-optimizer",
+        help="DCP training checkpoints: convert the weights only (no optimizer state, no "
+        "optimizer.safetensors sidecar).",
+    ),
+]
 ManifestOpt = Annotated[
     Path | None,
     typer.Option(
@@ -42,10 +56,11 @@ Format = Annotated[
     str | None,
     typer.Option(
         "--format",
-        help="ranks (per-rank files) or hf (whole tensors). Default: "
-        "ranks when the target has more than one rank, else hf. megatron: a Megatron-Core "
-        "torch_dist checkpoint (--tp/--pp/--ep: the degrees it is written for; a torch_dist SRC "
-        "is read as input).",
+        help="ranks (per-rank files), hf (whole tensors) or dcp (torch DCP training "
+        "checkpoint, with optimizer state). Default: ranks when the target has more than "
+        "one rank, else hf; a DCP input converts to hf. megatron: a Megatron-Core torch_dist "
+        "checkpoint (--tp/--pp/--ep: the degrees it is written for; a torch_dist SRC is read "
+        "as input).",
     ),
 ]
 MaxShardSize = Annotated[
@@ -106,6 +121,7 @@ def reshard(
     tp: Tp = None,
     pp: Pp = None,
     ep: Ep = None,
+    dp: Dp = None,
     manifest: ManifestOpt = None,
     fmt: Format = None,
     max_shard_size: MaxShardSize = "5GB",
@@ -118,6 +134,7 @@ def reshard(
     as_json: AsJson = False,
     quiet: Quiet = False,
     max_header_bytes: MaxHeaderBytes = None,
+    no_optimizer: NoOptimizer = False,
 ) -> None:
     """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
 
@@ -128,7 +145,14 @@ def reshard(
     """
     from shardctl.api import reshard as run_reshard
 
-    axes = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep}.items() if v is not None}
+    axes = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep, "dp": dp}.items() if v is not None}
+    if dp is not None and fmt != "dcp":
+        from shardctl.formats.dcp.metadata import is_dcp
+
+        if not is_dcp(src):
+            from shardctl.errors import UsageError
+
+            raise UsageError("--dp applies to DCP output only (--format dcp)")
     show = not quiet and not as_json and sys.stderr.isatty()
     with header_limit(max_header_bytes), _progress(show) as progress:
         result = run_reshard(
@@ -145,6 +169,7 @@ def reshard(
             verify_input=not no_verify_input,
             resume=not no_resume,
             progress=progress,
+            optimizer=not no_optimizer,
         )
     if as_json:
         emit_json(result.to_json())

@@ -1,1 +1,1 @@
-"""Engine checkpoint formats: readers and writers of formats other than HF and shardctl ranks."""
+"""Engine checkpoint formats: one module or subpackage per engine (dcp, megatron, vllm)."""
