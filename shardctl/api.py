@@ -121,8 +121,8 @@ def reshard(
     from shardctl.reshard.api import reshard as run_reshard
     from shardctl.units import parse_size
 
-    if format is not None and format not in ("ranks", "hf"):
-        raise UsageError(f"--format: expected ranks or hf, got {format!r}")
+    if format is not None and format not in ("ranks", "hf", "vllm"):
+        raise UsageError(f"--format: expected ranks, hf or vllm, got {format!r}")
     size = (
         parse_size(max_shard_size, option="--max-shard-size")
         if isinstance(max_shard_size, str)

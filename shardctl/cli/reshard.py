@@ -37,8 +37,9 @@ Format = Annotated[
     str | None,
     typer.Option(
         "--format",
-        help="ranks (per-rank files) or hf (whole tensors). Default: "
-        "ranks when the target has more than one rank, else hf.",
+        help="ranks (per-rank files), hf (whole tensors) or vllm (vLLM sharded_state, "
+        "--load-format sharded_state). Default: ranks when the target has more than one "
+        "rank, else hf.",
     ),
 ]
 MaxShardSize = Annotated[

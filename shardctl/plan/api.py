@@ -147,6 +147,7 @@ class PlanResult:
                 for r in self.ranks
             ],
             **self.memory.to_json(),
+            **({"reshard_command": cmd} if (cmd := self.reshard_command()) else {}),
         }
 
     def _expert_parallel_json(self) -> dict[str, Any] | None:
@@ -173,6 +174,18 @@ class PlanResult:
                 "bytes_per_parameter": stored / self.model.parameters,
             }
         }
+
+    def reshard_command(self) -> str | None:
+        """The ``shardctl reshard`` command writing this layout in ``workload.engine``'s format
+        (one function per engine, in that engine's format module); None for other engines."""
+        engine = getattr(self.manifest.workload, "engine", None)
+        # ---- engine: vllm (branch vllm) ----
+        if engine == "vllm":
+            from shardctl.formats.vllm.command import reshard_command
+
+            return reshard_command(self.manifest, self.mesh)
+        # ---- end vllm ----
+        return None
 
     def write_report(self, path: Path) -> None:
         from shardctl.plan.report import write_report

@@ -56,6 +56,9 @@ def render_plan(
         )
     for warning in result.warnings:
         console.print(f"[yellow]warning[/yellow]: {warning}", markup=True)
+    command = result.reshard_command()
+    if command is not None:
+        console.print(f"  reshard: {command}", markup=False, highlight=False)
     stage_bytes = result.stage_weight_bytes()
     for s, w in zip(result.stages, stage_bytes, strict=True):
         layers = "no layers" if s.layers is None else f"layers {s.layers[0]}–{s.layers[1]}"

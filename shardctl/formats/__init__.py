@@ -1,0 +1,1 @@
+"""Engine checkpoint formats (readers and writers), one module or subpackage per engine."""
