@@ -296,6 +296,8 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
     source.check_unchanged()
     if the_plan.fmt == "vllm":  # vLLM reads only its own files; shardctl reads them back by name
         shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
+        for name, data in the_plan.extra_files:
+            extra += atomic.write_file(staging / name, data)
         atomic.commit(staging, run.dst, replace=run.force)
         run.staging = None
         return extra

@@ -32,6 +32,7 @@ class Plan:
     # engine formats (--format vllm): the copy engine reads these instead of the source's own
     sources: Mapping[str, tuple[SourceShard, ...]] | None = None
     order: dict[str, int] | None = None
+    extra_files: tuple[tuple[str, bytes], ...] = ()  # (name, bytes) written whole at commit
 
     @property
     def data_bytes(self) -> int:
@@ -65,7 +66,7 @@ def plan(
             )
         limit = VLLM_MAX_PART if max_shard_size == DEFAULT_MAX_SHARD_SIZE else max_shard_size
         v = vllm_files(source, mesh, limit)
-        return Plan("vllm", None, v.files, {}, None, v.sources, v.order)
+        return Plan("vllm", None, v.files, {}, None, v.sources, v.order, v.extra_files)
     # ---- end vllm ----
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
     if fmt == "hf":
@@ -82,4 +83,5 @@ def plan(
 
 def space_needed(source: Source, the_plan: Plan) -> int:
     carried = sum(os.path.getsize(source.root / p) for p in source.carried)
-    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"")
+    extra = sum(len(data) for _, data in the_plan.extra_files)
+    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"") + extra

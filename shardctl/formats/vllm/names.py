@@ -17,7 +17,11 @@ vLLM's own weight loaders filled it from the HF checkpoint. Read from vLLM's sou
   module: ``model.embed_tokens.weight``);
 - Mixtral experts (``FusedMoE``, no EP): ``experts.w13_weight [E, 2·I/tp, H]`` = per expert
   ``[w1_r; w3_r]``, ``experts.w2_weight [E, H, I/tp]`` = per expert ``w2[:, r·I/tp..]``;
-- everything else (norms, the router) whole on every rank.
+- everything else (norms, the router) whole on every rank;
+- every attention layer's ``self_attn.attn._{k,v,q,prob}_scale``: float32 scalars, 1.0 for an
+  unquantized model — persistent buffers of vLLM's ``Attention`` (``set_default_quant_scales(
+  register_buffer=True)``, vLLM 0.32), so they are in the state dict the loader fills and it
+  reports them missing otherwise. They belong to no HF tensor: written in a last part per rank.
 
 A :class:`Part` says which box of which HF tensor lands where in a vLLM local tensor; the same
 table drives the writer (``write.py``) and the reader (``read.py``).
@@ -365,3 +369,14 @@ def hf_order(tensors: Sequence[TensorInfo]) -> list[TensorInfo]:
     from shardctl.dtypes import itemsize
 
     return sorted(tensors, key=lambda t: (-itemsize(t.dtype), t.fqn))
+
+
+SCALE_BUFFERS = ("_k_scale", "_v_scale", "_q_scale", "_prob_scale")
+SCALE_NAME = re.compile(r"^model\.layers\.\d+\.self_attn\.attn\._(k|v|q|prob)_scale$")
+
+
+def attention_scales(num_layers: int) -> list[str]:
+    """The scale buffers of every attention layer, sorted by name."""
+    return sorted(
+        f"model.layers.{i}.self_attn.attn.{b}" for i in range(num_layers) for b in SCALE_BUFFERS
+    )

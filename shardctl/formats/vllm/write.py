@@ -15,6 +15,7 @@ dim of 1 for the expert index). Bytes do not move: only coordinates are relabell
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, cast
@@ -22,7 +23,8 @@ from typing import Any, cast
 from shardctl.checkpoint.plan_files import OutputFile, _file, _parts
 from shardctl.checkpoint.source import Source, SourceShard
 from shardctl.errors import UsageError
-from shardctl.formats.vllm.names import VTensor, rank_tensors
+from shardctl.formats.vllm.names import VTensor, attention_scales, rank_tensors
+from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Mesh, Piece
 from shardctl.model.types import TensorInfo
 
@@ -35,6 +37,7 @@ class VllmFiles:
     files: tuple[OutputFile, ...]
     sources: Mapping[str, tuple[SourceShard, ...]]  # vLLM name -> virtual source shards
     order: dict[str, int]
+    extra_files: tuple[tuple[str, bytes], ...]  # (name, bytes): each rank's scale-buffer part
 
 
 def check_mesh(mesh: Mesh | None) -> int:
@@ -71,7 +74,21 @@ def vllm_files(source: Source, mesh: Mesh | None, max_shard_size: int) -> VllmFi
             items = [(TensorInfo(v.name, v.local_shape, v.dtype), _pieces(v)) for v in tensors[a:b]]
             # vLLM's save_file passes no metadata: no ``__metadata__`` key at all
             files.append(_file(PATTERN.format(rank=r, part=k), items, cast(Any, None), r))
-    return VllmFiles(tuple(files), _virtual_sources(source, ranks[0]), order)
+    extra: list[tuple[str, bytes]] = []
+    dims = source.model.dims
+    scales = _scales_file(dims.num_layers if dims else 0)
+    for r in range(tp):
+        parts = sum(1 for f in files if f.rank == r)
+        extra.append((PATTERN.format(rank=r, part=parts), scales))
+    return VllmFiles(tuple(files), _virtual_sources(source, ranks[0]), order, tuple(extra))
+
+
+def _scales_file(num_layers: int) -> bytes:
+    """A safetensors file of the attention scale buffers: float32 scalars, all 1.0."""
+    one = struct.pack("<f", 1.0)
+    names = attention_scales(num_layers)
+    entries = [HeaderEntry(n, "F32", (), 4 * i, 4 * i + 4) for i, n in enumerate(names)]
+    return header_bytes(entries, None) + one * len(names)
 
 
 def _pieces(v: VTensor) -> tuple[Piece, ...]:
