@@ -254,8 +254,8 @@ def test_refusals_one_line(tmp_path: Path) -> None:
         "reshard", str(hf), str(tmp_path / "o1"), "--tp", "2", "--pp", "2", "--format", "vllm"
     )
     assert res.returncode == 2 and "pp 2" in res.stderr and res.stderr.count("\n") == 1
-    res = _cli("reshard", str(hf), str(tmp_path / "o2"), "--tp", "3", "--format", "vllm")
-    assert res.returncode == 2 and "num_attention_heads 8" in res.stderr
+    with pytest.raises(shardctl.UsageError, match="num_attention_heads 8"):
+        shardctl.reshard(hf, tmp_path / "o2", mesh={"tp": 3}, format="vllm")
     gpt2 = make_checkpoint("gpt2", tmp_path / "gpt2")
     res = _cli("reshard", str(gpt2), str(tmp_path / "o3"), "--tp", "2", "--format", "vllm")
     assert res.returncode == 3 and "'gpt2'" in res.stderr and res.stderr.count("\n") == 1
