@@ -101,8 +101,9 @@ def vllm_reference(hf: Path, tp: int, rank: int) -> dict[str, torch.Tensor]:
                 )
                 for e in range(experts)
             ]
-            out[f"{p}.w13_weight"] = torch.stack(w13)
-            out[f"{p}.w2_weight"] = torch.stack(
+            # vLLM 0.32: the MoERunner keeps the expert weights in its .routed_experts module
+            out[f"{p}.routed_experts.w13_weight"] = torch.stack(w13)
+            out[f"{p}.routed_experts.w2_weight"] = torch.stack(
                 [w[f"{p}.{e}.w2.weight"].narrow(1, rank * per, per) for e in range(experts)]
             )
     embed = w["model.embed_tokens.weight"]
@@ -323,7 +324,8 @@ def _generate(python: str, model: Path, load_format: str, tp: int) -> list[list[
         check=False,
     )
     lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULT ")]
-    assert res.returncode == 0 and lines, res.stdout[-3000:] + res.stderr[-6000:]
+    errors = [ln for ln in (res.stdout + res.stderr).splitlines() if "Error:" in ln]
+    assert res.returncode == 0 and lines, f"{load_format}: " + "\n".join(errors[:20])
     tokens: list[list[int]] = json.loads(lines[-1].removeprefix("RESULT "))["tokens"]
     return tokens
 

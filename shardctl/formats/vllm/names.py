@@ -15,8 +15,8 @@ vLLM's own weight loaders filled it from the HF checkpoint. Read from vLLM's sou
 - tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` share one tensor and
   ``_filter_subtensors`` keeps the smaller key, ``lm_head.weight`` (Gemma-2 has no lm_head
   module: ``model.embed_tokens.weight``);
-- Mixtral experts (``FusedMoE``, no EP): ``experts.w13_weight [E, 2·I/tp, H]`` = per expert
-  ``[w1_r; w3_r]``, ``experts.w2_weight [E, H, I/tp]`` = per expert ``w2[:, r·I/tp..]``;
+- Mixtral experts (``FusedMoE``, no EP): ``experts.routed_experts.w13_weight [E, 2·I/tp, H]``
+  = per expert ``[w1_r; w3_r]``, ``….w2_weight [E, H, I/tp]`` = per expert ``w2[:, r·I/tp..]``;
 - everything else (norms, the router) whole on every rank;
 - every attention layer's ``self_attn.attn._{k,v,q,prob}_scale``: float32 scalars, 1.0 for an
   unquantized model — persistent buffers of vLLM's ``Attention`` (``set_default_quant_scales(
@@ -40,6 +40,9 @@ from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
 VOCAB_PAD = 64  # vllm vocab_parallel_embedding.DEFAULT_VOCAB_PADDING_SIZE
 # Families whose vLLM module tree uses these names (vllm/model_executor/models/<family>.py).
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3", "gemma", "gemma2", "phi3", "mixtral", "granite")
+# vLLM 0.32: FusedMoEFactory returns a MoERunner whose RoutedExperts module holds the weights
+# (``...block_sparse_moe.experts.routed_experts.w13_weight``; older vLLM: ``experts.w13_weight``)
+MOE_EXPERTS = "experts.routed_experts"
 NO_LM_HEAD = ("gemma2",)  # logits from embed_tokens; vLLM (0.32) has no lm_head parameter
 
 _LAYER = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
@@ -216,7 +219,8 @@ def _groups(model: ModelInfo, d: ModelDims) -> list[tuple[str, tuple[str, Member
             continue
         elif em:
             w = "w2_weight" if em.group(2) == "w2" else "w13_weight"
-            add(f"{p}.block_sparse_moe.experts.{w}", "experts", f"{em.group(2)}:{em.group(1)}", f)
+            v = f"{p}.block_sparse_moe.{MOE_EXPERTS}.{w}"
+            add(v, "experts", f"{em.group(2)}:{em.group(1)}", f)
             continue
         elif _REPLICATED.match(rest):
             add(f, "rep", "", f)
