@@ -114,6 +114,45 @@ CONFIGS: dict[str, dict[str, Any]] = {
         tie_word_embeddings=True, max_position_embeddings=128, embedding_multiplier=12.0,
         logits_scaling=8.0, residual_multiplier=0.22, attention_multiplier=0.0625,
     ),
+    # fam-dense: OLMo-2, StarCoder2, Cohere, StableLM, GLM-4, Gemma-3 (text).
+    "olmo2": dict(  # q/k norm over the whole projection; GQA so tp 4 > kv 2 replicates
+        model_type="olmo2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "starcoder2": dict(  # biases everywhere, LayerNorm with bias, c_fc/c_proj GeLU MLP
+        model_type="starcoder2", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        tie_word_embeddings=True, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+    ),
+    "cohere": dict(  # parallel attn+MLP, per-head [heads, head_dim] q/k LayerNorm, logit_scale
+        model_type="cohere", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256, use_qk_norm=True,
+        logit_scale=0.5, tie_word_embeddings=True, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+    "stablelm": dict(  # partial rotary, qkv bias, per-head q/k LayerNorms, parallel residual
+        model_type="stablelm", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256, use_qkv_bias=True,
+        qk_layernorm=True, use_parallel_residual=True, tie_word_embeddings=False,
+        max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+    ),
+    "stablelm-sequential": dict(  # StableLM-2-1.6B style: post_attention_layernorm, no qk norm
+        model_type="stablelm", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=128, use_qkv_bias=True,
+        tie_word_embeddings=False, max_position_embeddings=128, bos_token_id=0, eos_token_id=0,
+    ),
+    "glm4": dict(  # fused gate_up, qkv bias, 4 norms per layer, partial rotary
+        model_type="glm4", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=8, vocab_size=256,
+        attention_bias=True, tie_word_embeddings=False, max_position_embeddings=128,
+        pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    ),
+    "gemma3_text": dict(  # q/k norms, 4 norms, sliding 5:1 (window 4 < the test's 16 tokens)
+        model_type="gemma3_text", hidden_size=64, intermediate_size=160, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
+        sliding_window=4, max_position_embeddings=128,
+    ),
 }
 # fmt: on
 

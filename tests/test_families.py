@@ -38,6 +38,13 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gpt2": [Mesh(tp=2), Mesh(pp=2, tp=2)],  # Conv1D [in, out], MHA
     "granite": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, tied, config multipliers
     "mixtral": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=4)],  # kv 2
+    # fam-dense
+    "olmo2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # whole-projection q/k norm, kv 2
+    "starcoder2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # biases, c_fc/c_proj, kv 2
+    "cohere": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # [heads, head_dim] q/k norms
+    "stablelm": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # per-head q/k norms, kv 2
+    "glm4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # fused gate_up, kv 2
+    "gemma3_text": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, sliding 5:1, tied
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 
@@ -49,7 +56,7 @@ def test_every_family_file_is_in_the_flow() -> None:
         family = family_for(name)
         assert family.rules and family.forward is not None and family.follows, name
         assert family.shape_keys and family.config_keys, name  # a manifest's model: keys
-        assert family.sliding_layers in ("none", "all", "even"), name
+        assert family.sliding_layers in ("none", "all", "even", "pattern"), name
     assert FORWARD_SUPPORTED == SUPPORTED  # verify's forward level runs every family
 
 

@@ -80,7 +80,7 @@ def test_unsupported_architecture_lists_all_patterns_via_cli(tmp_path: Path) -> 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     cfg = AutoConfig.for_model(
-        "olmo2",
+        "exaone4",
         hidden_size=64,
         intermediate_size=128,
         num_hidden_layers=3,
@@ -96,7 +96,7 @@ def test_unsupported_architecture_lists_all_patterns_via_cli(tmp_path: Path) -> 
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("shardctl: error:")]
     assert len(lines) == 1
     line = lines[0]
-    assert "architecture 'olmo2' has no preset" in line
+    assert "architecture 'exaone4' has no preset" in line
     for pattern in (
         "model.embed_tokens.weight",
         "model.layers.*.self_attn.q_proj.weight (×3)",

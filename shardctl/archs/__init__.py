@@ -15,16 +15,22 @@ import re
 from collections.abc import Iterable
 
 from shardctl.archs import (
+    cohere,
     gemma,
     gemma2,
+    gemma3,
+    glm4,
     gpt2,
     granite,
     llama,
     mistral,
     mixtral,
+    olmo2,
     phi3,
     qwen2,
     qwen3,
+    stablelm,
+    starcoder2,
 )
 from shardctl.archs._family import ExpertSpec, Family, ForwardSpec, MemoryFlags
 from shardctl.errors import InvalidInputError
@@ -42,12 +48,33 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (gemma, gemma2, gpt2, granite, llama, mistral, mixtral, phi3, qwen2, qwen3)
+_MODULES = (
+    gemma,
+    gemma2,
+    gpt2,
+    granite,
+    llama,
+    mistral,
+    mixtral,
+    phi3,
+    qwen2,
+    qwen3,
+    # fam-dense
+    olmo2,
+    starcoder2,
+    cohere,
+    stablelm,
+    glm4,
+    gemma3,
+)
 
 FAMILIES: dict[str, Family] = {
     model_type: m.FAMILY for m in _MODULES for model_type in m.FAMILY.model_types
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
+# model_type -> why it is refused and what to do, for a known relative a family file declines
+# (a module's optional ``REFUSED`` dict, e.g. gemma3.py: the multimodal "gemma3" config).
+REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 
@@ -81,6 +108,8 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
 
 def refusal_hint(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The remedy for an architecture with no family file, as one line."""
+    if model_type in REFUSED:
+        return REFUSED[model_type]
     near = closest_family(model_type, fqns)
     return (
         f"closest known family: {near!r}; supported: {', '.join(SUPPORTED)}; for another "

@@ -59,6 +59,9 @@ class ExpertSpec:
 Localize = Callable[[Any, Any, ModelDims, int, int, Any], None]
 # (config, dims, tp, ep, first_layer, num_layers) -> the local config's changed keys.
 LocalConfig = Callable[[Config, ModelDims, int, int, int, int], dict[str, Any]]
+# (layer, comm, tp_rank, tp_size, dims) -> None: after loading, swap a layer's modules for
+# tensor-parallel ones (OLMo-2's q/k norm over the whole projection needs a tp all-reduce).
+ShardLayer = Callable[[Any, Any, int, int, ModelDims], None]
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,7 @@ class ForwardSpec:
     conv1d: bool = False
     experts: ExpertSpec | None = None
     localize: Localize | None = None  # after from_config, before loading the rank's tensors
+    shard_layer: ShardLayer | None = None  # per layer, after loading, with the tp comm
     arch: str = ""  # filled in by the registry: the model_type asked for
 
     @property
@@ -103,7 +107,8 @@ class Family:
     shape_keys: tuple[str, ...] = ()
     config_keys: tuple[str, ...] = ()
     # Which layers slide when the config has ``sliding_window`` but no ``layer_types`` (the KV
-    # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...).
+    # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...),
+    # or "pattern": every ``sliding_window_pattern``-th layer global, the rest slide (Gemma-3).
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
 

@@ -22,6 +22,7 @@ from shardctl.layout.placement import SUGAR
 from shardctl.layout.rules import HEADS, NAMED_PARTS, STAGES
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.manifest.values import thaw
+from shardctl.plan.memory.engines import ENGINES as _ENGINES
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import FRACTIONS as _OVERHEAD_FRACTIONS
 from shardctl.plan.memory.overhead import SIZES as _OVERHEAD_SIZES
@@ -31,6 +32,7 @@ from shardctl.plan.memory.spec import (
     FP8_BLOCK,
     FP8_SCALING,
     FSDP_NAMES,
+    LORA_TARGETS,
     OFFLOAD,
     PIPELINE_SCHEDULES,
     QUANT_METHODS,
@@ -49,7 +51,7 @@ MODES = ("inference", "training", "weights-only")
 # tp×dp ranks that run attention (ep = tp·dp, world = pp·dp·tp), as vLLM's
 # --enable-expert-parallel and Megatron's expert-parallel groups over data-parallel ranks.
 EXPERT_PLACEMENTS = ("separate", "shared")
-ENGINES = ("generic", "vllm")  # the memory profiles (shardctl.plan.memory.vllm.ENGINES)
+ENGINES = _ENGINES  # the memory profiles (shardctl.plan.memory.engines)
 OPTIMIZERS = tuple(_OPTIMIZER_TABLE)
 ZERO_FSDP_NAMES: dict[str, int] = {name.upper(): stage for name, stage in FSDP_NAMES.items()}
 RULE_HEADS = HEADS
@@ -132,6 +134,7 @@ __all__ = [
     "DEFAULT_KEEP_16BIT",
     "FP8_BLOCK",
     "FP8_SCALING",
+    "LORA_TARGETS",
     "OFFLOAD",
     "PIPELINE_SCHEDULES",
     "QUANT_METHODS",

@@ -284,10 +284,29 @@ def _training_section() -> dict[str, Any]:
             "sequence_parallel": _bool("Megatron sequence parallelism (default false)."),
             "master_weights": _bool("fp32 master weights (default true)."),
             "grad_dtype": _dtype("Gradient dtype (default: the model's)."),
-            "pipeline_schedule": _enum(m.PIPELINE_SCHEDULES, "Default 1f1b."),
+            "pipeline_schedule": _enum(
+                m.PIPELINE_SCHEDULES, "Default 1f1b; interleaved needs virtual_stages."
+            ),
+            "virtual_stages": _int(
+                "Model chunks per pipeline rank for the interleaved schedule (Megatron "
+                "--num-virtual-stages-per-pipeline-rank), >= 2."
+            ),
+            "recompute_layers": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "With recompute: full, recompute only the first N layers of "
+                "each stage (Megatron --recompute-method block --recompute-num-layers N).",
+            },
             "num_microbatches": _int(
                 "Microbatches per step (default: gradient_accumulation_steps)."
             ),
+            "lora_rank": {
+                "type": "integer",
+                "minimum": 0,
+                "description": "LoRA adapter rank; the base is frozen (with quantization.method"
+                ": nf4, QLoRA). Default 0: full fine-tuning.",
+            },
+            "lora_targets": _enum(m.LORA_TARGETS, "Adapted linears (PEFT target_modules)."),
         },
         "Training states; giving this section implies workload.mode: training.",
     )

@@ -179,6 +179,14 @@ def _mesh(section: Map | None, problems: Problems) -> Mesh:
     return Mesh(**{a: problems.get(section, a, "mesh", read_axis, 1) for a in AXES})
 
 
+def _context_parallel(section: Map | None, problems: Problems) -> int:
+    """``mesh.cp``: context-parallel ranks per model replica (training only)."""
+    if section is None:
+        return 1
+    cp: int = problems.get(section, "cp", "mesh", read_axis, 1)
+    return cp
+
+
 def _expert_placement(section: Map | None, problems: Problems) -> str:
     if section is None:
         return "separate"
@@ -294,11 +302,22 @@ def build_manifest(
     mesh = _mesh(sections["mesh"], problems)
     training_given = "training" in root.entries
     keys = read_workload(sections["workload"], training_given, problems)
+    cp = _context_parallel(sections["mesh"], problems)
     training = (
-        read_training(sections["training"], keys, mesh.dp, problems)
+        read_training(sections["training"], keys, mesh.dp, problems, cp=cp)
         if keys.mode == "training"
         else None
     )
+    if cp > 1 and training is None:
+        problems.add(
+            Invalid(
+                "mesh.cp",
+                f"context parallelism (cp {cp}) is planned for training; the workload is "
+                f"{keys.mode}",
+                sections["mesh"].key_lines.get("cp") if sections["mesh"] else None,
+                "drop mesh.cp, or plan a training workload",
+            )
+        )
     manifest = m.Manifest(
         model=model,
         mesh=mesh,

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from shardctl.manifest import model as m
@@ -29,6 +29,9 @@ class WorkloadKeys:
     mode: str
     micro_batch_size: int | None
     gradient_accumulation_steps: int
+    # Whether the manifest gave these (with ``micro_batch_size`` they fix the accumulation).
+    batch_given: bool = False
+    steps_given: bool = False
 
 
 def read_workload(section: Map | None, training: bool, problems: Problems) -> WorkloadKeys:
@@ -78,6 +81,8 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         mode,
         get(section, "micro_batch_size", path, read_positive, None),
         get(section, "gradient_accumulation_steps", path, read_positive, 1),
+        batch_given="batch_size" in section.entries,
+        steps_given="gradient_accumulation_steps" in section.entries,
     )
 
 
@@ -108,14 +113,49 @@ def _micro_per_rank(keys: WorkloadKeys, dp: int, problems: Problems) -> int:
     return batch // (dp * steps)
 
 
+def _steps_from_batch(keys: WorkloadKeys, dp: int, problems: Problems) -> WorkloadKeys:
+    """``batch_size`` (global) with ``micro_batch_size``: the accumulation is ``batch / (micro
+    × dp)`` (Megatron's ``--global-batch-size`` with ``--micro-batch-size``); given as well, the
+    three must agree. Never silently drop the global batch."""
+    batch, micro = keys.workload.batch_size, keys.micro_batch_size
+    assert micro is not None
+    per = micro * dp
+    if keys.steps_given:
+        steps = keys.gradient_accumulation_steps
+        if batch != per * steps:
+            problems.add(
+                Invalid(
+                    "workload.batch_size",
+                    f"is {batch}, but micro_batch_size × mesh.dp × gradient_accumulation_steps "
+                    f"= {micro} × {dp} × {steps} = {per * steps}",
+                    None,
+                    "drop one of the three (it is derived from the others), or make them agree",
+                )
+            )
+        return keys
+    if batch % per:
+        problems.add(
+            Invalid(
+                "workload.batch_size",
+                f"is {batch}, not divisible by micro_batch_size × mesh.dp = {micro} × {dp} = {per}",
+                None,
+                f"use a batch_size that is a multiple of {per}",
+            )
+        )
+        return keys
+    return replace(keys, gradient_accumulation_steps=batch // per)
+
+
 def read_training(
-    section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems
+    section: Map | None, keys: WorkloadKeys, dp: int, problems: Problems, *, cp: int = 1
 ) -> TrainingSpec:
     """The memory model's :class:`TrainingSpec`: the ``training:`` keys, plus the micro-batch,
     accumulation, sequence length and attention kernel of ``workload:``. The global batch is
     pinned to this manifest's ``mesh.dp`` (a ``--dp`` override or the search keeps it)."""
     w = keys.workload
     micro = keys.micro_batch_size or _micro_per_rank(keys, dp, problems)
+    if keys.micro_batch_size is not None and keys.batch_given:
+        keys = _steps_from_batch(keys, dp, problems)
     common: dict[str, Any] = {
         "micro_batch_size": micro,
         "sequence_length": w.sequence_length,
@@ -124,7 +164,10 @@ def read_training(
     if section is None:
         steps = keys.gradient_accumulation_steps
         return TrainingSpec(
-            grad_accumulation_steps=steps, global_batch_size=micro * steps * dp, **common
+            grad_accumulation_steps=steps,
+            global_batch_size=micro * steps * dp,
+            context_parallel=cp,
+            **common,
         )
     problems.keys(section, "training")
     get, path = problems.get, "training"
@@ -164,20 +207,51 @@ def read_training(
         get(section, "num_microbatches", path, read_positive, None)
         or keys.gradient_accumulation_steps
     )
+    recompute = get(section, "recompute", path, enum(m.RECOMPUTE), "none")
+    schedule = get(section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b")
+    virtual = get(section, "virtual_stages", path, read_positive, None)
+    if (schedule == "interleaved") != (virtual is not None and virtual > 1):
+        problems.add(
+            Invalid(
+                "training.virtual_stages",
+                f"pipeline_schedule: {schedule} with virtual_stages: {virtual}: the interleaved "
+                "schedule needs virtual_stages >= 2, and virtual_stages needs it",
+                lines.get("virtual_stages", lines.get("pipeline_schedule")),
+                "set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or drop "
+                "virtual_stages",
+            )
+        )
+        schedule, virtual = "1f1b", None  # the manifest is refused; keep the spec constructible
+    recompute_layers = get(
+        section, "recompute_layers", path, lambda n, p: read_int(n, p, minimum=0), None
+    )
+    if recompute_layers is not None and recompute != "full":
+        problems.add(
+            Invalid(
+                "training.recompute_layers",
+                f"recompute_layers needs recompute: full, got recompute: {recompute}",
+                lines["recompute_layers"],
+                "set recompute: full (Megatron --recompute-method block), or drop recompute_layers",
+            )
+        )
+        recompute_layers = None
     return TrainingSpec(
         optimizer=get(section, "optimizer", path, enum(m.OPTIMIZERS), "adamw"),
         zero=zero,
         offload_optimizer=offload_optimizer,
         offload_params=offload_params,
-        recompute=get(section, "recompute", path, enum(m.RECOMPUTE), "none"),
+        recompute=recompute,
+        recompute_layers=recompute_layers,
+        lora_rank=get(section, "lora_rank", path, lambda n, p: read_int(n, p, minimum=0), 0),
+        lora_targets=get(section, "lora_targets", path, enum(m.LORA_TARGETS), "all-linear"),
         sequence_parallel=get(section, "sequence_parallel", path, read_bool, False),
         master_weights=get(section, "master_weights", path, read_bool, True),
         grad_dtype=get(section, "grad_dtype", path, read_dtype, None),
-        pipeline_schedule=get(
-            section, "pipeline_schedule", path, enum(m.PIPELINE_SCHEDULES), "1f1b"
-        ),
+        pipeline_schedule=schedule,
+        virtual_stages=virtual or 1,
         grad_accumulation_steps=steps,
         global_batch_size=micro * steps * dp,
+        context_parallel=cp,
         **common,
     )
 

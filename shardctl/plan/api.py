@@ -210,6 +210,11 @@ def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
     return replace(manifest, workload=replace(manifest.workload, only_weights=True))
 
 
+def _cp(manifest: Manifest) -> int:
+    """Context-parallel ranks per replica (``mesh.cp``; 1 for inference)."""
+    return manifest.training.context_parallel if manifest.training is not None else 1
+
+
 def plan_manifest(
     manifest: Manifest,
     *,
@@ -219,13 +224,14 @@ def plan_manifest(
 ) -> PlanResult:
     """The plan of ``manifest``'s layout. ``check_hardware=False`` prices a mesh that is not a
     cluster layout (the device map's one stage per layer) without the GPU-count check."""
-    from shardctl.plan.checks import check_mesh, check_workload
+    from shardctl.plan.checks import check_keep_16bit, check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
     from shardctl.plan.weights import weights_per_coord
 
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
+    check_keep_16bit(model, manifest.quantization)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
     shared_ep = 0
     if manifest.expert_placement == "shared":
@@ -233,14 +239,14 @@ def plan_manifest(
 
         sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
         full, mesh = mesh, sh.attention_mesh(mesh)
-        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, by_dp = sh.shared_ep_weights(
             model, full, rules=manifest.rules, options=manifest.layout
         )
         weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
         shared_ep = full.ep
     else:
-        warnings = check_mesh(mesh, manifest.hardware) if check_hardware else ()
+        warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, weights = weights_per_coord(
             model, mesh, rules=manifest.rules, options=manifest.layout
         )
@@ -287,7 +293,7 @@ def search_manifest(
     only_weights: bool = False,
 ) -> SearchResult:
     """:func:`run_search` of a loaded manifest (``mesh_overrides`` are not searched over)."""
-    from shardctl.plan.checks import check_workload
+    from shardctl.plan.checks import check_keep_16bit, check_workload
     from shardctl.plan.memory.adapter import search_layouts
 
     if manifest.expert_placement == "shared":
@@ -296,7 +302,14 @@ def search_manifest(
             where="mesh.expert_placement",
             hint="plan the shared layout without --search, or search with separate placement",
         )
+    if _cp(manifest) > 1:
+        raise InvalidInputError(
+            f"--search covers pp × dp × ep × tp; the manifest has mesh.cp {_cp(manifest)}",
+            where="mesh.cp",
+            hint="plan the context-parallel layout without --search, or search without mesh.cp",
+        )
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
+    check_keep_16bit(model, manifest.quantization)
     return search_layouts(manifest, model, gpus=gpus)

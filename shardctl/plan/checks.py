@@ -20,7 +20,7 @@ from shardctl.layout.types import Mesh
 from shardctl.model.archs import SUPPORTED
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.hardware import HardwareSpec
-from shardctl.plan.memory.spec import TrainingSpec, Workload
+from shardctl.plan.memory.spec import DEFAULT_KEEP_16BIT, QuantSpec, TrainingSpec, Workload
 
 
 def tokens_asked(workload: Workload, training: TrainingSpec | None) -> bool:
@@ -57,16 +57,19 @@ def check_workload(model: ModelInfo, workload: Workload, training: TrainingSpec 
     )
 
 
-def check_mesh(mesh: Mesh, hardware: HardwareSpec) -> tuple[str, ...]:
-    """Refuse a mesh with more ranks than the hardware has GPUs; the warnings it deserves."""
-    if mesh.world > hardware.gpus:
+def check_mesh(mesh: Mesh, hardware: HardwareSpec, cp: int = 1) -> tuple[str, ...]:
+    """Refuse a mesh with more ranks than the hardware has GPUs; the warnings it deserves.
+    ``cp``: context-parallel ranks per model replica (``mesh.cp``, training)."""
+    gpus = mesh.world * cp
+    if gpus > hardware.gpus:
+        axes = f"{mesh.pp}×{mesh.dp}×{mesh.ep}×{mesh.tp}" + (f"×{cp}" if cp > 1 else "")
         raise InvalidInputError(
-            f"mesh {mesh} needs {mesh.world} GPUs (pp×dp×ep×tp = "
-            f"{mesh.pp}×{mesh.dp}×{mesh.ep}×{mesh.tp}) but hardware declares "
+            f"mesh {mesh}{f' CP{cp}' if cp > 1 else ''} needs {gpus} GPUs "
+            f"(pp×dp×ep×tp{'×cp' if cp > 1 else ''} = {axes}) but hardware declares "
             f"{hardware.nodes} node(s) × {hardware.gpus_per_node} GPUs = {hardware.gpus}",
             where="mesh",
             hint=f"lower the degrees to fit {hardware.gpus} GPUs, or set hardware.nodes "
-            f"to {-(-mesh.world // hardware.gpus_per_node)}",
+            f"to {-(-gpus // hardware.gpus_per_node)}",
         )
     warnings: list[str] = []
     if mesh.tp > hardware.gpus_per_node and not hardware.allow_tp_across_nodes:
@@ -77,3 +80,45 @@ def check_mesh(mesh: Mesh, hardware: HardwareSpec) -> tuple[str, ...]:
             "hardware.allow_tp_across_nodes: true"
         )
     return tuple(warnings)
+
+
+def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
+    """Each ``quantization.keep_16bit`` glob must match a tensor of the model, and only what
+    the weight model prices in 16-bit under a quantized format: embeddings, the head, norms,
+    biases (1-D). A glob that matches nothing, or matches decoder matrices (whose 16-bit bytes
+    the plan would not count), is refused rather than silently ignored."""
+    if quant is None or quant.method == "none" or quant.keep_16bit == DEFAULT_KEEP_16BIT:
+        return
+    from fnmatch import fnmatchcase
+
+    if not model.tensors:
+        raise InvalidInputError(
+            "keep_16bit globs need the model's tensor names; a bare parameter count has none",
+            where="quantization.keep_16bit",
+            hint="give model.config or model.checkpoint, or drop keep_16bit",
+        )
+    vocab = model.dims.vocab_size if model.dims else -1
+    for glob in quant.keep_16bit:
+        hits = [t for t in model.tensors if fnmatchcase(t.fqn, glob)]
+        if not hits:
+            example = next((t.fqn for t in model.tensors if ".1." in t.fqn), model.tensors[0].fqn)
+            raise InvalidInputError(
+                f"glob {glob!r} matches no tensor of this {model.architecture} model "
+                f"({len(model.tensors):,} tensors, e.g. {example})",
+                where="quantization.keep_16bit",
+                hint="fix the glob (fnmatch on full tensor names), or drop it",
+            )
+        beyond = [
+            t
+            for t in hits
+            if len(t.shape) >= 2 and t.shape[0] != vocab and not t.fqn.endswith("wpe.weight")
+        ]
+        if beyond:
+            raise InvalidInputError(
+                f"glob {glob!r} keeps {beyond[0].fqn} {list(beyond[0].shape)} (and "
+                f"{len(beyond) - 1} more matrices) in 16-bit: the weight model prices only "
+                "embeddings, the head, norms and biases in 16-bit under a quantized format",
+                where="quantization.keep_16bit",
+                hint="plan the mixed-precision checkpoint itself (model.checkpoint), whose "
+                "stored bytes are exact, or keep only embeddings/head/norms",
+            )

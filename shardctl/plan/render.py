@@ -31,11 +31,18 @@ def render_plan(
     model, m = result.model, result.mesh
     largest = max([r.total for r in result.ranks] + [result.device_memory or 0, 1])
     unit = pick_unit(largest)
+    tr = result.manifest.training
+    cp = tr.context_parallel if tr is not None else 1
     console.print(
         f"[bold]{escape(model.architecture)}[/bold]  {model.parameters:,} parameters  "
         f"{fmt_in(model.weight_bytes, unit)} ({model.weight_bytes:,} B, {model.dtype})  "
-        f"mesh {m} = {m.world} GPUs"
+        f"mesh {m}{f'×CP{cp}' if cp > 1 else ''} = {m.world * cp} GPUs"
     )
+    if cp > 1:
+        console.print(
+            f"  context parallel: each of the {cp} CP ranks of a replica holds 1/{cp} of every "
+            "sequence's tokens and the same weights as the rank listed"
+        )
     if result.shared_ep:
         experts = model.dims.num_experts if model.dims else 0
         console.print(

@@ -34,9 +34,7 @@ class Batching(Gather):
         boxes = plan_boxes(t.fqn, t.pieces, self.sources[t.fqn])
         if any(math.prod(b.src.local_shape) * s > self.block for b in boxes):
             return None
-        return [
-            Box(b.src, *(scalar_shape(x) for x in (b.src_lo, b.dst_lo, b.sizes))) for b in boxes
-        ]
+        return boxes  # plan_boxes gives a scalar its one-element box (scalar_piece)
 
     def _small(self, out: OutFile, t: LocalTensor, boxes: list[Box]) -> None:
         """Append ``t`` (at most one block) to ``out``'s pending buffer.

@@ -34,6 +34,10 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
     Raises InvalidInputError when the sources leave part of a piece uncovered or overlap: the
     boxes of each piece must tile it exactly (count *and* disjointness), before a byte is written.
     """
+    if len(sources) == 1 and len(sources[0].pieces) == 1:
+        fast = _inside_one(pieces, sources[0])
+        if fast is not None:
+            return fast
     held: dict[tuple[tuple[int, ...], tuple[int, ...]], tuple[SourceShard, Piece]] = {}
     for s in sources:
         for q in map(scalar_piece, s.pieces):
@@ -71,4 +75,25 @@ def plan_boxes(fqn: str, pieces: Sequence[Piece], sources: Sequence[SourceShard]
                 where=fqn,
                 hint="the source layout record is inconsistent; re-create the sharded checkpoint",
             )
+    return boxes
+
+
+def _inside_one(pieces: Sequence[Piece], src: SourceShard) -> list[Box] | None:
+    """The common case (a whole tensor of an HF file, or one source shard): every piece lies
+    inside the one source piece, so each is one box and trivially tiles itself. ``None`` when
+    a piece reaches outside it (the general path then reports what is uncovered)."""
+    q = scalar_piece(src.pieces[0])
+    boxes: list[Box] = []
+    for p in map(scalar_piece, pieces):
+        if 0 in p.sizes:
+            continue
+        if len(p.offsets) != len(q.offsets):
+            return None
+        src_lo = []
+        rows = zip(p.offsets, p.sizes, q.offsets, q.sizes, q.local_offsets, strict=True)
+        for a, n, b, m, c in rows:
+            if a < b or a + n > b + m:
+                return None
+            src_lo.append(a - b + c)
+        boxes.append(Box(src, tuple(src_lo), p.local_offsets, p.sizes))
     return boxes

@@ -40,10 +40,12 @@ def implementations(cfg: dict[str, Any]) -> dict[str, str]:
 def warm_imports(model_type: str) -> None:
     """Import transformers' classes for ``model_type`` now, in the calling thread."""
     import transformers
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
     transformers.AutoModelForCausalLM  # noqa: B018
-    importlib.import_module(f"transformers.models.{model_type}.modeling_{model_type}")
+    module = model_type_to_module_name(model_type)  # gemma3_text lives in models.gemma3
+    importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
 @dataclass
@@ -236,6 +238,8 @@ def _wrap(
             experts = mlp.get_submodule(leaf)
             local = LocalExperts(experts, comm, first=role.ep * per_rank, count=per_rank)
             setattr(mlp, leaf, local)
+        if ad.shard_layer is not None:
+            ad.shard_layer(layer, comm, role.tp, role.tp_size, d)
     root, _, emb = ad.embeddings[0].rpartition(".")
     if vocab_sharded and role.first_stage:
         parent = model.get_submodule(root)

@@ -50,8 +50,20 @@ def layer_activation_bytes(
     dropout: bool = True,
     act_bytes: int = 2,
     capacity_factor: float = 1.0,
+    saved: str = "korthikanti",
+    kv_seq: int | None = None,
 ) -> int:
     """Bytes one decoder layer stores for backward, for one micro-batch on one tp rank.
+
+    ``kv_seq``: keys each query attends over when it differs from ``seq`` — context parallelism
+    holds ``seq = s/cp`` queries per rank against all ``s`` keys (ring attention).
+
+    ``saved="transformers"``: what autograd saves in transformers' own Llama-style modules
+    (measured with ``torch.autograd.graph.saved_tensors_hooks``, tests/test_memory_engines.py):
+    each RMSNorm keeps an fp32 copy of its input, the fp32 ``rsqrt`` and its 16-bit normalized
+    output besides the weighted output the next Linear saves — ``(8 + 4B)·h + 8`` per token for
+    the two norms instead of ``4B·h`` — and the unfused SwiGLU keeps gate, up, ``act(gate)``
+    and their product, ``4·f·B/t`` instead of ``3·f·B/t``.
 
     >>> from shardctl.model.types import ModelDims
     >>> gpt = ModelDims(4096, 1, 32, 32, 128, 16384, 50257, False, gated_mlp=False)
@@ -70,22 +82,26 @@ def layer_activation_bytes(
     heads = dims.num_heads // t
     mask = 1 if dropout else 0
     replicated = tokens * h * (4 * nb + 2 * mask)
+    hf = saved == "transformers"
+    if hf:
+        replicated = tokens * ((8 + 4 * nb) * h + 8 + 2 * mask * h)
     split = tokens * (2 * q + 2 * kv) * nb
     if dims.num_experts:
         k = max(dims.experts_per_token, 1)
         routed = int(tokens * k * capacity_factor)
-        n_mlp = 3 if dims.gated_mlp else 2
+        n_mlp = (4 if hf else 3) if dims.gated_mlp else 2
         split += routed * n_mlp * dims.intermediate_size * nb // t
         replicated += routed * 2 * h * nb + tokens * dims.num_experts * 4
     else:
-        n_mlp = 3 if dims.gated_mlp else 2
+        n_mlp = (4 if hf else 3) if dims.gated_mlp else 2
         split += tokens * n_mlp * dims.intermediate_size * nb // t
     if flash_attention:
         scores = 4 * heads * s * b  # fp32 log-sum-exp per query and head
     elif recompute == "selective":
         scores = 0  # recomputed in backward (Korthikanti §5)
     else:
-        scores = heads * s * s * b * (2 * nb + mask if dropout else nb)
+        keys = s if kv_seq is None else kv_seq
+        scores = heads * s * keys * b * (2 * nb + mask if dropout else nb)
     return replicated // sp + split + scores
 
 
@@ -98,15 +114,21 @@ def last_stage_activation_bytes(
     sequence_parallel: bool = False,
     act_bytes: int = 2,
     vocab_rows: int | None = None,
+    saved: str = "korthikanti",
 ) -> int:
     """Final-norm and head inputs plus fp32 logits for the loss, one micro-batch, one tp rank
     (Korthikanti §4.3: ``4sbh/t · (1 + V/h)`` with sequence parallel, B = 2).
 
     ``vocab_rows`` is the rank's vocab-parallel share (padding included); default ``V/t``.
+    ``saved="transformers"``: the final RMSNorm keeps ``(4 + 2B)·h + 4`` per token (fp32 input
+    copy, rsqrt, normalized and weighted outputs) and the loss the fp32 log-softmax.
     """
     tokens = seq * batch
     sp = tp if sequence_parallel else 1
     rows = dims.vocab_size // tp if vocab_rows is None else vocab_rows
+    if saved == "transformers":
+        norm = tokens * ((4 + 2 * act_bytes) * dims.hidden_size + 4) // sp
+        return norm + 4 * tokens * rows
     return 2 * tokens * dims.hidden_size * act_bytes // sp + 4 * tokens * rows
 
 
@@ -140,6 +162,24 @@ def in_flight_microbatches(stage: int, pp: int, microbatches: int, schedule: str
     if schedule == "gpipe":
         return max(1, microbatches)
     return max(1, min(pp - stage, microbatches))
+
+
+def interleaved_in_flight_chunks(stage: int, pp: int, microbatches: int, virtual: int) -> int:
+    """Model chunks (each ``1/virtual`` of the stage's layers, one micro-batch) whose
+    activations stage ``stage`` holds at its peak under interleaved 1F1B.
+
+    Megatron-LM ``schedules.py`` (``forward_backward_pipelining_with_interleaving``) runs
+    ``(pp − stage − 1)·2 + (virtual − 1)·pp`` warm-up forwards (micro-batch groups of ``pp``)
+    and one more before its first backward, never more than the ``m·virtual`` chunk forwards
+    of the step (Narayanan et al. 2021 §2.2.1). Stage 0 holds ``pp·v + pp − 1`` chunks, i.e.
+    ``pp · (1 + (pp − 1)/(pp·v))`` micro-batches' worth of its layers — the penalty
+    Megatron's ``theoretical_memory_usage.py`` applies.
+
+    >>> [interleaved_in_flight_chunks(i, 4, 8, 2) for i in range(4)]
+    [11, 9, 7, 5]
+    """
+    warmup = (pp - stage - 1) * 2 + (virtual - 1) * pp
+    return max(1, min(warmup + 1, microbatches * virtual))
 
 
 def prefill_peak_bytes(

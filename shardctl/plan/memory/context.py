@@ -11,6 +11,7 @@ from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import memory_budget
+from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
@@ -48,6 +49,8 @@ class Context:
         self.dtype = model.dtype if DTYPE_BITS.get(model.dtype, 0) >= 16 else "BF16"
         self.nb = _dense_bytes(self.dtype)
         self.kv_dtype = workload.kv_cache_dtype or self.dtype
+        self.engine = engine_profile(workload.engine, training=training is not None)
+        self.cp = training.context_parallel if training is not None else 1
         self.vllm = training is None and workload.engine == "vllm"
         n_layers = shape.dims.num_layers if shape is not None else 0
         self.windows = layer_windows(model.architecture, model.config, n_layers)

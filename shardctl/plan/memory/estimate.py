@@ -50,11 +50,18 @@ def estimate(
     overhead = overhead or OverheadSpec()
     # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
     hardware = engine_hardware(hardware, workload.engine, training=training is not None)
-    if training is not None and quant.method != "none":
+    if training is not None and quant.method != "none" and not training.lora_rank:
         raise InvalidInputError(
-            "training with quantized weights (QLoRA-style adapters) is not modeled",
+            f"training with {quant.method} weights needs frozen weights: a quantized base "
+            "trains only through adapters (QLoRA)",
             where="quantization.method",
-            hint="drop quantization for a training plan, or plan inference",
+            hint="set training.lora_rank (e.g. 16) for QLoRA, or drop quantization",
+        )
+    if training is not None and training.lora_rank and not model.dims:
+        raise InvalidInputError(
+            "LoRA needs the model's shapes to size its adapters; a bare parameter count has none",
+            where="training.lora_rank",
+            hint="give model.config or model.checkpoint",
         )
     stages = tuple(stages)
     if len(stages) != mesh.pp:

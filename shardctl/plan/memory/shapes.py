@@ -93,6 +93,10 @@ class ModelShape:
     vocab_padding: str = "tp"  # none | tp | megatron
     layer_norm_numel: int | None = None  # per layer, from the inventory (Qwen3 q/k norms)
     final_norm_numel: int | None = None
+    # per-head norms ``[heads, head_dim]`` split with their heads (Cohere q/k norm): elements per
+    # q head and per kv head, per layer
+    q_head_norm: int = 0
+    kv_head_norm: int = 0
 
 
 def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelShape:
@@ -112,9 +116,15 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
         norm_bias = has("norm", "ln_")
         positions = next((t.shape[0] for t in model.tensors if t.fqn.endswith("wpe.weight")), 0)
         norms = [t for t in model.tensors if len(t.shape) == 1 and _is_norm(t.fqn)]
-        first = ".0."
-        layer_norm = sum(t.numel for t in norms if first in t.fqn and _in_layer(t.fqn))
+        layer_norm = sum(t.numel for t in norms if _first_layer(t.fqn))
         final_norm = sum(t.numel for t in norms if not _in_layer(t.fqn))
+        heads = [
+            t
+            for t in model.tensors
+            if len(t.shape) == 2 and _is_norm(t.fqn) and _first_layer(t.fqn)
+        ]
+        q_head = sum(t.shape[1] for t in heads if t.shape[0] == dims.num_heads)
+        kv_head = sum(t.shape[1] for t in heads if t.shape[0] != dims.num_heads)
         return ModelShape(
             dims,
             qkv_bias,
@@ -125,6 +135,8 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             vocab_padding,
             layer_norm,
             final_norm,
+            q_head,
+            kv_head,
         )
     # No tensor names: the family file says what its config implies.
     family = find(model.architecture)
@@ -135,8 +147,14 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
 
 
 def _is_norm(fqn: str) -> bool:
-    leaf = fqn.rsplit(".", 2)[-2] if fqn.count(".") >= 1 else fqn
-    return "norm" in leaf or leaf.startswith("ln_")
+    # the module holding the tensor, or its parent: StableLM's q_layernorm.norms.{h}.weight
+    return any("norm" in p or p.startswith("ln_") for p in fqn.split(".")[-3:-1])
+
+
+def _first_layer(fqn: str) -> bool:
+    """In layer 0: its first numeric component is the layer index (not StableLM's norms.0)."""
+    index = next((p for p in fqn.split(".") if p.isdigit()), None)
+    return index == "0" and _in_layer(fqn)
 
 
 def _in_layer(fqn: str) -> bool:
@@ -168,6 +186,28 @@ def vocab_rows_per_rank(vocab: int, tp: int, padding: str = "tp") -> int:
     return -(-vocab // mult) * mult // tp
 
 
+def lora_layer_params(dims: ModelDims, rank: int, targets: str, tp: int) -> int:
+    """LoRA parameters of one decoder layer on one tp rank: ``r · (in + out)`` per target
+    matrix at its local sizes (column-parallel: ``A [r, in]`` replicated, ``B [out/t, r]``;
+    row-parallel: ``A [r, in/t]``, ``B [out, r]`` — Megatron-Bridge / vLLM punica layouts).
+    Dense MLP or, for MoE, the experts' share is not adapted (PEFT ``all-linear`` matches
+    ``nn.Linear`` modules; packed experts are parameters).
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(4096, 32, 32, 8, 128, 14336, 128256, False)  # Llama-3-8B
+    >>> lora_layer_params(d, 16, "all-linear", 1) * 32  # PEFT reports 41,943,040
+    41943040
+    """
+    h, t = dims.hidden_size, tp
+    q = dims.num_heads * dims.head_dim
+    kv = kv_heads_per_rank(dims.num_kv_heads, t) * dims.head_dim
+    attn = (h + q // t) + 2 * (h + kv) + (q // t + h)  # q, k, v colwise; o rowwise
+    f = dims.intermediate_size // t
+    mlp = 0 if dims.num_experts else ((h + f) * (2 if dims.gated_mlp else 1) + (f + h))
+    per = {"all-linear": attn + mlp, "attention": attn, "mlp": mlp}[targets]
+    return rank * per
+
+
 def layer_counts(shape: ModelShape, tp: int, ep: int = 1) -> Counts:
     """One decoder layer's elements on one ``(tp, ep)`` rank."""
     d = shape.dims
@@ -180,6 +220,8 @@ def layer_counts(shape: ModelShape, tp: int, ep: int = 1) -> Counts:
     norm = (4 if shape.norm_bias else 2) * h
     if shape.layer_norm_numel is not None:
         norm = shape.layer_norm_numel
+    norm += d.num_heads // t * shape.q_head_norm
+    norm += kv_heads_per_rank(d.num_kv_heads, t) * shape.kv_head_norm
     if shape.qkv_bias:
         norm += q + 2 * kv
     if shape.o_bias:

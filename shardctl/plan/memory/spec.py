@@ -16,7 +16,11 @@ from shardctl.errors import InvalidInputError
 
 RECOMPUTE = ("none", "selective", "full")
 OFFLOAD = ("none", "cpu", "nvme")
-PIPELINE_SCHEDULES = ("1f1b", "gpipe")
+PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
+# Which linear layers of each decoder layer carry LoRA adapters (PEFT ``target_modules``):
+# ``all-linear`` is PEFT's name for every Linear but the head; ``attention`` q/k/v/o; ``mlp``
+# gate/up/down.
+LORA_TARGETS = ("all-linear", "attention", "mlp")
 FP8_SCALING = ("tensor", "block")
 QUANT_KINDS = ("embedding", "head", "norm")
 
@@ -77,7 +81,7 @@ class Workload:
     cuda_graph_memory: int = 0
 
     def __post_init__(self) -> None:
-        from shardctl.plan.memory.vllm import ENGINES
+        from shardctl.plan.memory.engines import ENGINES
 
         _positive(self.batch_size, "workload.batch_size")
         if self.engine not in ENGINES:
@@ -144,7 +148,22 @@ class TrainingSpec:
     offload_params: str = "none"
     capacity_factor: float = 1.0  # MoE token capacity (Switch Transformer); 1.0 = balanced
     master_weights: bool = True  # fp32 master copy with 16-bit weights (mixed precision)
-    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe
+    pipeline_schedule: str = "1f1b"  # 1f1b | gpipe | interleaved
+    # Interleaved 1F1B: model chunks per pipeline rank (Megatron
+    # --num-virtual-stages-per-pipeline-rank); 1 otherwise.
+    virtual_stages: int = 1
+    # LoRA (Hu et al. 2021) adapters of rank ``lora_rank`` on ``lora_targets``: the base
+    # weights are frozen (no gradients, no optimizer states); QLoRA = LoRA over a 4-bit base
+    # (``quantization.method: nf4``). 0 = full fine-tuning.
+    lora_rank: int = 0
+    # Context parallelism (``mesh.cp``; Megatron --context-parallel-size, Liu et al. 2023 ring
+    # attention): each of ``cp`` ranks holds ``sequence_length / cp`` tokens of every sequence.
+    context_parallel: int = 1
+    lora_targets: str = "all-linear"
+    # Partial recompute (Megatron --recompute-method block --recompute-num-layers N): with
+    # ``recompute: full``, only the first N layers of each stage are recomputed, the rest keep
+    # their activations. ``None`` = every layer.
+    recompute_layers: int | None = None
 
     def __post_init__(self) -> None:
         from shardctl.plan.memory.training import OPTIMIZERS
@@ -184,9 +203,51 @@ class TrainingSpec:
             )
         if self.pipeline_schedule not in PIPELINE_SCHEDULES:
             raise InvalidInputError(
-                f"expected 1f1b or gpipe, got {self.pipeline_schedule!r}",
+                f"expected one of {', '.join(PIPELINE_SCHEDULES)}, got {self.pipeline_schedule!r}",
                 where="training.pipeline_schedule",
             )
+        _positive(self.virtual_stages, "training.virtual_stages")
+        if (self.pipeline_schedule == "interleaved") != (self.virtual_stages > 1):
+            raise InvalidInputError(
+                f"pipeline_schedule {self.pipeline_schedule} with virtual_stages "
+                f"{self.virtual_stages}: the interleaved schedule needs virtual_stages >= 2, "
+                "and virtual stages need the interleaved schedule",
+                where="training.virtual_stages",
+                hint="set pipeline_schedule: interleaved and virtual_stages: 2 (or more), or "
+                "drop virtual_stages",
+            )
+        _positive(self.context_parallel, "mesh.cp")
+        cp = self.context_parallel
+        if cp > 1 and self.sequence_length % (2 * cp):
+            raise InvalidInputError(
+                f"sequence_length {self.sequence_length} is not divisible by 2 × cp = {2 * cp}",
+                where="mesh.cp",
+                hint="Megatron splits each sequence into 2·cp chunks (load-balanced causal "
+                "attention): use a sequence_length that is a multiple of 2·cp",
+            )
+        if isinstance(self.lora_rank, bool) or self.lora_rank < 0:
+            raise InvalidInputError(
+                f"expected a non-negative integer, got {self.lora_rank!r}",
+                where="training.lora_rank",
+            )
+        if self.lora_targets not in LORA_TARGETS:
+            raise InvalidInputError(
+                f"expected one of {', '.join(LORA_TARGETS)}, got {self.lora_targets!r}",
+                where="training.lora_targets",
+            )
+        if self.recompute_layers is not None:
+            if isinstance(self.recompute_layers, bool) or self.recompute_layers < 0:
+                raise InvalidInputError(
+                    f"expected a non-negative integer, got {self.recompute_layers!r}",
+                    where="training.recompute_layers",
+                )
+            if self.recompute != "full":
+                raise InvalidInputError(
+                    f"recompute_layers needs recompute: full, got recompute: {self.recompute}",
+                    where="training.recompute_layers",
+                    hint="set recompute: full (Megatron --recompute-granularity full "
+                    "--recompute-method block), or drop recompute_layers",
+                )
         _positive(self.grad_accumulation_steps, "training.grad_accumulation_steps")
         if self.global_batch_size is not None:
             _positive(self.global_batch_size, "training.global_batch_size")

@@ -8,7 +8,7 @@ from typing import TYPE_CHECKING
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Stage
-from shardctl.plan.memory.shapes import Counts, layer_counts
+from shardctl.plan.memory.shapes import Counts, layer_counts, lora_layer_params
 from shardctl.plan.memory.training import model_states, optimizer_bytes_per_param
 
 if TYPE_CHECKING:
@@ -33,7 +33,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     detail: dict[str, int] = {}
     params = c.total if given is None else given * 8 // DTYPE_BITS[ctx.model.dtype]
     mixed = ctx.nb == 2 and tr.master_weights
-    g_bytes = DTYPE_BITS[tr.grad_dtype or ctx.dtype] / 8
+    g_bytes = DTYPE_BITS[tr.grad_dtype or ctx.engine.grad_dtype or ctx.dtype] / 8
     o_bytes = optimizer_bytes_per_param(
         tr.optimizer,
         hidden=ctx.shape.dims.hidden_size if ctx.shape else 0,
@@ -41,10 +41,14 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     )
     dense = params - c.expert
     dense_w = weights * dense // params if params else 0
+    if tr.lora_rank:
+        return _lora_states(ctx, st, dense_w, weights - dense_w)
     # (parameters, the group that shards their states, their stored bytes)
+    # ZeRO / the distributed optimizer shard over the data-parallel ranks, context-parallel
+    # ones included (Megatron's dp×cp group; the cp ranks of a replica hold the same weights).
     groups = (
-        (dense, ctx.mesh.dp * ctx.mesh.ep, dense_w),
-        (c.expert, ctx.mesh.dp, weights - dense_w),
+        (dense, ctx.mesh.dp * ctx.mesh.ep * ctx.cp, dense_w),
+        (c.expert, ctx.mesh.dp * ctx.cp, weights - dense_w),
     )
     parts = [
         model_states(
@@ -61,6 +65,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
         for n, dp, stored in groups
     ]
     weights = sum(p.weights for p in parts)
+    host = int(sum(p.host for p in parts) * ctx.engine.host_buffer)
     if tr.zero == 3 and ctx.shape is not None and st.num_layers:
         # FSDP/ZeRO-3 gathers a layer before use and prefetches the next: two whole
         # (dp-unsharded) layers live at once (FSDP backward_prefetch=BACKWARD_PRE).
@@ -71,7 +76,51 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
         weights=weights,
         gradients=sum(p.gradients for p in parts),
         optimizer=sum(p.optimizer for p in parts),
-        host=sum(p.host for p in parts),
+        host=host,
         nvme=sum(p.nvme for p in parts),
+        detail=detail,
+    )
+
+
+def _lora_states(ctx: Context, st: Stage, dense_w: int, expert_w: int) -> States:
+    """LoRA / QLoRA (Hu et al. 2021; Dettmers et al. 2023): the base weights (dense and expert
+    bytes, in their stored or quantized format) are frozen — no gradients, no optimizer states — and
+    shard over dp only under ZeRO-3 / FSDP ``FULL_SHARD``. The adapters train in fp32 (PEFT's
+    default ``autocast_adapter_dtype=True``): 4-byte weights and gradients and the optimizer's
+    moments without a master copy, sharded by the ZeRO stage over ``dp × ep``."""
+    tr = ctx.training
+    assert tr is not None and ctx.shape is not None
+    adapters = lora_layer_params(ctx.shape.dims, tr.lora_rank, tr.lora_targets, ctx.mesh.tp)
+    n = adapters * st.num_layers
+    o_bytes = optimizer_bytes_per_param(
+        tr.optimizer, hidden=ctx.shape.dims.hidden_size, mixed_precision=False
+    )
+    dp = ctx.mesh.dp * ctx.mesh.ep * ctx.cp
+    base = [
+        model_states(0, zero=tr.zero, dp=g, weights_stored=w, offload_params=tr.offload_params)
+        for w, g in ((dense_w, dp), (expert_w, ctx.mesh.dp * ctx.cp))
+    ]
+    lora = model_states(
+        n,
+        weight_bytes=4,
+        grad_bytes=4,
+        optimizer_bytes=o_bytes,
+        zero=tr.zero,
+        dp=dp,
+        offload_optimizer=tr.offload_optimizer,
+        offload_params=tr.offload_params,
+    )
+    detail = {"lora.trainable_params": n, "weights.lora_adapters": lora.weights}
+    extra = 0
+    if tr.zero == 3 and st.num_layers:
+        layer = layer_counts(ctx.shape, ctx.mesh.tp, ctx.mesh.ep).total * ctx.nb
+        detail["weights.zero3_gather"] = 2 * layer
+        extra = 2 * layer
+    return States(
+        weights=sum(b.weights for b in base) + lora.weights + extra,
+        gradients=lora.gradients,
+        optimizer=lora.optimizer,
+        host=sum(b.host for b in base) + lora.host,
+        nvme=sum(b.nvme for b in base) + lora.nvme,
         detail=detail,
     )

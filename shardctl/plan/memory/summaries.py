@@ -131,4 +131,12 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             offload_optimizer=tr.offload_optimizer,
             offload_params=tr.offload_params,
         )
+        if tr.pipeline_schedule != "1f1b":
+            out.update(pipeline_schedule=tr.pipeline_schedule, virtual_stages=tr.virtual_stages)
+        if tr.recompute_layers is not None:
+            out.update(recompute_layers=tr.recompute_layers)
+        if tr.lora_rank:
+            out.update(lora_rank=tr.lora_rank, lora_targets=tr.lora_targets)
+        if tr.context_parallel > 1:
+            out.update(context_parallel=tr.context_parallel)
     return out

@@ -102,7 +102,9 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
 def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     assert ctx.shape is not None and ctx.training is not None
     d, tr, m = ctx.shape.dims, ctx.training, ctx.mesh
-    seq, mb, tp, sp = tr.sequence_length, tr.micro_batch_size, m.tp, tr.sequence_parallel
+    # Context parallelism: a rank keeps the activations of its s/cp tokens (Megatron CP).
+    seq, mb, tp, sp = tr.sequence_length // ctx.cp, tr.micro_batch_size, m.tp, tr.sequence_parallel
+    kv_seq = tr.sequence_length if ctx.cp > 1 else None
     per_layer = act.layer_activation_bytes(
         d,
         seq=seq,
@@ -114,8 +116,36 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         dropout=tr.dropout,
         act_bytes=ctx.nb,
         capacity_factor=tr.capacity_factor,
+        saved=ctx.engine.saved,
+        kv_seq=kv_seq,
     )
-    layers = per_layer * st.num_layers
+    # Partial recompute (``recompute_layers``): N layers keep only their input, the rest all.
+    stored_layers = st.num_layers
+    full_input = 0
+    if tr.recompute == "full" and tr.recompute_layers is not None:
+        recomputed = min(tr.recompute_layers, st.num_layers)
+        stored_layers = st.num_layers - recomputed
+        full_input = per_layer * recomputed  # per_layer is the "full" (input-only) figure
+        per_layer = act.layer_activation_bytes(
+            d,
+            seq=seq,
+            batch=mb,
+            tp=tp,
+            sequence_parallel=sp,
+            recompute="none",
+            flash_attention=tr.flash_attention,
+            dropout=tr.dropout,
+            act_bytes=ctx.nb,
+            capacity_factor=tr.capacity_factor,
+            saved=ctx.engine.saved,
+            kv_seq=kv_seq,
+        )
+    layers = per_layer * stored_layers + full_input
+    if tr.lora_rank and stored_layers and tr.recompute != "full":
+        # PEFT saves each adapter's fp32 ``lora_A`` output [T, r] for ``lora_B``'s backward.
+        targets = {"all-linear": 4 + (0 if d.num_experts else 3), "attention": 4, "mlp": 3}
+        lora_act = seq * mb * tr.lora_rank * 4 * targets[tr.lora_targets]
+        layers += lora_act * stored_layers
     first = (
         act.first_stage_activation_bytes(
             d, seq=seq, batch=mb, tp=tp, sequence_parallel=sp, dropout=tr.dropout
@@ -132,13 +162,14 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             sequence_parallel=sp,
             act_bytes=ctx.nb,
             vocab_rows=vocab_rows_per_rank(d.vocab_size, m.tp, ctx.shape.vocab_padding),
+            saved=ctx.engine.saved,
         )
         if st.index == m.pp - 1
         else 0
     )
     inflight = act.in_flight_microbatches(st.index, m.pp, ctx.microbatches, tr.pipeline_schedule)
     working = 0
-    if tr.recompute == "full" and st.num_layers:
+    if tr.recompute == "full" and st.num_layers and tr.recompute_layers != 0:
         # Backward replays one layer's forward: its full activations are live once.
         working = act.layer_activation_bytes(
             d,
@@ -151,14 +182,28 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             dropout=tr.dropout,
             act_bytes=ctx.nb,
             capacity_factor=tr.capacity_factor,
+            saved=ctx.engine.saved,
+            kv_seq=kv_seq,
         )
-    total = inflight * (layers + first + last) + working
+    if tr.pipeline_schedule == "interleaved" and m.pp > 1:
+        # Chunks of 1/v of the stage's layers; the embedding sits on chunk 0 (the first pp
+        # micro-batches of a group), the head on the last chunk (one in flight on the last
+        # stage).
+        v = tr.virtual_stages
+        chunks = act.interleaved_in_flight_chunks(st.index, m.pp, ctx.microbatches, v)
+        stored = chunks * layers // v
+        firsts = min(m.pp, ctx.microbatches) * first
+        lasts = last
+        inflight = -(-chunks // v)
+    else:
+        stored, firsts, lasts = inflight * layers, inflight * first, inflight * last
+    total = stored + firsts + lasts + working
     detail = {
         "activations.per_layer": per_layer,
         "activations.in_flight": inflight,
-        "activations.layers": inflight * layers,
-        "activations.first_stage": inflight * first,
-        "activations.logits_and_loss": inflight * last,
+        "activations.layers": stored,
+        "activations.first_stage": firsts,
+        "activations.logits_and_loss": lasts,
         "activations.recompute_working_set": working,
     }
     return 0, total, detail

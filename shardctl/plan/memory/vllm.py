@@ -22,8 +22,6 @@ from dataclasses import dataclass, replace
 from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 
-ENGINES = ("generic", "vllm")
-
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM measured it on that GPU:
 # - h100-sxm 1.79 GiB: vLLM PR #10511 ("non_torch_memory 1.79GiB", Llama-3-8B, tp 1);
@@ -63,10 +61,10 @@ def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | No
 
 
 def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> HardwareSpec:
-    """The hardware as the engine sees it: for vLLM serving, the device size CUDA reports. The
-    one place ``plan`` and ``plan --search`` get their budget's device size from."""
-    if engine != "vllm" or training:
-        return hardware
+    """The hardware as the engine sees it: the device size CUDA reports (every engine allocates
+    from it; an explicit ``device_memory`` stays as given). The one place ``plan`` and ``plan
+    --search`` get their budget's device size from."""
+    del engine, training
     memory = cuda_reported_memory(hardware.gpu, hardware.device_memory)
     return replace(hardware, device_memory=memory)
 

@@ -1,0 +1,69 @@
+"""Gemma-3 (text: ``Gemma3ForCausalLM``, model_type ``gemma3_text``): Gemma-2's four norms per
+layer plus Qwen3-style per-head ``q_norm`` / ``k_norm [head_dim]``; 5 local (sliding-window)
+layers to 1 global, tied embeddings, a 262,144-token vocabulary.
+
+On disk (``save_pretrained``)::
+
+    model.embed_tokens.weight [V, H]  (scaled by sqrt(H) inside the embedding module)
+    self_attn.{q,k,v,o}_proj.weight   self_attn.q_norm.weight / k_norm.weight [head_dim]
+    input_layernorm / post_attention_layernorm / pre_feedforward_layernorm /
+    post_feedforward_layernorm [H]    mlp.{gate,up,down}_proj.weight    model.norm.weight [H]
+
+The per-head norms act on one head, so every rank holds them whole (replicated). Sliding windows
+and local/global rope are config (``layer_types``: verify's local config slices it to the rank's
+stage). Placement follows vLLM ``gemma3.py`` (``Gemma3ForCausalLM``).
+
+The multimodal config (model_type ``gemma3``, ``Gemma3ForConditionalGeneration``: a SigLIP vision
+tower, a projector and ``model.language_model.*`` names) has no family file: it is refused like
+any unknown architecture. Its text weights are this family once extracted with the text config.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardctl.archs._decoder import decoder_dims, decoder_family
+from shardctl.archs._family import Config
+from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
+from shardctl.model.types import ModelDims
+
+
+def _dims(config: Config, tied: bool, where: str) -> ModelDims:
+    if config.get("head_dim") is None:  # transformers' Gemma3TextConfig default, not H / heads
+        config = {**config, "head_dim": 256}
+    return decoder_dims(config, tied, where)
+
+
+REFUSED = {
+    "gemma3": (
+        "that is the multimodal Gemma-3 (Gemma3ForConditionalGeneration: vision tower, projector, "
+        "model.language_model.* names), which shardctl does not place; its text model is "
+        "supported as model_type 'gemma3_text' (Gemma3ForCausalLM): use a text-only checkpoint "
+        "(the text_config, tensors without the language_model prefix), or place every tensor "
+        "with manifest rules:"
+    )
+}
+
+_FAMILY = decoder_family(
+    "gemma3",
+    model_types=("gemma3_text",),
+    tied_default=True,
+    qk_norm=True,
+    extra_norms=("pre_feedforward_layernorm", "post_feedforward_layernorm"),
+    follows="vLLM gemma3.py (Gemma3ForCausalLM)",
+    sliding_layers="pattern",  # without layer_types: 5 local : 1 global (sliding_window_pattern)
+    shape_keys=(*DECODER_SHAPES, "attention_bias"),
+    config_keys=(
+        *DECODER_OTHER,
+        *SLIDING,
+        "hidden_activation",
+        "use_bidirectional_attention",
+        "attn_logit_softcapping",
+        "final_logit_softcapping",
+        "query_pre_attn_scalar",
+        "sliding_window_pattern",
+        "_sliding_window_pattern",
+        "rope_local_base_freq",
+    ),
+)
+FAMILY = dataclasses.replace(_FAMILY, dims=_dims)
