@@ -153,6 +153,39 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, num_key_value_heads=2, head_dim=32, vocab_size=256,
         sliding_window=4, max_position_embeddings=128,
     ),
+    # fam-fused: GPT-NeoX (per-head interleaved query_key_value), Phi-1/2, Falcon (3 layouts)
+    "gpt_neox": dict(
+        model_type="gpt_neox", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=4, vocab_size=256, max_position_embeddings=128,
+        tie_word_embeddings=False,
+    ),
+    "gpt_neox-sequential-nobias": dict(
+        model_type="gpt_neox", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=8, vocab_size=200, max_position_embeddings=128,
+        use_parallel_residual=False, attention_bias=False, tie_word_embeddings=True,
+    ),
+    "phi": dict(
+        model_type="phi", hidden_size=64, intermediate_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256,
+        max_position_embeddings=128,
+    ),
+    "phi-qk-layernorm": dict(
+        model_type="phi", hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+        num_attention_heads=4, vocab_size=250, max_position_embeddings=128, qk_layernorm=True,
+    ),
+    "falcon": dict(  # new decoder architecture (Falcon-40B style): 2 kv groups of 4 q heads
+        model_type="falcon", hidden_size=64, ffn_hidden_size=160, num_hidden_layers=2,
+        num_attention_heads=8, num_kv_heads=2, new_decoder_architecture=True, vocab_size=256,
+    ),
+    "falcon-mqa": dict(  # Falcon-7B style: multi_query, parallel_attn, one input_layernorm
+        model_type="falcon", hidden_size=64, num_hidden_layers=2, num_attention_heads=8,
+        multi_query=True, vocab_size=250, tie_word_embeddings=False,
+    ),
+    "falcon-mha-sequential-bias": dict(  # classic MHA, per-head [q; k; v], 2 norms, biases
+        model_type="falcon", hidden_size=64, ffn_hidden_size=96, num_hidden_layers=2,
+        num_attention_heads=4, multi_query=False, parallel_attn=False, bias=True,
+        vocab_size=256,
+    ),
 }
 # fmt: on
 

@@ -45,6 +45,10 @@ FAMILIES: dict[str, list[Mesh]] = {
     "stablelm": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # per-head q/k norms, kv 2
     "glm4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # fused gate_up, kv 2
     "gemma3_text": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, sliding 5:1, tied
+    # fam-fused
+    "gpt_neox": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # MHA 4 heads, per-head qkv
+    "phi": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, biased vocab-parallel head
+    "falcon": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2 groups, tied
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

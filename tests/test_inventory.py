@@ -32,9 +32,9 @@ def test_supported_list_covers_the_issue() -> None:
 
 def test_unknown_model_type_names_supported_list() -> None:
     with pytest.raises(InvalidInputError) as info:
-        from_config({**LLAMA, "model_type": "falcon"})
+        from_config({**LLAMA, "model_type": "bloom"})
     msg = str(info.value)
-    assert "unsupported model_type 'falcon'" in msg
+    assert "unsupported model_type 'bloom'" in msg
     assert all(name in msg for name in SUPPORTED)
     with pytest.raises(InvalidInputError, match="missing 'model_type'"):
         from_config({k: v for k, v in LLAMA.items() if k != "model_type"})
@@ -159,8 +159,8 @@ def _tiny_checkpoint(root: Path, config: dict[str, Any] | None) -> Path:
 
 
 def test_unknown_architecture_still_inventories(tmp_path: Path) -> None:
-    info = from_checkpoint(_tiny_checkpoint(tmp_path / "a", {"model_type": "falcon"}))
-    assert (info.architecture, info.dims, info.dtype) == ("falcon", None, "F32")
+    info = from_checkpoint(_tiny_checkpoint(tmp_path / "a", {"model_type": "bloom"}))
+    assert (info.architecture, info.dims, info.dtype) == ("bloom", None, "F32")
     assert [str(t) for t in info.tensors] == ["blocks.0.w [2, 2] F32", "blocks.0.b [2] BF16"]
     assert info.weight_bytes == 20
     bare = from_checkpoint(_tiny_checkpoint(tmp_path / "b", None))

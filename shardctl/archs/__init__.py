@@ -13,19 +13,23 @@ import difflib
 import fnmatch
 import re
 from collections.abc import Iterable
+from types import ModuleType
 
 from shardctl.archs import (
     cohere,
+    falcon,
     gemma,
     gemma2,
     gemma3,
     glm4,
     gpt2,
+    gpt_neox,
     granite,
     llama,
     mistral,
     mixtral,
     olmo2,
+    phi,
     phi3,
     qwen2,
     qwen3,
@@ -48,7 +52,7 @@ __all__ = [
     "refusal_hint",
 ]
 
-_MODULES = (
+_MODULES: tuple[ModuleType, ...] = (
     gemma,
     gemma2,
     gpt2,
@@ -66,6 +70,10 @@ _MODULES = (
     stablelm,
     glm4,
     gemma3,
+    # fam-fused
+    gpt_neox,
+    phi,
+    falcon,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -108,13 +116,17 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
 
 def refusal_hint(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The remedy for an architecture with no family file, as one line."""
+    from shardctl.archs.suggest import rule_yaml
+
     if model_type in REFUSED:
         return REFUSED[model_type]
     near = closest_family(model_type, fqns)
+    rules = ", ".join(rule_yaml(r) for r in FAMILIES[near].rules if r.tp is not None)
     return (
         f"closest known family: {near!r}; supported: {', '.join(SUPPORTED)}; for another "
         f"architecture inventory a checkpoint directory and place its tensors with manifest "
-        f"rules: (start from shardctl/archs/{FAMILIES[near].name}.py)"
+        f"rules: like {near!r}'s [{rules}] (shardctl/archs/{FAMILIES[near].name}.py; "
+        f"`shardctl inspect CHECKPOINT` suggests rules for its own tensor names)"
     )
 
 

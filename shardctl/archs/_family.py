@@ -70,6 +70,11 @@ class ForwardSpec:
 
     ``row_parallel`` modules (inside a layer) produce partial sums: all-reduce, bias once.
     ``conv1d``: weights stored ``[in, out]`` (GPT-2), so row-parallel splits dim 0.
+    ``renames``: on-disk name prefix -> the in-memory one, where transformers 5 renames on load
+    (GPT-NeoX's head: ``embed_out.`` on disk, ``lm_head.`` in memory).
+    ``recomputed``: fnmatch globs of on-disk tensors older hub files carry that transformers 5
+    recomputes instead of loading (causal-mask buffers, rotary ``inv_freq``): the forward level
+    skips them (structure and bitwise still check their bytes).
     """
 
     layer_prefix: str  # "model.layers" -> "model.layers.{i}."
@@ -83,6 +88,15 @@ class ForwardSpec:
     localize: Localize | None = None  # after from_config, before loading the rank's tensors
     shard_layer: ShardLayer | None = None  # per layer, after loading, with the tp comm
     arch: str = ""  # filled in by the registry: the model_type asked for
+    renames: tuple[tuple[str, str], ...] = ()
+    recomputed: tuple[str, ...] = ()
+
+    def param(self, fqn: str) -> str:
+        """The in-memory name of an on-disk ``fqn``."""
+        for disk, memory in self.renames:
+            if fqn.startswith(disk):
+                return memory + fqn[len(disk) :]
+        return fqn
 
     @property
     def layer_re(self) -> re.Pattern[str]:

@@ -46,6 +46,8 @@ class InspectResult:
     stages: tuple[dict[str, Any], ...] = ()
     ranks: tuple[RankSummary, ...] = ()
     extra: dict[str, Any] = field(default_factory=dict)
+    # no family file for the architecture: the manifest rules that would place its tensors
+    suggested: Any = None  # shardctl.archs.suggest.Suggestion | None
 
     @property
     def dtypes(self) -> dict[str, int]:
@@ -72,6 +74,14 @@ class InspectResult:
             "carried": list(self.carried),
             "warnings": list(self.warnings),
         }
+        if self.suggested is not None:
+            from shardctl.archs.suggest import rule_yaml
+
+            doc["suggested_rules"] = {
+                "source": self.suggested.source,
+                "rules": [rule_yaml(r) for r in self.suggested.rules],
+                "applied": False,
+            }
         if self.mesh is not None:
             doc["layout"] = {
                 "format": self.layout_format,
@@ -116,12 +126,14 @@ def inspect_path(path: Path) -> InspectResult:
 
 
 def _inspect_hf(root: Path) -> InspectResult:
+    from shardctl.archs.suggest import suggestion_for
     from shardctl.checkpoint.hf import open_checkpoint
     from shardctl.model.inventory import from_checkpoint
 
     files = open_checkpoint(root, ignore_layout_record=True)
     model = from_checkpoint(root)
     return InspectResult(
+        suggested=suggestion_for(model),
         path=root,
         kind="hf",
         model=model,

@@ -90,5 +90,16 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         console.print(table)
     if info.carried:
         console.print("  carried files: " + escape(", ".join(info.carried)))
+    if info.suggested is not None:
+        from shardctl.archs.suggest import rule_yaml
+
+        console.print(
+            f"  no family file for {escape(info.model.architecture)!s}: suggested manifest "
+            f"rules (from {escape(info.suggested.source)}; not applied — copy them into a "
+            "manifest and check with shardctl verify):"
+        )
+        console.print("  rules:")
+        for rule in info.suggested.rules:
+            console.print("    - " + escape(rule_yaml(rule)))
     for w in info.warnings:
         console.print(f"  [yellow]warning[/yellow]: {escape(w)}")

@@ -30,7 +30,7 @@ def valid_tp_degrees(
     distinct: dict[tuple[object, ...], TensorRule] = {}
     for t in static.tensors:
         if t.dim is not None:
-            distinct.setdefault((t.info.shape, t.dim, t.parts, t.vocab), t)
+            distinct.setdefault((t.info.shape, t.dim, t.parts, t.groups, t.vocab), t)
     out = []
     for tp in range(1, limit + 1):
         try:

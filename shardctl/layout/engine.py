@@ -150,7 +150,7 @@ def resolve(
     plans: list[TensorPlan] = []
     padded: dict[str, tuple[int, ...]] = {}
     for t in static.tensors:
-        key = (t.info.shape, t.dim, t.parts, t.vocab)
+        key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab)
         hit = specs.get(key)
         if hit is None:
             try:
@@ -185,7 +185,7 @@ def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSp
         padded_len = _padded_vocab(shape[t.dim], tp, options.vocab_padding)
         spec = SplitSpec(shape, t.dim, (), padded_len, chunk)
     else:
-        spec = SplitSpec(shape, t.dim, t.parts, None, chunk)
+        spec = SplitSpec(shape, t.dim, t.parts, None, chunk, t.groups)
     try:
         split(spec, tp)
     except SplitError as err:
@@ -212,7 +212,11 @@ def _describe(spec: SplitSpec, tp: int) -> str:
     text = f"S({spec.dim})"
     if len(spec.parts) > 1:
         text += "·parts[" + ",".join(str(p.size) for p in spec.parts) + "]"
-    replicas = max((tp // p.heads for p in spec.parts if p.heads and tp > p.heads), default=0)
+    share = tp
+    if spec.groups > 1:  # interleaved: ``groups`` repeats of the parts, tp/groups ranks each
+        text += f"·groups[{spec.groups}]"
+        share = tp // spec.groups
+    replicas = max((share // p.heads for p in spec.parts if p.heads and share > p.heads), default=0)
     if replicas:
         text += f"·rep[{replicas}]"
     if spec.padded is not None and spec.padded != spec.shape[spec.dim]:

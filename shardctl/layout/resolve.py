@@ -34,6 +34,7 @@ class TensorRule:
     stage: str | None  # first | last | all | embedding, for non-layer tensors
     dim: int | None  # the tp-sharded dim; None = replicated
     parts: tuple[Part, ...]  # sections along ``dim`` (one whole part, or fused, or heads)
+    groups: int  # > 1: ``dim`` repeats ``parts`` once per head group (interleaved)
     vocab: bool  # vocab-parallel: the padding policy applies
     expert: int | None  # expert index e when placed by an expert rule
     label: str  # the rule that placed it, for messages
@@ -88,8 +89,14 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         assert cr.placement is not None
         resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
         dim = resolved.placement.dim
-        parts = () if dim is None else _parts(info, dim, cr.rule, dims, cr.label)
-        if resolved.vocab and len(parts) > 1:
+        groups = 1
+        if dim is None:
+            parts: tuple[Part, ...] = ()
+        elif cr.rule.groups:
+            groups, parts = _grouped_parts(info, dim, cr.rule, dims, cr.label)
+        else:
+            parts = _parts(info, dim, cr.rule, dims, cr.label)
+        if resolved.vocab and (len(parts) > 1 or groups > 1):
             raise LayoutError(
                 "a vocab placement cannot have fused parts",
                 where=info.fqn,
@@ -97,10 +104,26 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
         expert = _expert_index(info.fqn) if cr.rule.expert else None
         out.append(
-            TensorRule(info, layer, match.stage, dim, parts, resolved.vocab, expert, cr.label)
+            TensorRule(
+                info, layer, match.stage, dim, parts, groups, resolved.vocab, expert, cr.label
+            )
         )
     if unplaced:
-        raise matcher.unplaced(unplaced)
+        import sys
+
+        from shardctl.archs.suggest import suggest_rules
+
+        placed = set(names) - set(unplaced)
+        suggestion = suggest_rules(
+            arch,
+            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in placed],
+            vocab_size=dims.vocab_size if dims is not None else None,
+            # transformers' tp plan only when already loaded: importing it (and torch) costs
+            # seconds, and plan never imports torch; `shardctl inspect` reads the plan.
+            use_transformers="transformers" in sys.modules,
+            dims_known=dims is not None,
+        )
+        raise matcher.unplaced(unplaced, suggestion.line(limit=24))
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]
     num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)
@@ -149,6 +172,47 @@ def _parts(
             )
         return (Part(length, whole.heads, whole.heads_name, whole.replicable, whole.q_heads),)
     return (Part(length),)
+
+
+def _grouped_parts(
+    info: TensorInfo, dim: int, rule: RuleSpec, dims: ModelDims | None, label: str
+) -> tuple[int, tuple[Part, ...]]:
+    """Interleaved parts: ``G`` groups (one per q or kv head) of the rule's parts, each named
+    part sized per group: GPT-NeoX ``[q, kv, kv]`` per q head is 3 parts of one head each."""
+    assert rule.parts and rule.groups
+    if dims is None:
+        raise LayoutError(
+            f"{label} sets groups, which needs the model's dims (no config for this model)",
+            where=info.fqn,
+            hint="give a model.config",
+        )
+    n = dims.num_heads if rule.groups == "q" else dims.num_kv_heads
+    name = "num_attention_heads" if rule.groups == "q" else "num_key_value_heads"
+    parts: list[Part] = []
+    for p in rule.parts:
+        whole = _part(p, dims, info.fqn, label)
+        if whole.size % n or (whole.heads and whole.heads % n):
+            raise LayoutError(
+                f"part {p!r} ({whole.size}) does not split into {name}={n} groups",
+                where=info.fqn,
+                hint=f"drop groups from {label}, or check the head counts in the config",
+            )
+        heads = whole.heads // n
+        q_heads = whole.q_heads // n
+        suffix = f" per {name} group" if heads else ""
+        parts.append(
+            Part(whole.size // n, heads, whole.heads_name + suffix, whole.replicable, q_heads)
+        )
+    length = info.shape[dim]
+    group = sum(p.size for p in parts)
+    if group * n != length:
+        raise LayoutError(
+            f"{n} groups of parts {list(rule.parts)} = {n}×{group} rows, but dim {dim} of "
+            f"{list(info.shape)} is {length}",
+            where=info.fqn,
+            hint=f"fix {label}.parts / groups to match the tensor",
+        )
+    return n, tuple(parts)
 
 
 def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part:

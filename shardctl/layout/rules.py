@@ -74,6 +74,19 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
         raise LayoutError(
             f"unknown heads {rule.heads!r}", where=f"{label}.heads", hint=f"use one of {HEADS}"
         )
+    if rule.groups is not None:
+        if rule.groups not in HEADS:
+            raise LayoutError(
+                f"unknown groups {rule.groups!r}",
+                where=f"{label}.groups",
+                hint=f"use one of {HEADS}",
+            )
+        if not rule.parts:
+            raise LayoutError(
+                "groups without parts",
+                where=f"{label}.groups",
+                hint="give the parts of one group, e.g. parts: [q, kv, kv]",
+            )
     for p in rule.parts or ():
         if isinstance(p, str) and p not in NAMED_PARTS:
             raise LayoutError(
@@ -122,8 +135,9 @@ class Matcher:
                 break
         return None if placed is None else Match(placed, stage)
 
-    def unplaced(self, fqns: Sequence[str]) -> LayoutError:
-        """One error listing every tensor no rule places, grouped as fqn patterns."""
+    def unplaced(self, fqns: Sequence[str], suggested: str | None = None) -> LayoutError:
+        """One error listing every tensor no rule places, grouped as fqn patterns;
+        ``suggested``: the rules that would place them (an architecture with no preset)."""
         from shardctl.layout.unplaced import UnplacedTensorsError
 
         preset = any(not cr.manifest for cr in self.rules)
@@ -133,6 +147,7 @@ class Matcher:
             architecture=self.architecture,
             preset=preset,
             closest=None if preset else closest_family(self.architecture, self.fqns or fqns),
+            suggested=None if preset else suggested,
         )
 
     def check_unused(self, fqns: Iterable[str]) -> None:

@@ -14,6 +14,14 @@ Per part, along the split dim (length ``L``), rank ``r`` of ``tp`` gets:
   only those ``< L`` are real; the rank's local tensor still has ``P/tp`` rows (zeros below);
 - otherwise ``L / tp`` each, or with the ``chunk`` rule ``torch.chunk``'s: ceil-sized chunks,
   the last smaller, trailing ranks possibly empty.
+
+*Grouped* (interleaved) parts: the dim is ``G`` repeats of one group of parts, e.g. GPT-NeoX's
+``query_key_value`` = per head ``[q; k; v]`` (``G`` = heads) or Falcon's = per KV group
+``[q heads of the group; k; v]`` (``G`` = kv heads). With ``tp <= G`` rank ``r`` holds whole
+groups ``[r·G/tp, (r+1)·G/tp)`` (one contiguous piece); with ``tp > G`` the ``tp / G`` ranks of
+group ``r // (tp / G)`` split that group's parts as above (q heads split, the k/v head
+replicated), so every rank's local tensor is again groups of ``[q; k; v]``, the layout its
+model computes with at its local head counts.
 """
 
 from __future__ import annotations
@@ -54,6 +62,7 @@ class SplitSpec:
     parts: tuple[Part, ...] = ()
     padded: int | None = None  # vocab: the padded length of ``dim`` (single part)
     chunk: bool = False  # allow torch.chunk's uneven rule
+    groups: int = 1  # > 1: ``dim`` is ``groups`` repeats of ``parts`` (interleaved per group)
 
 
 # Per tp rank: its pieces (in local order) and its local shape.
@@ -68,6 +77,8 @@ def split(spec: SplitSpec, tp: int) -> tuple[RankSplit, ...]:
         whole = ((Piece((0,) * len(shape), shape, (0,) * len(shape)),), shape)
         return (whole,) * tp
     d = spec.dim
+    if spec.groups > 1:
+        return _grouped(spec, tp)
     parts = spec.parts or (Part(shape[d]),)
     # ranges[j][r] = (start within part j, size, local size incl. padding)
     ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
@@ -100,11 +111,83 @@ def local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
 def _local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
     if spec.dim is None:
         return (math.prod(spec.shape),) * tp
+    if spec.groups > 1:
+        return tuple(math.prod(local) for _, local in split(spec, tp))
     d = spec.dim
     other = math.prod(_at(spec.shape, d, 1, None))  # elements per index along dim d
     parts = spec.parts or (Part(spec.shape[d]),)
     ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
     return tuple(other * sum(rr[r][2] for rr in ranges) for r in range(tp))
+
+
+def _grouped(spec: SplitSpec, tp: int) -> tuple[RankSplit, ...]:
+    """Interleaved groups of parts (see the module docstring): whole groups per rank, or one
+    group's parts split over the ``tp / G`` ranks that share it."""
+    assert spec.dim is not None
+    d, n = spec.dim, spec.groups
+    group = sum(p.size for p in spec.parts)
+    if tp <= n:
+        if n % tp:
+            raise SplitError(
+                f"tp={tp} does not divide the {n} interleaved head groups",
+                f"use tp in {_grouped_tp(spec)}",
+            )
+        per = (n // tp) * group
+        return tuple(
+            (
+                (
+                    Piece(
+                        _at(spec.shape, d, r * per, 0),
+                        _at(spec.shape, d, per, None),
+                        (0,) * len(spec.shape),
+                    ),
+                ),
+                _at(spec.shape, d, per, None),
+            )
+            for r in range(tp)
+        )
+    if tp % n:
+        raise SplitError(
+            f"tp={tp} is above the {n} interleaved head groups but not a multiple of {n}",
+            f"use tp in {_grouped_tp(spec)}",
+        )
+    share = tp // n  # ranks per group
+    one = SplitSpec(_at(spec.shape, d, group, None), d, spec.parts, None, spec.chunk)
+    try:
+        inner = split(one, share)
+    except SplitError as err:
+        raise SplitError(
+            f"tp={tp} puts {share} ranks on each of the {n} interleaved head groups: {err.message}",
+            f"use tp in {_grouped_tp(spec)}",
+        ) from None
+    out: list[RankSplit] = []
+    for r in range(tp):
+        pieces, local = inner[r % share]
+        shift = (r // share) * group
+        moved = tuple(
+            Piece(_at(p.offsets, d, p.offsets[d] + shift, None), p.sizes, p.local_offsets)
+            for p in pieces
+        )
+        out.append((moved, local))
+    return tuple(out)
+
+
+def _grouped_tp(spec: SplitSpec) -> str:
+    """The tp degrees a grouped tensor allows (the first 12)."""
+    n = spec.groups
+
+    def fits(share: int) -> bool:  # one group's parts over ``share`` ranks
+        for p in spec.parts:
+            if p.heads:
+                if p.heads % share and not (p.replicable and share % p.heads == 0):
+                    return False
+            elif p.size % share and not spec.chunk:
+                return False
+        return True
+
+    limit = n * max(p.heads or p.size for p in spec.parts)
+    ok = [t for t in range(1, limit + 1) if (n % t == 0) or (t % n == 0 and fits(t // n))]
+    return "{" + ", ".join(map(str, ok[:12])) + ("" if len(ok) <= 12 else ", …") + "}"
 
 
 def _at(shape: tuple[int, ...], d: int, value: int, fill: int | None) -> tuple[int, ...]:

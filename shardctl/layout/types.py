@@ -194,6 +194,9 @@ class RuleSpec:
     ``"kv"``, ``"intermediate"`` resolved from the config). ``heads`` says the dim is made of
     heads (``"q"`` or ``"kv"``), so ``tp > kv heads`` replicates whole heads instead of failing.
     ``stage`` pins a non-layer tensor to ``"first"``, ``"last"`` or ``"all"`` stages.
+    ``groups`` (``"q"`` or ``"kv"``) says the ``parts`` are interleaved: the dim is one group of
+    parts per q head (GPT-NeoX ``query_key_value``: per head ``[q; k; v]``) or per kv head
+    (Falcon: per kv group ``[its q heads; k; v]``); named parts are then sizes per group.
     """
 
     match: str
@@ -202,6 +205,7 @@ class RuleSpec:
     heads: str | None = None
     stage: str | None = None
     expert: bool = False
+    groups: str | None = None
 
 
 @dataclass(frozen=True)

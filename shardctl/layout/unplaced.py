@@ -37,6 +37,7 @@ class UnplacedTensorsError(LayoutError):
         architecture: str,
         preset: bool,
         closest: str | None = None,
+        suggested: str | None = None,
     ):
         self.fqns = tuple(fqns)
         self.patterns: dict[str, int] = dict(Counter(fqn_pattern(f) for f in self.fqns))
@@ -50,6 +51,8 @@ class UnplacedTensorsError(LayoutError):
         if not preset:
             near = f" (closest known family: {closest!r}, see shardctl/archs/)" if closest else ""
             hint = f"architecture {architecture!r} has no preset{near}; {hint}"
+            if suggested:  # unverified: the user copies them into a manifest, then verifies
+                hint += f"a manifest with rules: {suggested} places them (check with verify); "
         n, k = len(self.fqns), len(self.patterns)
         super().__init__(
             f"{n} tensor{'s' if n != 1 else ''} placed by no rule "

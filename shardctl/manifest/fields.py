@@ -46,7 +46,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
     ),
     "pipeline": ("convention", "layers_per_stage"),
     "layout": ("vocab_padding", "uneven"),
-    "rules[]": ("match", "tp", "parts", "heads", "stage", "expert"),
+    "rules[]": ("match", "tp", "parts", "heads", "stage", "expert", "groups"),
     "workload": (
         "mode",
         "batch_size",

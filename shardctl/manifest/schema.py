@@ -143,6 +143,10 @@ def _rules() -> dict[str, Any]:
                 m.RULE_STAGES, "Pin a non-layer tensor to the first, last or all stages."
             ),
             "expert": _bool("The tensor is an expert weight, split over ep."),
+            "groups": _enum(
+                m.RULE_HEADS,
+                "The parts repeat once per q or kv head (interleaved fused qkv: GPT-NeoX, Falcon).",
+            ),
         },
         "An override rule; rules are ordered and the first match wins.",
     )

@@ -39,7 +39,7 @@ def _rule(node: Node, path: str, problems: Problems) -> RuleSpec:
     effects = [k for k in SECTION_KEYS["rules[]"] if k != "match" and k in node.entries]
     if not effects:
         raise Invalid(
-            path, "a rule needs at least one of tp, parts, heads, stage, expert", node.line
+            path, "a rule needs at least one of tp, parts, heads, stage, expert, groups", node.line
         )
     tp = problems.get(node, "tp", path, _placement, None)
     parts = problems.get(node, "parts", path, _parts, None)
@@ -58,6 +58,7 @@ def _rule(node: Node, path: str, problems: Problems) -> RuleSpec:
         heads=problems.get(node, "heads", path, enum(m.RULE_HEADS), None),
         stage=problems.get(node, "stage", path, enum(m.RULE_STAGES), None),
         expert=problems.get(node, "expert", path, read_bool, False),
+        groups=problems.get(node, "groups", path, enum(m.RULE_HEADS), None),
     )
 
 

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.checkpoint.source import Source, open_source
-from shardctl.errors import EnvironmentFailure, UsageError
+from shardctl.errors import EnvironmentFailure, InvalidInputError, UsageError
 from shardctl.gcpause import gc_paused
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.verify.bitwise.level import check_bitwise
@@ -89,7 +89,7 @@ def verify(
         if fdst != dst:
             dest = open_destination(fdst)
         reference, sharded = _forward_sides(fsrc, source, fdst, dest)
-        _forward_runs(sharded.config, bitwise)
+        _forward_runs(sharded.config, bitwise, sharded)
         forward, tolerances, env = check_forward(
             reference, sharded, device=device, seed=seed, simulate=simulate, world=world
         )
@@ -99,10 +99,13 @@ def verify(
     return result
 
 
-def _forward_runs(config: dict[str, Any], bitwise: LevelResult) -> None:
-    """Exit 5 "could not verify" when the forward level cannot run this family: a verifier
+def _forward_runs(
+    config: dict[str, Any], bitwise: LevelResult, sharded: ShardedCheckpoint | None = None
+) -> None:
+    """Exit 5 "could not verify" when the forward level cannot run this family or this layout
+    of it (the family's local config refuses it: an uneven split, ALiBi at tp > 1): a verifier
     that cannot check must say so, never report a difference (exit 1) it did not find."""
-    from shardctl.verify.adapters import SUPPORTED
+    from shardctl.verify.adapters import SUPPORTED, local_config
 
     arch = config.get("model_type")
     if arch not in SUPPORTED:
@@ -112,6 +115,27 @@ def _forward_runs(config: dict[str, Any], bitwise: LevelResult) -> None:
             f"({bitwise.figures.get('tensors', 'every')} tensors bit-identical)",
             hint="rerun with --level bitwise to gate on the levels that ran",
         )
+    if sharded is None:
+        return
+    mesh = sharded.layout.mesh
+    for stage in sharded.layout.stages:
+        first = stage.layers[0] if stage.layers is not None else 0
+        try:
+            local_config(
+                config,
+                tp=mesh.tp,
+                ep=mesh.ep,
+                first_layer=first,
+                num_layers=stage.num_layers,
+                vocab=int(config.get("vocab_size") or 1),
+            )
+        except InvalidInputError as err:
+            raise EnvironmentFailure(
+                f"could not verify the forward level: {err.message} (mesh {mesh}); structure "
+                f"and bitwise passed ({bitwise.figures.get('tensors', 'every')} tensors "
+                "bit-identical)",
+                hint=err.hint or "rerun with --level bitwise to gate on the levels that ran",
+            ) from None
 
 
 def _check_options(level: str, device: str, launcher: str) -> None:

@@ -61,17 +61,27 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class GatherHead(nn.Module):
-    """Vocab-parallel (or replicated, padded) lm_head: local logits, all-gather, strip padding."""
+    """Vocab-parallel (or replicated, padded) lm_head: local logits (plus the rank's slice of
+    the head's bias, if it has one), all-gather, strip padding."""
 
-    def __init__(self, weight: nn.Parameter, comm: Comm, *, vocab: int, sharded: bool) -> None:
+    def __init__(
+        self,
+        weight: nn.Parameter,
+        comm: Comm,
+        *,
+        vocab: int,
+        sharded: bool,
+        bias: torch.Tensor | None = None,
+    ) -> None:
         super().__init__()
         self.weight = weight
+        self.bias = bias
         self.comm = comm
         self.vocab = vocab
         self.sharded = sharded
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        y = F.linear(x, self.weight, self.bias)
         if self.sharded:
             y = self.comm.all_gather(y, "tp")
         return y[..., : self.vocab]

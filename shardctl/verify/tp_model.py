@@ -12,6 +12,7 @@ A mismatch is a *finding* (the layout does not compute as the model does), not a
 
 from __future__ import annotations
 
+import fnmatch
 import importlib
 import threading
 from dataclasses import dataclass, field
@@ -122,15 +123,17 @@ def build_rank_model(
 
 def _vocab(ad: Adapter, d: Dims, tensors: dict[str, torch.Tensor]) -> tuple[int, bool]:
     """Local vocab rows and whether the vocab is split over tp (rows < V)."""
+    by_param = {ad.param(k): v for k, v in tensors.items()}
     for name in (f"{ad.embeddings[0]}.weight", f"{ad.lm_head}.weight"):
-        if name in tensors and tensors[name].dim() == 2:
-            rows = int(tensors[name].shape[0])
+        if name in by_param and by_param[name].dim() == 2:
+            rows = int(by_param[name].shape[0])
             return rows, rows < d.vocab_size
     return 1, False  # a middle pipeline stage: no embedding, no head
 
 
 def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any, ...]] | str:
     """On-disk fqn -> (local parameter name, index into it), or a reason it has no place here."""
+    fqn = ad.param(fqn)
     m = ad.layer_re.match(fqn)
     if m is None:
         return fqn, ()
@@ -186,6 +189,8 @@ def _load(
     covered: dict[int, int] = {}  # id(param) -> elements loaded
     misfit: set[int] = set()  # reported once, as a shape mismatch, not again as missing
     for fqn, t in tensors.items():
+        if any(fnmatch.fnmatchcase(fqn, g) for g in ad.recomputed):
+            continue  # an old file's buffer the model recomputes (the family file says which)
         target = _target(fqn, ad, d, role)
         if isinstance(target, str):
             problems.append(f"{fqn}: unexpected on rank {role.rank}: {target}")
@@ -247,10 +252,11 @@ def _wrap(
         setattr(parent, emb, VocabParallelEmbedding(getattr(parent, emb), comm, start=start))
     if role.last_stage:
         weight = model.get_parameter(f"{ad.lm_head}.weight")
+        bias = getattr(model.get_submodule(ad.lm_head), "bias", None)  # Phi-2: vocab-parallel
         setattr(
             model,
             ad.lm_head,
-            GatherHead(weight, comm, vocab=d.vocab_size, sharded=vocab_sharded),
+            GatherHead(weight, comm, vocab=d.vocab_size, sharded=vocab_sharded, bias=bias),
         )
     else:
         norm_root, _, norm = ad.final_norm.rpartition(".")
