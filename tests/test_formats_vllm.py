@@ -333,7 +333,7 @@ def _generate(python: str, model: Path, load_format: str, tp: int) -> list[list[
 # vLLM's CPU attention kernels need head_dim in {32, 64, 80, ...}: 64 here; vocab 1000 is
 # padded to 1024 (rank 1 of tp 2 starts at row 512, 24 zero rows).
 _BIG_HEADS = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
-VLLM_CASES = [("llama", 2), ("mixtral-mha-tied", 2)]
+VLLM_CASES = [("llama", 2), ("mixtral-mha-tied", 2), ("qwen2", 2), ("phi3", 2)]
 
 
 @pytest.mark.vllm
