@@ -109,6 +109,7 @@ def reshard(
     verify_input: bool = True,
     resume: bool = True,
     progress: Callable[[int, int], None] | None = None,
+    optimizer: bool = True,
 ) -> ReshardResult:
     """Split, merge or convert the checkpoint ``src`` into ``dst``: streaming, atomic.
 
@@ -117,12 +118,35 @@ def reshard(
     whole tensors (``format="hf"``); otherwise per-rank files (``format="ranks"``).
     ``max_shard_size``: bytes, or a string like ``"5GB"`` / ``"500MiB"``. ``progress(done,
     total)`` is called with bytes as the copy advances. ``dst`` must not exist unless ``force``.
+    ``format="dcp"`` or a DCP input (a dir with ``.metadata``): a training checkpoint with
+    optimizer state, ``mesh={"dp": N}`` its FSDP world size; ``optimizer=False`` drops the
+    optimizer state (:mod:`shardctl.formats.dcp`).
     """
     from shardctl.reshard.api import reshard as run_reshard
     from shardctl.units import parse_size
 
-    if format is not None and format not in ("ranks", "hf", "vllm"):
-        raise UsageError(f"--format: expected ranks, hf or vllm, got {format!r}")
+    if format is not None and format not in ("ranks", "hf", "dcp", "vllm"):
+        raise UsageError(f"--format: expected ranks, hf, dcp or vllm, got {format!r}")
+    # --- dcp-optim: DCP training checkpoints (formats/dcp) ---
+    from shardctl.formats.dcp.metadata import is_dcp
+    from shardctl.formats.dcp.zero import is_zero
+
+    if format == "dcp" or is_dcp(Path(src)) or is_zero(Path(src)):
+        from shardctl.formats.dcp.convert import reshard_dcp
+
+        if manifest is not None:
+            raise UsageError("--manifest does not apply to DCP checkpoints; pass --dp N")
+        axes = _overrides(mesh)
+        return reshard_dcp(
+            Path(src),
+            Path(dst),
+            fmt=format,
+            mesh=Mesh(**axes) if axes else None,
+            optimizer=optimizer,
+            force=force,
+            progress=progress,
+        )
+    # --- end dcp-optim ---
     size = (
         parse_size(max_shard_size, option="--max-shard-size")
         if isinstance(max_shard_size, str)

@@ -186,6 +186,34 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_attention_heads=4, multi_query=False, parallel_attn=False, bias=True,
         vocab_size=256,
     ),
+    # fam-moe: the MoE families (a dense layer in each, so mixed layers are exercised).
+    "qwen2_moe": dict(
+        model_type="qwen2_moe", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, vocab_size=256, num_experts=4,
+        num_experts_per_tok=2, moe_intermediate_size=48, shared_expert_intermediate_size=80,
+        decoder_sparse_step=1, mlp_only_layers=[2], tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
+    "qwen3_moe": dict(
+        model_type="qwen3_moe", hidden_size=64, intermediate_size=160, num_hidden_layers=4,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        num_experts=4, num_experts_per_tok=2, moe_intermediate_size=48, decoder_sparse_step=1,
+        mlp_only_layers=[0], norm_topk_prob=True, tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
+    "llama4_text": dict(
+        model_type="llama4_text", hidden_size=64, intermediate_size=48,
+        intermediate_size_mlp=96, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, head_dim=16, vocab_size=256, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=2, tie_word_embeddings=False,
+        max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+    ),
+    "gpt_oss": dict(
+        model_type="gpt_oss", hidden_size=64, intermediate_size=48, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
 }
 # fmt: on
 

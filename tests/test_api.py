@@ -145,9 +145,15 @@ def test_cli_reshard_makes_one_api_call(monkeypatch: pytest.MonkeyPatch, tmp_pat
                 verify_input=True,
                 resume=True,
                 progress=None,
+                optimizer=True,
             ),
         )
     ]
+    # dcp-optim: --dp and --no-optimizer for DCP training checkpoints
+    rec.calls.clear()
+    out = invoke("reshard", "a", "b", "--format", "dcp", "--dp", "3", "--no-optimizer", "--json")
+    assert out.exit_code == 0, out.output
+    assert rec.calls[0][1]["mesh"] == {"dp": 3} and rec.calls[0][1]["optimizer"] is False
 
 
 def test_cli_plan_verify_inspect_make_one_api_call(monkeypatch: pytest.MonkeyPatch) -> None:

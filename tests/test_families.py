@@ -49,6 +49,12 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gpt_neox": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # MHA 4 heads, per-head qkv
     "phi": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2, biased vocab-parallel head
     "falcon": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],  # kv 2 groups, tied
+    # fam-moe: dense + sparse layers; qwen2_moe shared expert + gate; llama4 packed experts
+    # [gate | up]; gpt_oss packed, interleaved gate/up, expert biases, sinks, sliding layers
+    "qwen2_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "qwen3_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "llama4_text": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "gpt_oss": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

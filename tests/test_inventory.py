@@ -42,10 +42,10 @@ def test_unknown_model_type_names_supported_list() -> None:
 
 def test_unknown_model_type_names_closest_family_and_rules() -> None:
     with pytest.raises(InvalidInputError) as info:
-        from_config({**LLAMA, "model_type": "qwen3_moe"})
+        from_config({**LLAMA, "model_type": "qwen3_next"})  # (qwen3_moe has a file now)
     msg = str(info.value)
     assert "\n" not in msg
-    assert "closest known family: 'qwen3'" in msg and "manifest rules:" in msg
+    assert "closest known family: 'qwen3_moe'" in msg and "manifest rules:" in msg
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,12 @@ from shardctl.model.inventory import from_config
 from shardctl.plan.memory.shapes import shape_from_model, split_layers, stage_counts
 from tests._models import CONFIGS
 
-PRESET_ARCHS = [n for n in CONFIGS if not n.startswith(("gemma2", "qwen3"))]
+# fam-moe: the closed form prices uniform MoE layers; Qwen2-MoE / Llama-4 (shared experts, dense
+# layers) and gpt-oss (expert biases, sinks, router bias) are not uniform. Their plan weights come
+# from the layout engine (exact); the closed form only prices their quantized / training states,
+# approximately (a known gap, see CHANGELOG).
+NON_UNIFORM = ("qwen2_moe", "llama4_text", "gpt_oss")
+PRESET_ARCHS = [n for n in CONFIGS if not n.startswith(("gemma2", "qwen3", *NON_UNIFORM))]
 
 
 @pytest.mark.parametrize("name", PRESET_ARCHS)

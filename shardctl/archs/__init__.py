@@ -24,15 +24,19 @@ from shardctl.archs import (
     glm4,
     gpt2,
     gpt_neox,
+    gpt_oss,
     granite,
     llama,
+    llama4_text,
     mistral,
     mixtral,
     olmo2,
     phi,
     phi3,
     qwen2,
+    qwen2_moe,
     qwen3,
+    qwen3_moe,
     stablelm,
     starcoder2,
 )
@@ -74,6 +78,11 @@ _MODULES: tuple[ModuleType, ...] = (
     gpt_neox,
     phi,
     falcon,
+    # fam-moe
+    qwen2_moe,
+    qwen3_moe,
+    llama4_text,
+    gpt_oss,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -96,7 +105,7 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The known ``model_type`` nearest to an unknown one: by how many of its tensor names a
     family's rules place (when names are given), else by spelling.
 
-    >>> closest_family("llama4_text")
+    >>> closest_family("llama4")
     'llama'
     """
     templates = sorted({_LAYER_INDEX.sub(".*.", n) for n in fqns})

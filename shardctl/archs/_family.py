@@ -37,22 +37,32 @@ class MemoryFlags:
 class ExpertSpec:
     """On-disk expert names (relative to a layer) → the in-memory module verify builds.
 
-    Mixtral on the hub: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``; transformers 5 packs
-    them in memory as ``mlp.experts.gate_up_proj [E, 2I, H]`` (w1 then w3) and
-    ``mlp.experts.down_proj [E, H, I]`` (w2).
+    Per-expert on disk (Mixtral on the hub: ``block_sparse_moe.experts.{e}.w1/w2/w3.weight``),
+    which transformers 5 packs in memory as ``mlp.experts.gate_up_proj [E, 2I, H]`` (w1 then
+    w3) and ``mlp.experts.down_proj [E, H, I]`` (w2): give ``pattern``/``gate``/``up``/``down``.
+    Packed on disk as in memory (Llama-4, gpt-oss: ``experts.gate_up_proj [E, H, 2I]``): leave
+    ``pattern`` empty; the names load as they are, each ep rank holding rows ``E/ep`` of dim 0.
+
+    ``call`` is how the layer calls its experts module: ``"routed"`` —
+    ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])`` (Mixtral, Qwen-MoE,
+    gpt-oss); ``"stacked"`` — ``experts(x [E·T, H])``, every expert's input stacked, already
+    scaled by its router score (Llama-4). ``once``: parameters of the experts module added
+    after the tensor-parallel sum (gpt-oss ``down_proj_bias``): only tp rank 0 adds them.
     """
 
     router: str  # on-disk router weight, e.g. "block_sparse_moe.gate.weight"
     router_param: str  # the model's parameter for it, e.g. "mlp.gate.weight"
-    pattern: str  # regex on the on-disk name: group 1 = expert index, group 2 = which matrix
-    gate: str  # the matrix that is the first half of the packed gate_up ("w1")
-    up: str  # the second half ("w3")
-    down: str  # the down projection ("w2")
     module: str  # the experts module inside a layer ("mlp.experts")
+    pattern: str = ""  # regex on the on-disk name: group 1 = expert index, group 2 = which matrix
+    gate: str = ""  # the matrix that is the first half of the packed gate_up ("w1")
+    up: str = ""  # the second half ("w3")
+    down: str = ""  # the down projection ("w2")
+    call: str = "routed"  # "routed" | "stacked"
+    once: tuple[str, ...] = ()  # e.g. ("down_proj_bias",)
 
     @property
-    def regex(self) -> re.Pattern[str]:
-        return re.compile(self.pattern)
+    def regex(self) -> re.Pattern[str] | None:
+        return re.compile(self.pattern) if self.pattern else None
 
 
 # (model, config, dims, tp, ep, dtype) -> None: rebuild modules at their local sizes.

@@ -98,6 +98,8 @@ class InspectResult:
                     for r in self.ranks
                 ],
             }
+        if "dcp" in self.extra:  # dcp-optim: optimizer state, step, param_groups
+            doc["dcp"] = self.extra["dcp"]
         return doc
 
 
@@ -109,6 +111,10 @@ def inspect_path(path: Path) -> InspectResult:
             hint="pass a checkpoint directory, a *.safetensors file or a config.json",
         )
     if path.is_dir():
+        if (path / ".metadata").is_file():  # dcp-optim: a torch DCP checkpoint
+            from shardctl.formats.dcp.inspect import inspect_dcp
+
+            return inspect_dcp(path)
         if (path / "shardctl.layout.json").is_file():
             return _inspect_layout(path)
         return _inspect_hf(path)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -88,6 +88,8 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
         for f in info.files:
             table.add_row(Text(f.name), fmt_bytes(f.size), str(f.tensors))
         console.print(table)
+    if "dcp" in info.extra:  # dcp-optim
+        _render_dcp(info.extra["dcp"], console)
     if info.carried:
         console.print("  carried files: " + escape(", ".join(info.carried)))
     if info.suggested is not None:
@@ -103,3 +105,26 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
             console.print("    - " + escape(rule_yaml(rule)))
     for w in info.warnings:
         console.print(f"  [yellow]warning[/yellow]: {escape(w)}")
+
+
+def _render_dcp(d: dict[str, Any], console: Console) -> None:
+    """A DCP training checkpoint's optimizer state, step and hyper-parameters."""
+    states = ", ".join(f"{escape(k)} {v}" for k, v in d["optimizer_state"].items()) or "none"
+    console.print(
+        f"  optimizer state: {d['optimizer_tensors']} tensors "
+        f"({fmt_bytes(d['optimizer_bytes'])}): {states}"
+    )
+    step = d["step"]
+    if step is not None:
+        shown = (
+            f"{step['min']:g}"
+            if step["min"] == step["max"]
+            else f"{step['min']:g}..{step['max']:g}"
+        )
+        console.print(f"  step {shown}")
+    for i, g in enumerate(d["param_groups"]):
+        console.print(
+            f"  param_groups[{i}]: " + escape(", ".join(f"{k}={v}" for k, v in g.items()))
+        )
+    if d["other_keys"]:
+        console.print("  other state: " + escape(", ".join(d["other_keys"])))

@@ -20,13 +20,31 @@ if TYPE_CHECKING:
     from shardctl.reshard.result import ReshardResult
 
 
-Src = Annotated[Path, typer.Argument(help="Input: an HF checkpoint dir or a shardctl layout.")]
+Src = Annotated[
+    Path,
+    typer.Argument(
+        help="Input: an HF checkpoint dir, a shardctl layout, or a training checkpoint "
+        "(torch DCP dir with .metadata, DeepSpeed ZeRO-1/2 dir)."
+    ),
+]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
 Tp = Annotated[int | None, typer.Option(help="Target tensor-parallel degree.", min=1, max=MAX_AXIS)]
 Pp = Annotated[
     int | None, typer.Option(help="Target pipeline-parallel degree.", min=1, max=MAX_AXIS)
 ]
 Ep = Annotated[int | None, typer.Option(help="Target expert-parallel degree.", min=1, max=MAX_AXIS)]
+Dp = Annotated[
+    int | None,
+    typer.Option(help="FSDP world size of a --format dcp output.", min=1, max=MAX_AXIS),
+]
+NoOptimizer = Annotated[
+    bool,
+    typer.Option(
+        "--no-optimizer",
+        help="DCP training checkpoints: convert the weights only (no optimizer state, no "
+        "optimizer.safetensors sidecar).",
+    ),
+]
 ManifestOpt = Annotated[
     Path | None,
     typer.Option(
@@ -37,9 +55,10 @@ Format = Annotated[
     str | None,
     typer.Option(
         "--format",
-        help="ranks (per-rank files), hf (whole tensors) or vllm (vLLM sharded_state, "
-        "--load-format sharded_state). Default: ranks when the target has more than one "
-        "rank, else hf.",
+        help="ranks (per-rank files), hf (whole tensors), dcp (torch DCP training "
+        "checkpoint, with optimizer state) or vllm (vLLM sharded_state, --load-format "
+        "sharded_state). Default: ranks when the target has more than one rank, else hf; a "
+        "DCP input converts to hf.",
     ),
 ]
 MaxShardSize = Annotated[
@@ -100,6 +119,7 @@ def reshard(
     tp: Tp = None,
     pp: Pp = None,
     ep: Ep = None,
+    dp: Dp = None,
     manifest: ManifestOpt = None,
     fmt: Format = None,
     max_shard_size: MaxShardSize = "5GB",
@@ -112,6 +132,7 @@ def reshard(
     as_json: AsJson = False,
     quiet: Quiet = False,
     max_header_bytes: MaxHeaderBytes = None,
+    no_optimizer: NoOptimizer = False,
 ) -> None:
     """Split, merge or convert a checkpoint: streaming, constant memory, atomic.
 
@@ -122,7 +143,14 @@ def reshard(
     """
     from shardctl.api import reshard as run_reshard
 
-    axes = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep}.items() if v is not None}
+    axes = {k: v for k, v in {"tp": tp, "pp": pp, "ep": ep, "dp": dp}.items() if v is not None}
+    if dp is not None and fmt != "dcp":
+        from shardctl.formats.dcp.metadata import is_dcp
+
+        if not is_dcp(src):
+            from shardctl.errors import UsageError
+
+            raise UsageError("--dp applies to DCP output only (--format dcp)")
     show = not quiet and not as_json and sys.stderr.isatty()
     with header_limit(max_header_bytes), _progress(show) as progress:
         result = run_reshard(
@@ -139,6 +167,7 @@ def reshard(
             verify_input=not no_verify_input,
             resume=not no_resume,
             progress=progress,
+            optimizer=not no_optimizer,
         )
     if as_json:
         emit_json(result.to_json())

@@ -1,1 +1,1 @@
-"""Engine checkpoint formats (readers and writers), one module or subpackage per engine."""
+"""Engine checkpoint formats: one module or subpackage per engine (dcp, megatron, vllm)."""

@@ -19,7 +19,16 @@ from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import assign_layers, stage_of_layers
 from shardctl.layout.resolve import ModelRules, TensorRule, model_rules
 from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
-from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, RuleSpec, Shard, Stage
+from shardctl.layout.types import (
+    Layout,
+    LayoutOptions,
+    Mesh,
+    Piece,
+    RankLayout,
+    RuleSpec,
+    Shard,
+    Stage,
+)
 from shardctl.model.types import ModelInfo, TensorInfo
 
 VOCAB_PADDING: tuple[str, ...] = ("none", "tp", "megatron")
@@ -36,6 +45,7 @@ class TensorPlan:
     placement: str  # printable, resolved: "S(0)", "R", "S(0)·parts[…]", "E1/4·S(1)"
     stages: tuple[int, ...]
     ep_rank: int | None  # None: on every ep rank
+    packed: bool = False  # experts packed along dim 0: each ep rank holds its E/ep rows
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,8 @@ def build_layout(
             for e in eps:
                 base = (p * ep + e) * tp
                 for r in range(tp):
-                    per_rank[base + r].append(shards[r])
+                    shard = _expert_rows(shards[r], e, ep) if t.packed else shards[r]
+                    per_rank[base + r].append(shard)
     ranks = tuple(
         RankLayout(pp=p, ep=e, tp=r, shards=tuple(per_rank[(p * ep + e) * tp + r]))
         for p in range(mesh.pp)
@@ -115,7 +126,8 @@ def staged_weight_bytes(
     tp, ep = mesh.tp, mesh.ep
     totals = [0] * mesh.model_parallel
     for t in res.tensors:
-        sizes = [nbytes(t.info.dtype, n) for n in local_numels(t.split, tp)]
+        share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
+        sizes = [nbytes(t.info.dtype, n // share) for n in local_numels(t.split, tp)]
         eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
         for p in t.stages:
             for e in eps:
@@ -168,12 +180,29 @@ def resolve(
                     spec.padded if i == spec.dim else s for i, s in enumerate(t.info.shape)
                 )
         ep_rank = None
-        if t.expert is not None:
+        if t.packed:
+            placement = f"E·S(0)/{mesh.ep}·{placement}"
+        elif t.expert is not None:
             # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
             ep_rank = t.expert // experts_per_rank if mesh.ep > 1 else 0
             placement = f"E{ep_rank}/{mesh.ep}·{placement}"
-        plans.append(TensorPlan(t.info, spec, placement, on, ep_rank))
+        plans.append(TensorPlan(t.info, spec, placement, on, ep_rank, t.packed))
     return Resolution(stages, tuple(plans), padded)
+
+
+def _expert_rows(shard: Shard, e: int, ep: int) -> Shard:
+    """ep rank ``e``'s rows ``[e·E/ep, (e+1)·E/ep)`` of a packed expert tensor's tp shard.
+
+    The tp split never cuts dim 0 (resolve refuses it), so every piece spans all ``E`` rows.
+    """
+    if ep == 1:
+        return shard
+    per = shard.global_shape[0] // ep
+    pieces = tuple(
+        Piece((e * per, *p.offsets[1:]), (per, *p.sizes[1:]), p.local_offsets) for p in shard.pieces
+    )
+    local = (per, *shard.local_shape[1:])
+    return Shard(shard.fqn, shard.dtype, shard.global_shape, local, pieces, shard.placement)
 
 
 def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSpec, str]:

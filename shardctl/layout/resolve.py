@@ -38,6 +38,9 @@ class TensorRule:
     vocab: bool  # vocab-parallel: the padding policy applies
     expert: int | None  # expert index e when placed by an expert rule
     label: str  # the rule that placed it, for messages
+    # Experts packed in one tensor (Llama-4, gpt-oss: ``experts.gate_up_proj [E, H, 2I]``):
+    # dim 0 is the expert index, split contiguously over ep.
+    packed: bool = False
 
 
 @dataclass(frozen=True)
@@ -103,9 +106,25 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 hint=f"drop parts from {cr.label}, or use S(0)",
             )
         expert = _expert_index(info.fqn) if cr.rule.expert else None
+        packed = cr.rule.expert and expert is None
+        if packed and dim == 0:
+            raise LayoutError(
+                "a packed expert tensor is split over ep on dim 0; tp cannot split it too",
+                where=info.fqn,
+                hint=f"shard another dim on tp in {cr.label}, e.g. S(1) or S(2)",
+            )
         out.append(
             TensorRule(
-                info, layer, match.stage, dim, parts, groups, resolved.vocab, expert, cr.label
+                info,
+                layer,
+                match.stage,
+                dim,
+                parts,
+                groups,
+                resolved.vocab,
+                expert,
+                cr.label,
+                packed,
             )
         )
     if unplaced:
@@ -136,6 +155,12 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
     num_experts = dims.num_experts if dims is not None else 0
     for t in out:
+        if t.packed and num_experts and t.info.shape[0] != num_experts:
+            raise LayoutError(
+                f"packed experts: dim 0 of {list(t.info.shape)} is not num_experts={num_experts}",
+                where=t.info.fqn,
+                hint="check num_local_experts in the config against the checkpoint",
+            )
         if t.expert is not None and num_experts and t.expert >= num_experts:
             raise LayoutError(
                 f"expert {t.expert} is outside num_experts={num_experts}",
@@ -241,12 +266,8 @@ def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part
     return Part(dims.hidden_size)
 
 
-def _expert_index(fqn: str) -> int:
+def _expert_index(fqn: str) -> int | None:
+    """``e`` of a per-expert tensor (``...experts.<e>.w1.weight``); ``None`` for a tensor that
+    packs every expert along dim 0 (``...experts.gate_up_proj``)."""
     m = _EXPERT.search(fqn)
-    if m is None:
-        raise LayoutError(
-            "an expert rule matched, but the name has no 'experts.<e>.' index",
-            where=fqn,
-            hint="drop expert: true from that rule, or match only per-expert tensors",
-        )
-    return int(m.group(1))
+    return None if m is None else int(m.group(1))

@@ -62,7 +62,7 @@ def shared_ep_weights(
     experts = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep), rules=rules, options=options)
     out = {(p, d, t): 0 for p in range(mesh.pp) for d in range(mesh.dp) for t in range(mesh.tp)}
     for plan in dense.tensors:
-        if plan.ep_rank is not None:
+        if plan.ep_rank is not None or plan.packed:
             continue  # an expert: placed by the second resolution
         sizes = [nbytes(plan.info.dtype, n) for n in local_numels(plan.split, mesh.tp)]
         for p in plan.stages:
@@ -70,6 +70,13 @@ def shared_ep_weights(
                 for t in range(mesh.tp):
                     out[(p, d, t)] += sizes[t]
     for plan in experts.tensors:
+        if plan.packed:  # every expert in one tensor: each ep rank holds E/ep rows of dim 0
+            size = nbytes(plan.info.dtype, local_numels(plan.split, 1)[0] // mesh.ep)
+            for p in plan.stages:
+                for key in out:
+                    if key[0] == p:
+                        out[key] += size
+            continue
         if plan.ep_rank is None:
             continue
         size = nbytes(plan.info.dtype, local_numels(plan.split, 1)[0])

@@ -60,6 +60,26 @@ def verify(
     """
     _check_options(level, device, launcher)
     src, dst = Path(src), Path(dst)
+    # --- dcp-optim: a DCP training checkpoint on either side runs as HF-named tensors ---
+    from shardctl.formats.dcp.verify import involves_dcp, verify_dcp
+
+    if involves_dcp(src, dst):
+        return verify_dcp(
+            src,
+            dst,
+            lambda s, d: verify(
+                s,
+                d,
+                level=level,
+                device=device,
+                launcher=launcher,
+                seed=seed,
+                simulate=simulate,
+                world=world,
+                hashes=hashes,
+            ),
+        )
+    # --- end dcp-optim ---
     source = open_source(src)
     dest = open_destination(dst)
     result = VerifyResult(str(src), str(dst), level, [LevelResult(n) for n in LEVELS])

@@ -51,6 +51,11 @@ class VocabParallelEmbedding(nn.Module):
         self.comm = comm
         self.start = start
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The local table (Llama-4's model reads ``embed_tokens.weight.device``)."""
+        return self.inner.weight
+
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         rows = self.inner.weight.shape[0]
         local = ids - self.start
@@ -91,9 +96,10 @@ class LocalExperts(nn.Module):
     """This rank's experts ``[first, first + n)``; the router still scores all of them.
 
     Wraps transformers' own packed expert module (``gate_up_proj [n, 2·I/tp, H]``,
-    ``down_proj [n, H, I/tp]``): ids outside the range map to its "no expert" slot ``n``. Each
-    rank's output is a partial sum over its experts (and, with tp, over its slice of I): one
-    all-reduce over the stage's ``ep × tp`` ranks completes it.
+    ``down_proj [n, H, I/tp]``, or gpt-oss's ``[n, H, 2·I/tp]``): ids outside the range go to
+    local expert 0 with weight 0, so they add nothing (not to a "no expert" slot ``n``: gpt-oss's
+    module has none). Each rank's output is a partial sum over its experts (and, with tp, over
+    its slice of I): one all-reduce over the stage's ``ep × tp`` ranks completes it.
     """
 
     def __init__(self, inner: nn.Module, comm: Comm, *, first: int, count: int) -> None:
@@ -107,6 +113,30 @@ class LocalExperts(nn.Module):
         self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
     ) -> torch.Tensor:
         local = top_k_index - self.first
-        local = local.masked_fill((local < 0) | (local >= self.count), self.count)
-        out: torch.Tensor = self.inner(hidden, local, top_k_weights)
+        outside = (local < 0) | (local >= self.count)
+        weights = top_k_weights.masked_fill(outside, 0)
+        out: torch.Tensor = self.inner(hidden, local.masked_fill(outside, 0), weights)
+        return self.comm.all_reduce(out, "moe")
+
+
+class StackedLocalExperts(nn.Module):
+    """This rank's experts ``[first, first + n)`` of a module called on every expert's input
+    stacked, ``x [E·T, H]`` (Llama-4: rows ``e·T .. (e+1)·T`` are expert ``e``'s tokens, scaled
+    by its router score). The rank runs its ``n·T`` rows; the other experts' rows stay zero, and
+    the all-reduce over the stage's ``ep × tp`` ranks fills them in and sums the tp slices.
+    """
+
+    def __init__(self, inner: nn.Module, comm: Comm, *, first: int, count: int, total: int):
+        super().__init__()
+        self.inner = inner
+        self.comm = comm
+        self.first = first
+        self.count = count
+        self.total = total  # E: x holds total·T rows
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        tokens = x.shape[0] // self.total
+        rows = slice(self.first * tokens, (self.first + self.count) * tokens)
+        out = torch.zeros_like(x)
+        out[rows] = self.inner(x[rows])
         return self.comm.all_reduce(out, "moe")

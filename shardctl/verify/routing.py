@@ -16,9 +16,11 @@ model's own arithmetic, and the level stays sharp: a misplaced or swapped expert
 the wrong function for the tokens pinned to it, and a wrong router weight still gives wrong
 routing weights — the tests' negative cases (swapped experts, wrong gate) still fail.
 
-The router is found by shape, not by family: in each decoder layer, ``mlp.gate`` of an ``mlp``
-that has ``experts``, whose forward returns ``(router_logits, scores, indices)`` — the
-transformers 5 top-k router contract.
+The router is found by shape, not by family: in each decoder layer, the module with a ``top_k``
+whose parent holds ``experts`` (``mlp.gate`` of Mixtral / Qwen-MoE, ``mlp.router`` of gpt-oss,
+``feed_forward.router`` of Llama-4). Two output contracts are known: transformers 5's top-k
+router, ``(router_logits, scores [T, k], indices [T, k])``; and Llama-4's, ``(scores [T, E],
+router_logits [T, E])`` with the chosen experts' sigmoid scores and zeros elsewhere.
 """
 
 from __future__ import annotations
@@ -39,12 +41,21 @@ def routers(layers: nn.ModuleList, first_layer: int = 0) -> dict[int, nn.Module]
     """``global layer index -> router module`` for the MoE layers among ``layers``."""
     found: dict[int, nn.Module] = {}
     for i, layer in enumerate(layers):
-        mlp = getattr(layer, "mlp", None)
-        gate = getattr(mlp, "gate", None)
-        if mlp is not None and hasattr(mlp, "experts") and isinstance(gate, nn.Module):
-            if hasattr(gate, "top_k"):
-                found[first_layer + i] = gate
+        for parent in layer.modules():
+            if not isinstance(getattr(parent, "experts", None), nn.Module):
+                continue
+            for name, child in parent.named_children():
+                if name != "experts" and hasattr(child, "top_k"):
+                    found[first_layer + i] = child
     return found
+
+
+def _chosen(module: nn.Module, output: Any) -> torch.Tensor:
+    """The ``[T, k]`` expert ids a router's output chose."""
+    if len(output) == 3:  # (logits, scores, indices)
+        return output[2]
+    logits = output[1]  # Llama-4: (scores [T, E], logits [T, E])
+    return torch.topk(logits, int(getattr(module, "top_k", 1)), dim=-1).indices
 
 
 @contextmanager
@@ -70,8 +81,8 @@ def record(
     """Record each MoE layer's chosen experts during the forwards run inside the block."""
 
     def hook_for(index: int) -> Hook:
-        def hook(_m: nn.Module, _a: Any, output: Any) -> None:
-            into[index] = output[2].detach().to("cpu").tolist()
+        def hook(m: nn.Module, _a: Any, output: Any) -> None:
+            into[index] = _chosen(m, output).detach().to("cpu").tolist()
 
         return hook
 
@@ -97,13 +108,18 @@ def pin(
         if index not in routing:
             return None
 
-        def hook(_m: nn.Module, _a: Any, output: Any) -> Any:
-            logits, scores, indices = output
+        def hook(m: nn.Module, _a: Any, output: Any) -> Any:
+            indices = _chosen(m, output)
             if own is not None:
                 own[index] = indices.detach().to("cpu").tolist()
             pinned = torch.tensor(routing[index], dtype=indices.dtype, device=indices.device)
             if pinned.shape != indices.shape:
                 return output  # a different input shape: nothing to impose
+            if len(output) == 2:  # Llama-4: sigmoid of the chosen logits, zeros elsewhere
+                dense, logits = output
+                chosen = torch.sigmoid(logits.float().gather(-1, pinned)).to(dense.dtype)
+                return torch.zeros_like(dense).scatter_(-1, pinned, chosen), logits
+            logits, scores, _ = output
             probs = torch.softmax(logits.float(), dim=-1)
             weights = probs.gather(-1, pinned)
             if normalize:

@@ -9,7 +9,8 @@ Checks, each a finding naming the tensor / rank / file:
 - coverage: within every tensor-parallel group ``(pp, ep)`` that holds a tensor, its pieces tile
   the tensor exactly — distinct boxes disjoint, no gaps; identical boxes are replicas (K/V heads
   when ``tp > kv heads``, norms); every non-expert tensor present in every ``ep`` group of its
-  stage, an expert in exactly one;
+  stage, an expert in exactly one; a tensor of packed experts (``experts.gate_up_proj [E, ..]``)
+  may instead be split over the stage's ``ep`` groups, which then tile it together, disjointly;
 - stages complete and contiguous (``0..L-1`` in order), each layer's tensors only on its stage;
 - the original unchanged since the reshard (size and mtime against the record's ``source``).
 """
@@ -97,11 +98,14 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
         if not held:
             level.fail("no rank holds it", fqn=fqn)
             continue
+        shape = t.shape if t.shape else (1,)
+        split_over_ep: set[int] = set()  # stages where the ep groups hold disjoint parts
         for (pp, ep), pieces in sorted(held.items()):
-            shape = t.shape if t.shape else (1,)
-            norm = [p if p.sizes else Piece((0,), (1,), (0,)) for p in pieces]
-            bad = _boxes_tile(shape, norm)
-            if bad:
+            bad = _boxes_tile(shape, _norm(pieces))
+            if bad and pp not in split_over_ep:
+                if _tiles_over_ep(shape, held, pp, mesh.ep):
+                    split_over_ep.add(pp)  # packed experts: E/ep rows of dim 0 per ep group
+                    continue
                 level.fail(f"tp group pp={pp} ep={ep}: {bad}", fqn=fqn)
         eps = {ep for _, ep in held}
         stages = {pp for pp, _ in held}
@@ -109,7 +113,7 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
             if len(eps) != 1:
                 level.fail(f"expert held by {len(eps)} ep groups, expected 1", fqn=fqn)
         elif mesh.ep > 1:
-            for pp in stages:
+            for pp in stages - split_over_ep:
                 have = {ep for p, ep in held if p == pp}
                 if len(have) != mesh.ep:
                     level.fail(
@@ -117,6 +121,27 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
                         f"{sorted(have)} of {mesh.ep}",
                         fqn=fqn,
                     )
+
+
+def _norm(pieces: list[Piece]) -> list[Piece]:
+    """A 0-d tensor's piece as one element of a ``(1,)`` tensor."""
+    return [p if p.sizes else Piece((0,), (1,), (0,)) for p in pieces]
+
+
+def _tiles_over_ep(
+    shape: tuple[int, ...], held: dict[tuple[int, int], list[Piece]], pp: int, ep: int
+) -> bool:
+    """True when every ep group of stage ``pp`` holds a part and together, with no two groups
+    overlapping, they tile the tensor (experts packed in one tensor, split over ep on dim 0)."""
+    groups = [{(p.offsets, p.sizes) for p in _norm(v)} for (s, _), v in held.items() if s == pp]
+    if ep < 2 or len(groups) != ep:
+        return False
+    for i, a in enumerate(groups):
+        for b in groups[i + 1 :]:
+            if a & b:
+                return False
+    union = [Piece(o, z, o) for g in groups for o, z in g]
+    return _boxes_tile(shape, union) is None
 
 
 def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:

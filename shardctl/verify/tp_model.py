@@ -23,7 +23,13 @@ from torch import nn
 
 from shardctl.verify.adapters import Adapter, Dims, adapter_for, dims_of, local_config
 from shardctl.verify.comm import Comm
-from shardctl.verify.parallel import GatherHead, LocalExperts, RowParallel, VocabParallelEmbedding
+from shardctl.verify.parallel import (
+    GatherHead,
+    LocalExperts,
+    RowParallel,
+    StackedLocalExperts,
+    VocabParallelEmbedding,
+)
 
 # transformers sets the process-wide default dtype while it builds a model, and imports model
 # modules lazily: simulated ranks (threads) build one at a time, after warm_imports().
@@ -33,7 +39,7 @@ _BUILD_LOCK = threading.Lock()
 def implementations(cfg: dict[str, Any]) -> dict[str, str]:
     """Eager attention (and eager experts: the grouped kernels lack float64) everywhere."""
     impl = {"attn_implementation": "eager"}
-    if cfg.get("num_local_experts"):
+    if cfg.get("num_local_experts") or cfg.get("num_experts"):
         impl["experts_implementation"] = "eager"
     return impl
 
@@ -45,7 +51,8 @@ def warm_imports(model_type: str) -> None:
 
     transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
     transformers.AutoModelForCausalLM  # noqa: B018
-    module = model_type_to_module_name(model_type)  # gemma3_text lives in models.gemma3
+    # gemma3_text, llama4_text: their modules are models.gemma3, models.llama4
+    module = model_type_to_module_name(model_type)
     importlib.import_module(f"transformers.models.{module}.modeling_{module}")
 
 
@@ -147,8 +154,9 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
         return f"{prefix}.{rest}", ()
     if rest == ex.router:
         return f"{prefix}.{ex.router_param}", ()
-    e = ex.regex.match(rest)
-    if e is None:
+    regex = ex.regex
+    e = regex.match(rest) if regex is not None else None
+    if e is None:  # not an expert, or experts packed on disk as in memory
         return f"{prefix}.{rest}", ()
     per_rank = d.num_experts // role.ep_size
     expert = int(e.group(1)) - role.ep * per_rank
@@ -219,6 +227,30 @@ def _load(
     return problems
 
 
+def _submodule(root: nn.Module, path: str) -> nn.Module | None:
+    try:
+        return root.get_submodule(path) if path else root
+    except AttributeError:
+        return None
+
+
+def _wrap_experts(
+    mlp: nn.Module, leaf: str, experts: nn.Module, ex: Any, d: Dims, role: Role, comm: Comm
+) -> None:
+    """Replace ``mlp.<leaf>`` by this rank's experts of it (ids outside go nowhere)."""
+    if role.tp != 0:  # added after the sum over tp: rank 0 adds it for all
+        for name in ex.once:
+            experts.get_parameter(name).data.zero_()
+    per_rank = d.num_experts // role.ep_size
+    first = role.ep * per_rank
+    local: nn.Module = (
+        StackedLocalExperts(experts, comm, first=first, count=per_rank, total=d.num_experts)
+        if ex.call == "stacked"
+        else LocalExperts(experts, comm, first=first, count=per_rank)
+    )
+    setattr(mlp, leaf, local)
+
+
 def _wrap(
     model: nn.Module,
     ad: Adapter,
@@ -232,17 +264,19 @@ def _wrap(
     layers = model.get_submodule(ad.layer_prefix)
     assert isinstance(layers, nn.ModuleList)
     for layer in layers:
+        # A module a layer lacks is skipped: MoE families mix dense and sparse layers.
         for path in ad.row_parallel:
             parent_path, _, leaf = path.rpartition(".")
-            parent = layer.get_submodule(parent_path)
-            setattr(parent, leaf, RowParallel(getattr(parent, leaf), comm, conv1d=ad.conv1d))
-        if ad.experts is not None:
-            per_rank = d.num_experts // role.ep_size
-            mlp_path, _, leaf = ad.experts.module.rpartition(".")
-            mlp = layer.get_submodule(mlp_path)
-            experts = mlp.get_submodule(leaf)
-            local = LocalExperts(experts, comm, first=role.ep * per_rank, count=per_rank)
-            setattr(mlp, leaf, local)
+            parent = _submodule(layer, parent_path)
+            if parent is not None and isinstance(getattr(parent, leaf, None), nn.Module):
+                setattr(parent, leaf, RowParallel(getattr(parent, leaf), comm, conv1d=ad.conv1d))
+        ex = ad.experts
+        if ex is not None:
+            mlp_path, _, leaf = ex.module.rpartition(".")
+            mlp = _submodule(layer, mlp_path)
+            experts = getattr(mlp, leaf, None) if mlp is not None else None
+            if mlp is not None and isinstance(experts, nn.Module):
+                _wrap_experts(mlp, leaf, experts, ex, d, role, comm)
         if ad.shard_layer is not None:
             ad.shard_layer(layer, comm, role.tp, role.tp_size, d)
     root, _, emb = ad.embeddings[0].rpartition(".")

@@ -85,6 +85,8 @@ def estimate(
         kv=kv_summary(ctx, coords),
         comm=comm,
         hardware=hardware,
-        moe=moe_params(shape) if shape is not None and shape.dims.num_experts else None,
+        moe=moe_params(shape, model.tensors)
+        if shape is not None and shape.dims.num_experts
+        else None,
         inputs=plan_inputs(ctx),
     )

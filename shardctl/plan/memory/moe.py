@@ -9,9 +9,11 @@ Mixtral: 46.7B total, 12.9B active with E = 8, k = 2).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardctl.layout.types import Stage
+from shardctl.model.types import TensorInfo
 from shardctl.plan.memory.shapes import ModelShape, stage_counts
 
 
@@ -33,13 +35,21 @@ class MoeParams:
         }
 
 
-def moe_params(shape: ModelShape) -> MoeParams:
+def moe_params(shape: ModelShape, tensors: Sequence[TensorInfo] = ()) -> MoeParams:
     """Total and active parameters of the whole (unsharded) model.
 
-    ``active = total - expert · (1 - k/E)``.
+    ``active = total - expert · (1 - k/E)``. With an inventory (``tensors``) the counts are
+    its own: expert tensors are those under ``.experts.`` (per-expert or packed), so shared
+    experts, dense layers and biases count as they are (the closed form assumes uniform MoE
+    layers without them).
     """
     d = shape.dims
-    c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
     e, k = d.num_experts, d.experts_per_token
-    active = c.total - (c.expert - c.expert * k // e if e else 0)
-    return MoeParams(c.total, active, c.expert, e, k)
+    if tensors:
+        total = sum(t.numel for t in tensors)
+        expert = sum(t.numel for t in tensors if ".experts." in t.fqn)
+    else:
+        c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
+        total, expert = c.total, c.expert
+    active = total - (expert - expert * k // e if e else 0)
+    return MoeParams(total, active, expert, e, k)

@@ -97,6 +97,7 @@ class ModelShape:
     # q head and per kv head, per layer
     q_head_norm: int = 0
     kv_head_norm: int = 0
+    head_bias: bool = False  # a vocab-parallel LM-head bias (Phi-1/2 ``lm_head.bias [V]``)
 
 
 def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelShape:
@@ -112,7 +113,9 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
 
         qkv_bias = has("q_proj", "qkv_proj", "c_attn", "query_key_value")
         o_bias = has("o_proj", "attn.c_proj", "dense.")
-        mlp_bias = has("up_proj", "gate_up_proj", "c_fc", "down_proj", "mlp.c_proj")
+        mlp_bias = has(
+            "up_proj", "gate_up_proj", "c_fc", "down_proj", "mlp.c_proj", "dense_h_to_4h", "fc1"
+        )
         norm_bias = has("norm", "ln_")
         positions = next((t.shape[0] for t in model.tensors if t.fqn.endswith("wpe.weight")), 0)
         norms = [t for t in model.tensors if len(t.shape) == 1 and _is_norm(t.fqn)]
@@ -137,6 +140,7 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             final_norm,
             q_head,
             kv_head,
+            head_bias=any(n == "lm_head.bias" for n in names),
         )
     # No tensor names: the family file says what its config implies.
     family = find(model.architecture)
@@ -262,7 +266,8 @@ def stage_counts(shape: ModelShape, stage: Stage, pp: int, tp: int, ep: int = 1)
         final_norm = (2 if shape.norm_bias else 1) * d.hidden_size
         if shape.final_norm_numel is not None:
             final_norm = shape.final_norm_numel
-        extra = extra + Counts(head=head, norm=final_norm)
+        bias = rows if shape.head_bias else 0  # split with the head's rows
+        extra = extra + Counts(head=head, norm=final_norm + bias)
     return c + extra
 
 
