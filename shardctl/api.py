@@ -125,8 +125,8 @@ def reshard(
     from shardctl.reshard.api import reshard as run_reshard
     from shardctl.units import parse_size
 
-    if format is not None and format not in ("ranks", "hf", "dcp", "megatron"):
-        raise UsageError(f"--format: expected ranks, hf, dcp or megatron, got {format!r}")
+    if format is not None and format not in ("ranks", "hf", "dcp", "megatron", "vllm"):
+        raise UsageError(f"--format: expected ranks, hf, dcp, megatron or vllm, got {format!r}")
     # (megatron first: a torch_dist directory is a DCP directory too)
     from shardctl.formats.megatron.layout import is_megatron
 

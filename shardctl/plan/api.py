@@ -115,6 +115,10 @@ class PlanResult:
             from shardctl.formats.megatron.command import reshard_command
 
             return reshard_command(self.manifest, self.mesh)
+        if engine == "vllm":
+            from shardctl.formats.vllm.command import reshard_command as vllm_command
+
+            return vllm_command(self.manifest, self.mesh)
         return None
 
     def stage_weight_bytes(self) -> list[int]:

@@ -78,7 +78,9 @@ def render_plan(
     cmd = result.engine_command()  # engine formats (issue 16)
     if cmd is not None:
         if cmd["command"] is not None:
-            console.print(f"{cmd['engine']} checkpoint: {cmd['command']}", markup=False)
+            console.print(
+                f"{cmd['engine']} checkpoint: {cmd['command']}", markup=False, highlight=False
+            )
             if cmd.get("load_flags"):
                 console.print(f"  load with: {cmd['load_flags']}", markup=False)
         else:
