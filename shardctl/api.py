@@ -125,13 +125,17 @@ def reshard(
     from shardctl.reshard.api import reshard as run_reshard
     from shardctl.units import parse_size
 
-    if format is not None and format not in ("ranks", "hf", "dcp"):
-        raise UsageError(f"--format: expected ranks, hf or dcp, got {format!r}")
+    if format is not None and format not in ("ranks", "hf", "dcp", "megatron", "vllm"):
+        raise UsageError(f"--format: expected ranks, hf, dcp, megatron or vllm, got {format!r}")
+    # (megatron first: a torch_dist directory is a DCP directory too)
+    from shardctl.formats.megatron.layout import is_megatron
+
+    megatron = format == "megatron" or is_megatron(Path(src))
     # --- dcp-optim: DCP training checkpoints (formats/dcp) ---
     from shardctl.formats.dcp.metadata import is_dcp
     from shardctl.formats.dcp.zero import is_zero
 
-    if format == "dcp" or is_dcp(Path(src)) or is_zero(Path(src)):
+    if not megatron and (format == "dcp" or is_dcp(Path(src)) or is_zero(Path(src))):
         from shardctl.formats.dcp.convert import reshard_dcp
 
         if manifest is not None:
@@ -153,6 +157,33 @@ def reshard(
         else max_shard_size
     )
     target, rules, options = _reshard_target(mesh, manifest)
+    # -- engine formats (issue 16): Megatron-Core torch_dist out (--format megatron) and in --
+    if megatron:
+        from shardctl.formats.megatron.api import reshard as megatron_reshard
+
+        def forward(s: Path, d: Path, m: Mesh | None, f: str | None) -> ReshardResult:
+            axes = None if m is None else {"tp": m.tp, "pp": m.pp, "ep": m.ep}
+            return reshard(
+                s,
+                d,
+                mesh=axes,
+                manifest=manifest,
+                format=f,
+                max_shard_size=size,
+                workers=workers,
+                force=force,
+            )
+
+        return megatron_reshard(
+            Path(src),
+            Path(dst),
+            fmt=format,
+            mesh=target,
+            max_shard_size=size,
+            force=force,
+            forward=forward,
+        )
+    # -- end engine formats: megatron --
     return run_reshard(
         Path(src),
         Path(dst),
@@ -199,11 +230,14 @@ def verify(
     SRC), ``forward`` (the sharded model's logits on torch.distributed match SRC's). ``result.ok``
     is the verdict (False -> exit 1); ``result.failed_level.findings`` name tensor, rank, file.
     """
+    from shardctl.formats.megatron.api import as_hf  # engine formats (issue 16): megatron
     from shardctl.verify.api import verify as run_verify
 
-    return run_verify(
-        Path(src), Path(dst), level=level, device=device, launcher=launcher, seed=seed
-    )
+    with as_hf(Path(src)) as src_path, as_hf(Path(dst)) as dst_path:
+        result = run_verify(
+            src_path, dst_path, level=level, device=device, launcher=launcher, seed=seed
+        )
+    return replace(result, src=str(src), dst=str(dst))
 
 
 def inspect(path: PathLike) -> InspectResult:

@@ -214,6 +214,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_local_experts=4, num_experts_per_tok=2, sliding_window=8,
         tie_word_embeddings=False, max_position_embeddings=128,
     ),
+    # fam-mla: DeepSeek MLA + MoE. Layer 0 dense (first_k_dense_replace), 1..3 MoE with 8
+    # routed + 2 shared experts; v_head_dim != qk_nope_head_dim != kv_lora_rank, so a mix-up
+    # of the MLA dims cannot hide. V2 here is V2-Lite-like (no q_lora_rank: plain q_proj).
+    "deepseek_v2": dict(
+        model_type="deepseek_v2", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=256, q_lora_rank=None,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, topk_method="group_limited_greedy", n_group=2, topk_group=1,
+        routed_scaling_factor=2.0, tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "deepseek_v3": dict(
+        model_type="deepseek_v3", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=4, vocab_size=256, q_lora_rank=24,
+        kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=12,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128,
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(

@@ -55,6 +55,9 @@ FAMILIES: dict[str, list[Mesh]] = {
     "qwen3_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     "llama4_text": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     "gpt_oss": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    # fam-mla: MLA has no K/V heads to replicate; tp=4 = one head per rank
+    "deepseek_v2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    "deepseek_v3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -17,6 +17,8 @@ from types import ModuleType
 
 from shardctl.archs import (
     cohere,
+    deepseek_v2,
+    deepseek_v3,
     falcon,
     gemma,
     gemma2,
@@ -83,6 +85,9 @@ _MODULES: tuple[ModuleType, ...] = (
     qwen3_moe,
     llama4_text,
     gpt_oss,
+    # fam-mla
+    deepseek_v2,
+    deepseek_v3,
 )
 
 FAMILIES: dict[str, Family] = {

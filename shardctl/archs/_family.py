@@ -79,6 +79,9 @@ LocalConfig = Callable[[Config, ModelDims, int, int, int, int], dict[str, Any]]
 # (layer, comm, tp_rank, tp_size, dims) -> None: after loading, swap a layer's modules for
 # tensor-parallel ones (OLMo-2's q/k norm over the whole projection needs a tp all-reduce).
 ShardLayer = Callable[[Any, Any, int, int, ModelDims], None]
+# (router logits [tokens, E], chosen experts [tokens, k], config) -> their routing weights,
+# for a router that is not "softmax, then top-k, renormalized when norm_topk_prob".
+RouteWeights = Callable[[Any, Any, Config], Any]
 
 
 @dataclass(frozen=True)
@@ -104,6 +107,7 @@ class ForwardSpec:
     experts: ExpertSpec | None = None
     localize: Localize | None = None  # after from_config, before loading the rank's tensors
     shard_layer: ShardLayer | None = None  # per layer, after loading, with the tp comm
+    route_weights: RouteWeights | None = None  # verify/routing.py: weights at pinned experts
     arch: str = ""  # filled in by the registry: the model_type asked for
     renames: tuple[tuple[str, str], ...] = ()
     recomputed: tuple[str, ...] = ()
@@ -142,6 +146,10 @@ class Family:
     # or "pattern": every ``sliding_window_pattern``-th layer global, the rest slide (Gemma-3).
     sliding_layers: str = "none"
     follows: str = ""  # the engine code whose placement the rules follow
+    # False: plan/memory/shapes.py's Llama/Mixtral closed-form counts do not describe this
+    # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from
+    # the layout engine instead (plan/memory/layout_counts.py).
+    closed_form: bool = True
     # fqn globs of the weights a quantization_config quantizes (shardctl/quant/expand.py: a
     # config without a checkpoint); a checkpoint's own names say it for themselves. Default:
     # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's

@@ -147,6 +147,15 @@ def open_checkpoint(
         return CheckpointFiles(root=root, kind="hf", files=(header,), locations=_locate([header]))
     if not root.is_dir():
         raise InvalidInputError("not a directory or a safetensors file", where=str(root))
+    from shardctl.formats.megatron.layout import is_megatron  # engine formats (issue 16)
+
+    if is_megatron(root):
+        raise InvalidInputError(
+            "a Megatron-Core torch_dist checkpoint: reshard and verify read it, this command "
+            "reads HF checkpoints and shardctl layouts",
+            where=str(root),
+            hint=f"convert it first: shardctl reshard {root} OUT --format hf",
+        )
     has_record = os.path.lexists(root / LAYOUT_RECORD)
     if has_record and not ignore_layout_record:
         return CheckpointFiles(

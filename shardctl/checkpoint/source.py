@@ -42,7 +42,7 @@ class InputFile:
 @dataclass(frozen=True)
 class Source:
     root: Path
-    kind: str  # "hf" | "shardctl"
+    kind: str  # "hf" | "shardctl" | "vllm"
     model: ModelInfo  # the original checkpoint's tensors (global, unpadded), in file order
     shards: Mapping[str, tuple[SourceShard, ...]]
     files: tuple[InputFile, ...]
@@ -98,6 +98,12 @@ class Source:
 
 def open_source(root: Path, *, follow_external_symlinks: bool = False) -> Source:
     """Validate ``root`` and locate every source shard (exit 3 on anything malformed)."""
+    # ---- engine format: vLLM sharded_state (branch vllm) ----
+    from shardctl.formats.vllm.read import is_vllm_dir, open_vllm_source
+
+    if is_vllm_dir(Path(root)):
+        return open_vllm_source(Path(root))
+    # ---- end vllm ----
     ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
     if ck.kind == "shardctl":
         return _from_record(Path(root))

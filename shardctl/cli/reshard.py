@@ -23,8 +23,9 @@ if TYPE_CHECKING:
 Src = Annotated[
     Path,
     typer.Argument(
-        help="Input: an HF checkpoint dir, a shardctl layout, or a training checkpoint "
-        "(torch DCP dir with .metadata, DeepSpeed ZeRO-1/2 dir)."
+        help="Input: an HF checkpoint dir, a shardctl layout, a training checkpoint "
+        "(torch DCP dir with .metadata, DeepSpeed ZeRO-1/2 dir) or a Megatron torch_dist "
+        "checkpoint."
     ),
 ]
 Dst = Annotated[Path, typer.Argument(help="Output directory (must not exist unless --force).")]
@@ -55,9 +56,11 @@ Format = Annotated[
     str | None,
     typer.Option(
         "--format",
-        help="ranks (per-rank files), hf (whole tensors) or dcp (torch DCP training "
-        "checkpoint, with optimizer state). Default: ranks when the target has more than "
-        "one rank, else hf; a DCP input converts to hf.",
+        help="ranks (per-rank files), hf (whole tensors), dcp (torch DCP training "
+        "checkpoint, with optimizer state) or vllm (vLLM sharded_state, --load-format "
+        "sharded_state). Default: ranks when the target has more than one rank, else hf; a "
+        "DCP input converts to hf. megatron: a Megatron-Core torch_dist checkpoint "
+        "(--tp/--pp/--ep: the degrees it is written for; a torch_dist SRC is read as input).",
     ),
 ]
 MaxShardSize = Annotated[

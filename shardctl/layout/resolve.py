@@ -87,11 +87,16 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
     unplaced: list[str] = []
+    # Layers after the decoder stack (MTP) are not decoder layers: pinned to the last stage.
+    first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
     for info in model.tensors:
         group = quant_groups.get(info.fqn)
         # a quantized member is placed as the unquantized weight it encodes would be
         logical = group.logical if group is not None else info
         layer = layer_index(info.fqn)
+        trailing = first_mtp is not None and layer is not None and layer >= first_mtp
+        if trailing:
+            layer = None
         match = matcher.find(logical.fqn, need_stage=layer is None)
         if match is None:
             unplaced.append(info.fqn)  # all of them in one error, after the loop
@@ -114,6 +119,7 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 hint=f"drop parts from {cr.label}, or use S(0)",
             )
         expert = _expert_index(info.fqn) if cr.rule.expert else None
+        stage = "last" if trailing else match.stage
         packed = cr.rule.expert and expert is None
         if packed and dim == 0:
             raise LayoutError(
@@ -144,7 +150,7 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             TensorRule(
                 info,
                 layer,
-                match.stage,
+                stage,
                 dim,
                 parts,
                 groups,
@@ -174,6 +180,16 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     matcher.check_unused(names)
     layers = [t.layer for t in out if t.layer is not None]
     num_layers = dims.num_layers if dims is not None else (max(layers) + 1 if layers else 0)
+    if first_mtp is not None and dims is not None:
+        for t in out:
+            mtp = layer_index(t.info.fqn)
+            if t.layer is None and mtp is not None and mtp >= first_mtp + dims.mtp_layers:
+                raise LayoutError(
+                    f"layer {mtp} is outside the model's num_layers={num_layers} plus its "
+                    f"{dims.mtp_layers} multi-token-prediction layer(s)",
+                    where=t.info.fqn,
+                    hint="check num_hidden_layers / num_nextn_predict_layers in the config",
+                )
     for t in out:
         if t.layer is not None and t.layer >= num_layers:
             raise LayoutError(

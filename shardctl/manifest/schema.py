@@ -253,7 +253,8 @@ def _workload_section() -> dict[str, Any]:
             "engine": _enum(
                 m.ENGINES,
                 "Memory profile: generic (default) or vllm (vLLM's start-up accounting; "
-                "sequence_length is then max_model_len).",
+                "sequence_length is then max_model_len). megatron: plan also prints the "
+                "shardctl reshard command writing the layout as a torch_dist checkpoint.",
             ),
             "max_num_seqs": _int("vLLM max_num_seqs: sequences in the profile (256)."),
             "max_num_batched_tokens": _int(

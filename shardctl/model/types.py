@@ -55,6 +55,9 @@ class ModelDims:
     experts_per_token: int = 0
     max_position_embeddings: int = 0
     gated_mlp: bool = True  # SwiGLU / GeGLU (three matrices) vs GPT-2's two
+    # Layers after the decoder stack that a checkpoint may carry (DeepSeek-V3's multi-token
+    # prediction, ``model.layers.{num_layers + k}``): placed on the last pipeline stage.
+    mtp_layers: int = 0
 
 
 @dataclass(frozen=True)

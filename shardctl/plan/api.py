@@ -124,6 +124,20 @@ class PlanResult:
     def rank_fits(self, rank: RankPlan) -> bool | None:
         return fits(rank.total, self.budget)
 
+    def engine_command(self) -> dict[str, Any] | None:
+        """Engine formats (issue 16): the ``shardctl reshard`` command that writes this layout
+        in ``workload.engine``'s format (each engine's module prints its own)."""
+        engine = self.manifest.workload.engine
+        if engine == "megatron":
+            from shardctl.formats.megatron.command import reshard_command
+
+            return reshard_command(self.manifest, self.mesh)
+        if engine == "vllm":
+            from shardctl.formats.vllm.command import reshard_command as vllm_command
+
+            return vllm_command(self.manifest, self.mesh)
+        return None
+
     def stage_weight_bytes(self) -> list[int]:
         """Weight bytes of one model replica per stage (sum over its tp × ep ranks)."""
         out = [0] * self.mesh.pp
@@ -146,6 +160,7 @@ class PlanResult:
             "expert_parallel": self._expert_parallel_json(),
             "weights_only": self.weights_only,
             "warnings": list(self.warnings),
+            **({"reshard": c} if (c := self.engine_command()) is not None else {}),
             "mesh": self.mesh.as_dict(),
             "fits": self.fits,
             "device_memory_bytes": self.device_memory,

@@ -75,6 +75,18 @@ def render_plan(
 
     render_bars(result, console=console, all_ranks=all_ranks, unit=unit)
     _verdict(result, console, unit)
+    cmd = result.engine_command()  # engine formats (issue 16)
+    if cmd is not None:
+        if cmd["command"] is not None:
+            console.print(
+                f"{cmd['engine']} checkpoint: {cmd['command']}", markup=False, highlight=False
+            )
+            if cmd.get("load_flags"):
+                console.print(f"  load with: {cmd['load_flags']}", markup=False)
+        else:
+            console.print(
+                f"{cmd['engine']}: cannot write this layout: {cmd['refused']}", markup=False
+            )
 
 
 def _rank_table(result: PlanResult, unit: tuple[str, int], *, all_ranks: bool) -> Table:

@@ -265,6 +265,8 @@ def _write(run: _Run, work: Path) -> dict[str, str]:
                 check,
                 run.journal,
                 sum(f.size for f in the_plan.files if f.name in run.reused),
+                the_plan.sources,
+                the_plan.order,
             )
         except BaseException:
             check.cancel()
@@ -292,6 +294,13 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
         extra += atomic.write_file(staging / INDEX_NAME, the_plan.index)
         faults.point("index_written")
     source.check_unchanged()
+    if the_plan.fmt == "vllm":  # vLLM reads only its own files; shardctl reads them back by name
+        shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
+        for name, data in the_plan.extra_files:
+            extra += atomic.write_file(staging / name, data)
+        atomic.commit(staging, run.dst, replace=run.force)
+        run.staging = None
+        return extra
     files = [record.FileDigest(f.name, f.size, digests[f.name]) for f in the_plan.files]
     if the_plan.index is not None:
         files.append(digest_file(staging / INDEX_NAME, run.hash_name))

@@ -7,12 +7,12 @@ Wires the run's progress, input checksums and resume journal to the
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 
 from shardctl.checkpoint import plan_files
 from shardctl.checkpoint.input_check import InputCheck
-from shardctl.checkpoint.source import Source
+from shardctl.checkpoint.source import Source, SourceShard
 from shardctl.reshard import resume as resume_run
 from shardctl.reshard.copy import Executor
 
@@ -29,12 +29,14 @@ def write_data(
     check: InputCheck | None = None,
     journal: resume_run.Journal | None = None,
     reused_bytes: int = 0,
+    sources: Mapping[str, tuple[SourceShard, ...]] | None = None,
+    order: dict[str, int] | None = None,
 ) -> dict[str, str]:
     """Write ``files`` into ``staging`` with one :class:`Executor`; ``name -> digest``.
 
     ``progress`` sees ``(bytes done, total)``, counting ``reused_bytes`` (a resumed run's
     finished files) as done; ``check`` is fed every byte read; ``journal`` hears of every file
-    fsynced."""
+    fsynced; ``sources``/``order``: an engine format's relabelled source shards (``Plan``)."""
     done = [reused_bytes]
     lock = threading.Lock()
 
@@ -45,7 +47,8 @@ def write_data(
                 progress(done[0], total)
 
     paths = [f.path for f in source.files]
-    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    if order is None:
+        order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
 
     def on_read(file: int, offset: int, data: memoryview) -> None:
         assert check is not None
@@ -54,7 +57,7 @@ def write_data(
     return Executor(
         staging,
         paths,
-        dict(source.shards),
+        dict(source.shards if sources is None else sources),
         hash_name=hash_name,
         block_bytes=block_bytes,
         progress=tick,

@@ -7,11 +7,11 @@ its shards into output files (``checkpoint.plan_files``); nothing is written.
 from __future__ import annotations
 
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from shardctl.checkpoint import plan_files
-from shardctl.checkpoint.source import Source
+from shardctl.checkpoint.source import Source, SourceShard
 from shardctl.errors import UsageError
 from shardctl.layout import bounds
 from shardctl.layout.engine import build_layout
@@ -29,6 +29,10 @@ class Plan:
     files: tuple[plan_files.OutputFile, ...]
     shard_files: dict[tuple[int, str], str]
     index: bytes | None
+    # engine formats (--format vllm): the copy engine reads these instead of the source's own
+    sources: Mapping[str, tuple[SourceShard, ...]] | None = None
+    order: dict[str, int] | None = None
+    extra_files: tuple[tuple[str, bytes], ...] = ()  # (name, bytes) written whole at commit
 
     @property
     def data_bytes(self) -> int:
@@ -47,11 +51,23 @@ def plan(
     """The target layout and every output file's header; writes nothing."""
     if fmt is None:
         fmt = "ranks" if mesh is not None and mesh.model_parallel > 1 else "hf"
-    if fmt not in ("ranks", "hf"):
-        raise UsageError(f"unknown format {fmt!r}", hint="use ranks or hf")
+    if fmt not in ("ranks", "hf", "vllm"):
+        raise UsageError(f"unknown format {fmt!r}", hint="use ranks, hf or vllm")
     if max_shard_size <= 0:
         raise UsageError(f"max_shard_size must be positive, got {max_shard_size}")
     bounds.check_dtypes(source.model)
+    # ---- engine format: vllm (branch vllm) ----
+    if fmt == "vllm":
+        from shardctl.formats.vllm.write import VLLM_MAX_PART, vllm_files
+
+        if rules or options != LayoutOptions():
+            raise UsageError(
+                "--format vllm: vLLM's layout is fixed; rules/layout options do not apply"
+            )
+        limit = VLLM_MAX_PART if max_shard_size == DEFAULT_MAX_SHARD_SIZE else max_shard_size
+        v = vllm_files(source, mesh, limit)
+        return Plan("vllm", None, v.files, {}, None, v.sources, v.order, v.extra_files)
+    # ---- end vllm ----
     order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
     if fmt == "hf":
         if mesh is not None and mesh.model_parallel > 1:
@@ -67,4 +83,5 @@ def plan(
 
 def space_needed(source: Source, the_plan: Plan) -> int:
     carried = sum(os.path.getsize(source.root / p) for p in source.carried)
-    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"")
+    extra = sum(len(data) for _, data in the_plan.extra_files)
+    return the_plan.data_bytes + carried + 2**20 + len(the_plan.index or b"") + extra

@@ -99,13 +99,20 @@ def verify(
     result.levels[1] = bitwise
     if not bitwise.ok or "forward" not in wanted:
         return result
+    # a vLLM side runs as shardctl ranks of the same TP degree (formats/vllm/destination.py)
+    from shardctl.formats.vllm.destination import as_ranks
     from shardctl.verify.forward import check_forward
 
-    reference, sharded = _forward_sides(src, source, dst, dest)
-    _forward_runs(sharded.config, bitwise, sharded)
-    forward, tolerances, env = check_forward(
-        reference, sharded, device=device, seed=seed, simulate=simulate, world=world
-    )
+    with as_ranks(src) as fsrc, as_ranks(dst) as fdst:
+        if fsrc != src:
+            source = open_source(fsrc)
+        if fdst != dst:
+            dest = open_destination(fdst)
+        reference, sharded = _forward_sides(fsrc, source, fdst, dest)
+        _forward_runs(sharded.config, bitwise, sharded)
+        forward, tolerances, env = check_forward(
+            reference, sharded, device=device, seed=seed, simulate=simulate, world=world
+        )
     result.levels[2] = forward
     result.tolerances["forward"] = tolerances
     result.environment.update(env)

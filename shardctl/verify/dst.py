@@ -67,6 +67,14 @@ def _config(root: Path) -> dict[str, Any]:
 
 def open_destination(root: Path) -> Destination:
     root = Path(root)
+    # ---- engine format: vLLM sharded_state (branch vllm) ----
+    from shardctl.formats.vllm.read import is_vllm_dir
+
+    if is_vllm_dir(root):
+        from shardctl.formats.vllm.destination import vllm_destination
+
+        return vllm_destination(root)
+    # ---- end vllm ----
     record_path = root / rec.RECORD_NAME
     # gaps/overlaps in DST's record are structure findings (exit 1), not refusals
     record = rec.read(root, exact_tiling=False) if record_path.is_file() else None

@@ -194,7 +194,13 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
         with routing.record(layers, chosen):
             reference = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
         model = model.to(dtype)
-        with routing.pin(layers, chosen, normalize=routing.normalizes(job.config), own=own):
+        with routing.pin(
+            layers,
+            chosen,
+            normalize=routing.normalizes(job.config),
+            own=own,
+            weigh=routing.weigher(job.config),
+        ):
             unsharded = model(input_ids=ids, use_cache=False).logits.to("cpu", torch.float64)
     return Reference(
         unsharded,

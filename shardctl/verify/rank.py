@@ -171,6 +171,7 @@ def _run_stage(
         job.routing or {},
         normalize=routing.normalizes(job.config),
         first_layer=job.first_layer,
+        weigh=routing.weigher(job.config),
     )
     try:
         with pinned:

@@ -35,6 +35,7 @@ from torch import nn
 # layer index (global) -> [tokens, top_k] expert ids, as nested lists (JSON-able for RankJob)
 Routing = dict[int, list[list[int]]]
 Hook = Callable[[nn.Module, Any, Any], Any]
+Weigh = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # (logits, chosen) -> weights
 
 
 def routers(layers: nn.ModuleList, first_layer: int = 0) -> dict[int, nn.Module]:
@@ -96,12 +97,14 @@ def pin(
     normalize: bool,
     first_layer: int = 0,
     own: Routing | None = None,
+    weigh: Weigh | None = None,
 ) -> AbstractContextManager[None]:
     """Impose ``routing``'s expert choices on the MoE layers among ``layers``.
 
     ``normalize``: the family renormalizes the top-k probabilities to sum to 1 (Mixtral
     always; Qwen-MoE when ``norm_topk_prob``). ``own`` (if given) receives the choices the
-    model would have made itself.
+    model would have made itself. ``weigh`` (:func:`weigher`) replaces the softmax rule for a
+    family whose router weighs its experts otherwise (DeepSeek: sigmoid, scaling factor).
     """
 
     def hook_for(index: int) -> Hook | None:
@@ -120,15 +123,30 @@ def pin(
                 chosen = torch.sigmoid(logits.float().gather(-1, pinned)).to(dense.dtype)
                 return torch.zeros_like(dense).scatter_(-1, pinned, chosen), logits
             logits, scores, _ = output
-            probs = torch.softmax(logits.float(), dim=-1)
-            weights = probs.gather(-1, pinned)
-            if normalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
+            if weigh is not None:
+                weights = weigh(logits, pinned)
+            else:
+                probs = torch.softmax(logits.float(), dim=-1)
+                weights = probs.gather(-1, pinned)
+                if normalize:
+                    weights = weights / weights.sum(dim=-1, keepdim=True)
             return logits, weights.to(scores.dtype), pinned
 
         return hook
 
     return _hooked(layers, first_layer, hook_for)
+
+
+def weigher(config: dict[str, Any]) -> Weigh | None:
+    """The family's own routing-weight rule (``ForwardSpec.route_weights``), bound to
+    ``config``; None for the softmax rule :func:`pin` applies by default."""
+    from shardctl.archs import find
+
+    family = find(str(config.get("model_type")))
+    rule = family.forward.route_weights if family and family.forward else None
+    if rule is None:
+        return None
+    return lambda logits, indices: rule(logits, indices, config)
 
 
 def normalizes(config: dict[str, Any]) -> bool:

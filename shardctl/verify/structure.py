@@ -164,6 +164,15 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
             m = _LAYER.match(s.fqn)
             if m and st is not None and st.layers is not None:
                 n = int(m.group(1))
+                if isinstance(layers, int) and n >= layers:  # after the stack (MTP): last stage
+                    if rl.pp != len(layout.stages) - 1:
+                        level.fail(
+                            f"layer {n} (after the {layers} decoder layers) on stage {rl.pp}, "
+                            f"not the last",
+                            fqn=s.fqn,
+                            rank=layout.ranks.index(rl),
+                        )
+                    continue
                 if not st.layers[0] <= n <= st.layers[1]:
                     level.fail(
                         f"layer {n} on stage {rl.pp} (layers {list(st.layers)})",

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from shardctl.archs import find
 from shardctl.verify.adapters import Adapter, Dims, adapter_for, dims_of, local_config
 from shardctl.verify.comm import Comm
 from shardctl.verify.parallel import (
@@ -39,7 +40,9 @@ _BUILD_LOCK = threading.Lock()
 def implementations(cfg: dict[str, Any]) -> dict[str, str]:
     """Eager attention (and eager experts: the grouped kernels lack float64) everywhere."""
     impl = {"attn_implementation": "eager"}
-    if cfg.get("num_local_experts") or cfg.get("num_experts"):
+    family = find(str(cfg.get("model_type")))
+    experts = family is not None and family.forward is not None and family.forward.experts
+    if cfg.get("num_local_experts") or cfg.get("num_experts") or experts:
         impl["experts_implementation"] = "eager"
     return impl
 
@@ -116,7 +119,7 @@ def build_rank_model(
     config = AutoConfig.for_model(model_type, **local)
     config._attn_implementation = "eager"
     with _BUILD_LOCK, torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **implementations(local))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, **implementations(cfg))
         if ad.localize is not None:
             ad.localize(model, config, d, role.tp_size, role.ep_size, dtype)
     model.eval()
@@ -138,6 +141,26 @@ def _vocab(ad: Adapter, d: Dims, tensors: dict[str, torch.Tensor]) -> tuple[int,
     return 1, False  # a middle pipeline stage: no embedding, no head
 
 
+SKIP = ("", ())  # a tensor the forward does not compute with (the bitwise level checks it)
+GATE, UP = "gate", "up"  # which half of a packed gate_up_proj [E, 2I, H]
+
+
+def _tensor(model: nn.Module, name: str) -> torch.Tensor:
+    """A parameter, or a persistent buffer saved with the weights (DeepSeek-V3's router bias)."""
+    try:
+        return model.get_parameter(name)
+    except AttributeError:
+        return model.get_buffer(name)
+
+
+def _index(dest: torch.Tensor, index: tuple[Any, ...]) -> torch.Tensor:
+    if index and index[-1] in (GATE, UP):
+        half = dest.shape[1] // 2  # the local I: moe_intermediate_size / tp
+        part = slice(0, half) if index[-1] == GATE else slice(half, 2 * half)
+        index = (*index[:-1], part)
+    return dest[index] if index else dest
+
+
 def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any, ...]] | str:
     """On-disk fqn -> (local parameter name, index into it), or a reason it has no place here."""
     fqn = ad.param(fqn)
@@ -145,6 +168,8 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
     if m is None:
         return fqn, ()
     layer, rest = int(m.group(1)), m.group(2)
+    if d.num_layers <= layer < d.num_layers + d.mtp_layers:
+        return SKIP  # an MTP layer: transformers' model neither builds nor runs it
     if not role.first_layer <= layer < role.first_layer + role.num_layers:
         last = role.first_layer + role.num_layers - 1
         return f"layer {layer} is outside this stage (layers {role.first_layer}..{last})"
@@ -162,17 +187,16 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
     expert = int(e.group(1)) - role.ep * per_rank
     if not 0 <= expert < per_rank:
         return f"expert {e.group(1)} belongs to another ep rank (ep={role.ep} holds {per_rank})"
-    inter = d.intermediate_size // role.tp_size
     w = e.group(2)
     if w == ex.down:
         return f"{prefix}.{ex.module}.down_proj", (expert,)
-    # transformers packs [gate; up] along dim 1 of gate_up_proj [E, 2I, H]
-    part = slice(0, inter) if w == ex.gate else slice(inter, 2 * inter)
-    return f"{prefix}.{ex.module}.gate_up_proj", (expert, part)
+    # transformers packs [gate; up] along dim 1 of gate_up_proj [E, 2I, H]; _load halves it
+    return f"{prefix}.{ex.module}.gate_up_proj", (expert, GATE if w == ex.gate else UP)
 
 
 def _required(model: nn.Module, ad: Adapter, role: Role) -> dict[int, str]:
-    """id(param) -> name, for every parameter this rank's stage computes with."""
+    """id(param) -> name, for every parameter (and persistent buffer) this rank's stage
+    computes with."""
     skip: list[str] = []
     if not role.first_stage:
         skip += [f"{e}." for e in ad.embeddings]
@@ -182,6 +206,10 @@ def _required(model: nn.Module, ad: Adapter, role: Role) -> dict[int, str]:
     for name, p in model.named_parameters(remove_duplicate=False):
         if not any(name.startswith(s) for s in skip):
             needed.setdefault(id(p), name)
+    for path, module in model.named_modules():  # persistent buffers are saved weights too
+        for leaf, buf in module.named_buffers(recurse=False):
+            if buf is not None and leaf not in module._non_persistent_buffers_set:
+                needed.setdefault(id(buf), f"{path}.{leaf}" if path else leaf)
     # A tied head on a later stage still needs the table, whatever name it goes by.
     if not role.first_stage and role.last_stage:
         head = model.get_parameter(f"{ad.lm_head}.weight")
@@ -203,13 +231,15 @@ def _load(
         if isinstance(target, str):
             problems.append(f"{fqn}: unexpected on rank {role.rank}: {target}")
             continue
+        if target == SKIP:
+            continue
         name, index = target
         try:
-            param = model.get_parameter(name)
+            param = _tensor(model, name)
         except AttributeError:
             problems.append(f"{fqn}: unexpected on rank {role.rank}: the model has no {name}")
             continue
-        dest = param.data[index] if index else param.data
+        dest = _index(param.data, index)
         if tuple(dest.shape) != tuple(t.shape):
             problems.append(
                 f"{fqn}: rank {role.rank} holds {list(t.shape)}, a tp={role.tp_size} "
@@ -221,7 +251,7 @@ def _load(
             dest.copy_(t)
         covered[id(param)] = covered.get(id(param), 0) + t.numel()
     for pid, name in needed.items():
-        param = model.get_parameter(name)
+        param = _tensor(model, name)
         if pid not in misfit and covered.get(pid, 0) < param.numel():
             problems.append(f"{name}: missing on rank {role.rank} (its stage computes with it)")
     return problems

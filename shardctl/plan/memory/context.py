@@ -14,6 +14,7 @@ from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
+from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
@@ -74,6 +75,10 @@ class Context:
         if self.shape is None:
             n = self.model.parameters // (self.mesh.pp * self.mesh.tp * self.mesh.ep)
             c = Counts(linear=n)
+        elif uses_layout_counts(self.model):
+            vocab_padding = self.shape.vocab_padding
+            self._counts.update(layout_counts(self.model, self.mesh, self.stages, vocab_padding))
+            return self._counts[st.index]
         else:
             c = stage_counts(self.shape, st, self.mesh.pp, self.mesh.tp, self.mesh.ep)
         self._counts[st.index] = c

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Stage
+from shardctl.plan.memory.layout_counts import largest_layer, uses_layout_counts
 from shardctl.plan.memory.shapes import Counts, layer_counts, lora_layer_params
 from shardctl.plan.memory.training import model_states, optimizer_bytes_per_param
 
@@ -69,7 +70,7 @@ def training_states(ctx: Context, st: Stage, c: Counts, weights: int, given: int
     if tr.zero == 3 and ctx.shape is not None and st.num_layers:
         # FSDP/ZeRO-3 gathers a layer before use and prefetches the next: two whole
         # (dp-unsharded) layers live at once (FSDP backward_prefetch=BACKWARD_PRE).
-        layer = layer_counts(ctx.shape, ctx.mesh.tp, ctx.mesh.ep).total * ctx.nb
+        layer = _gathered_layer(ctx)
         detail["weights.zero3_gather"] = 2 * layer
         weights += 2 * layer
     return States(
@@ -113,7 +114,7 @@ def _lora_states(ctx: Context, st: Stage, dense_w: int, expert_w: int) -> States
     detail = {"lora.trainable_params": n, "weights.lora_adapters": lora.weights}
     extra = 0
     if tr.zero == 3 and st.num_layers:
-        layer = layer_counts(ctx.shape, ctx.mesh.tp, ctx.mesh.ep).total * ctx.nb
+        layer = _gathered_layer(ctx)
         detail["weights.zero3_gather"] = 2 * layer
         extra = 2 * layer
     return States(
@@ -124,3 +125,12 @@ def _lora_states(ctx: Context, st: Stage, dense_w: int, expert_w: int) -> States
         nvme=sum(b.nvme for b in base) + lora.nvme,
         detail=detail,
     )
+
+
+def _gathered_layer(ctx: Context) -> int:
+    """Bytes of one whole (dp-unsharded) decoder layer on a rank, as ZeRO-3 gathers it: the
+    closed form, or the engine's largest layer for a family that opts out (DeepSeek)."""
+    assert ctx.shape is not None
+    if uses_layout_counts(ctx.model):
+        return largest_layer(ctx.model, ctx.mesh, ctx.shape.vocab_padding) * ctx.nb
+    return layer_counts(ctx.shape, ctx.mesh.tp, ctx.mesh.ep).total * ctx.nb

@@ -1,0 +1,80 @@
+"""Parameter counts per rank by kind, from the layout engine, for families the closed form
+(:mod:`shardctl.plan.memory.shapes`) does not describe.
+
+The closed form assumes every layer is Llama attention plus one MLP or ``E`` experts of
+``intermediate_size``. DeepSeek is not: MLA's low-rank projections, dense first layers,
+experts of ``moe_intermediate_size`` and shared experts, an MTP layer on the last stage. For a
+family that says so (``Family.closed_form = False``) the counts come from the same resolution
+``reshard`` uses, tallied for the ``tp = 0, ep = 0`` rank of each stage (every rank of a stage
+holds the same amounts up to padding)::
+
+    expert     tensors an ``expert`` rule places (their ep rank 0's share)
+    embedding  vocab-placed tensors other than a head;  head: vocab-placed ``*head*`` tensors
+    norm       1-D tensors (norms, biases) and routers (replicated ``[E, H]``)
+    linear     every other matrix; ``matrices`` / ``rows`` / ``cols`` over linear + expert
+"""
+
+from __future__ import annotations
+
+from shardctl.archs import find
+from shardctl.layout.engine import resolve
+from shardctl.layout.pipeline import layer_index
+from shardctl.layout.split import split
+from shardctl.layout.types import LayoutOptions, Mesh, Stage
+from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.shapes import Counts
+
+
+def uses_layout_counts(model: ModelInfo) -> bool:
+    """True for a per-tensor inventory of a family whose file opts out of the closed form."""
+    family = find(model.architecture)
+    return bool(model.tensors) and family is not None and not family.closed_form
+
+
+def layout_counts(
+    model: ModelInfo, mesh: Mesh, stages: tuple[Stage, ...], vocab_padding: str
+) -> dict[int, Counts]:
+    """``stage index -> Counts`` of its ``tp = 0, ep = 0`` rank."""
+    per_stage = tuple(st.num_layers for st in stages)
+    options = LayoutOptions(layers_per_stage=per_stage, vocab_padding=vocab_padding)
+    res = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp), options=options)
+    experts = model.dims.num_experts if model.dims is not None else 0
+    out = {st.index: Counts() for st in stages}
+    for t in res.tensors:
+        if t.ep_rank not in (None, 0):
+            continue
+        local = split(t.split, mesh.tp)[0][1]
+        numel = 1
+        for n in local:
+            numel *= n
+        shape = t.info.shape
+        if t.ep_rank is not None:
+            c = Counts(expert=numel, matrices=1, rows=local[0], cols=local[-1])
+        elif t.split.padded is not None:
+            head = "head" in t.info.fqn.rsplit(".", 2)[-2]
+            c = Counts(head=numel) if head else Counts(embedding=numel)
+        elif len(shape) < 2 or (experts and len(shape) == 2 and shape[0] == experts):
+            c = Counts(norm=numel)
+        else:
+            c = Counts(linear=numel, matrices=1, rows=local[0], cols=local[-1])
+        for p in t.stages:
+            out[p] = out[p] + c
+    return out
+
+
+def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:
+    """Elements of the largest decoder layer on a ``tp = 0, ep = 0`` rank (what ZeRO-3 /
+    FSDP gathers at once); MTP layers included, they are layers too."""
+    options = LayoutOptions(vocab_padding=vocab_padding)
+    res = resolve(model, Mesh(ep=mesh.ep, tp=mesh.tp), options=options)
+    per_layer: dict[int, int] = {}
+    for t in res.tensors:
+        layer = layer_index(t.info.fqn)
+        if layer is None or t.ep_rank not in (None, 0):
+            continue
+        local = split(t.split, mesh.tp)[0][1]
+        numel = 1
+        for n in local:
+            numel *= n
+        per_layer[layer] = per_layer.get(layer, 0) + numel
+    return max(per_layer.values(), default=0)
