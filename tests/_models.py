@@ -232,6 +232,7 @@ CONFIGS: dict[str, dict[str, Any]] = {
         moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=2, num_experts_per_tok=2,
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128,
+    ),
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(
