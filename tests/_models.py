@@ -233,6 +233,24 @@ CONFIGS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128,
     ),
+    # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
+    # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
+    "llama-quant": dict(
+        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "llama-quant4": dict(
+        model_type="llama", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=128,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
+    "mixtral-quant": dict(
+        model_type="mixtral", hidden_size=256, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=1, head_dim=128, vocab_size=128,
+        num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
 }
 # fmt: on
 

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from typing import Any
 
 from shardctl.archs._family import (
+    LINEAR_PROJECTIONS,
     Config,
     ExpertSpec,
     Family,
@@ -217,6 +218,7 @@ def decoder_family(
     shape_keys: tuple[str, ...] = DECODER_SHAPES,
     config_keys: tuple[str, ...] = DECODER_OTHER,
     sliding_layers: str = "none",
+    quantizable: tuple[str, ...] = LINEAR_PROJECTIONS,
 ) -> Family:
     """A Llama-like family. ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: ``None`` follows the
     config's ``attention_bias`` / ``mlp_bias``; a bool fixes it. ``layer`` replaces the whole
@@ -266,4 +268,5 @@ def decoder_family(
         shape_keys=shape_keys,
         config_keys=config_keys,
         sliding_layers=sliding_layers,
+        quantizable=quantizable,
     )

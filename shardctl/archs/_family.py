@@ -19,6 +19,13 @@ from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
 Shapes = list[tuple[str, tuple[int, ...]]]
+# What GPTQ / AWQ / fp8 / compressed-tensors quantize by default (Family.quantizable).
+# Packed experts (gpt-oss ``mlp.experts.gate_up_proj [E, H, 2I]``) are MXFP4's only.
+LINEAR_PROJECTIONS: tuple[str, ...] = (
+    "model.layers.*_proj.weight",
+    "model.layers.*_proj_with_mqa.weight",
+    "model.layers.*.experts.*_proj",
+)
 Config = Mapping[str, Any]
 
 
@@ -143,6 +150,11 @@ class Family:
     # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from
     # the layout engine instead (plan/memory/layout_counts.py).
     closed_form: bool = True
+    # fqn globs of the weights a quantization_config quantizes (shardctl/quant/expand.py: a
+    # config without a checkpoint); a checkpoint's own names say it for themselves. Default:
+    # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
+    # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
+    quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
 
 
 # ---- config readers ----------------------------------------------------------------------

@@ -93,6 +93,7 @@ FAMILY = decoder_family(
         row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=_localize
     ),
     follows="vLLM mixtral.py / Megatron-Core MoE",
+    quantizable=("model.layers.*_proj.weight", f"{_MOE}.experts.*.w[123].weight"),
     shape_keys=(*DECODER_SHAPES, "num_local_experts", "num_experts_per_tok"),
     config_keys=(
         *DECODER_OTHER,

@@ -74,6 +74,7 @@ _FAMILY = decoder_family(
     layer=_layer,
     rules=RULES,
     follows="vLLM starcoder2.py (Starcoder2ForCausalLM)",
+    quantizable=("model.layers.*_proj.weight", "model.layers.*.mlp.c_fc.weight"),
     sliding_layers="all",  # HF Starcoder2Attention: sliding_window on every layer when set
     shape_keys=(*DECODER_SHAPES, "use_bias"),
     config_keys=(

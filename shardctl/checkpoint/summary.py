@@ -57,6 +57,13 @@ class InspectResult:
             counts[t.dtype] += t.numel
         return dict(counts.most_common())
 
+    @property
+    def quantization(self) -> dict[str, Any] | None:
+        """Method and per tensor group schemes (shardctl/quant/groups.py), None if unquantized."""
+        from shardctl.quant.groups import describe_model
+
+        return describe_model(self.model.tensors, self.model.config, where=str(self.path))
+
     def to_json(self) -> dict[str, Any]:
         doc: dict[str, Any] = {
             "schema": INSPECT_SCHEMA,
@@ -74,6 +81,9 @@ class InspectResult:
             "carried": list(self.carried),
             "warnings": list(self.warnings),
         }
+        quant = self.quantization
+        if quant is not None:
+            doc["model"]["quantization"] = quant
         if self.suggested is not None:
             from shardctl.archs.suggest import rule_yaml
 

@@ -65,6 +65,19 @@ def render_inspect(info: InspectResult, console: Console | None = None) -> None:
             + (", tied embeddings" if d.tie_word_embeddings else "")
             + (f", {d.num_experts} experts (top-{d.experts_per_token})" if d.num_experts else "")
         )
+    quant = info.quantization
+    if quant is not None:
+        console.print(
+            f"  quantization: {escape(quant['method'])}, {quant['quantized_weights']} weights "
+            f"quantized ({fmt_bytes(quant['quantized_bytes'])}), "
+            f"{fmt_bytes(quant['unquantized_bytes'])} unquantized"
+        )
+        for g in quant["groups"]:
+            members = ", ".join(f"{k} {v}" for k, v in g["members"].items())
+            console.print(
+                f"    {escape(g['pattern'])} ×{g['count']}: {escape(g['scheme'])}: "
+                f"{escape(members)}"
+            )
     if info.mesh is not None:
         mesh = "×".join(f"{a.upper()}{info.mesh[a]}" for a in ("pp", "dp", "ep", "tp"))
         console.print(f"  layout: {escape(str(info.layout_format))}, mesh {mesh}")

@@ -30,7 +30,7 @@ def valid_tp_degrees(
     distinct: dict[tuple[object, ...], TensorRule] = {}
     for t in static.tensors:
         if t.dim is not None:
-            distinct.setdefault((t.info.shape, t.dim, t.parts, t.groups, t.vocab), t)
+            distinct.setdefault((t.info.shape, t.dim, t.parts, t.groups, t.vocab, t.quant), t)
     out = []
     for tp in range(1, limit + 1):
         try:
@@ -54,7 +54,7 @@ def with_valid_degrees(
     listed = "{" + ", ".join(map(str, ok)) + "}"
     hint = (
         "tp degrees that split every tensor (heads, K/V heads, intermediate, vocab, "
-        f"experts): {listed}"
+        f"quantization groups, experts): {listed}"
     )
     if options.uneven != "chunk" and "uneven" in (err.hint or ""):
         hint += ", or layout.uneven: chunk (torch.chunk rule)"

@@ -162,7 +162,7 @@ def resolve(
     plans: list[TensorPlan] = []
     padded: dict[str, tuple[int, ...]] = {}
     for t in static.tensors:
-        key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab)
+        key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab, t.quant)
         hit = specs.get(key)
         if hit is None:
             try:
@@ -210,7 +210,20 @@ def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSp
     if t.dim is None:
         return SplitSpec(shape, None), "R"
     chunk = options.uneven == "chunk"
-    if t.vocab and options.vocab_padding != "none":
+    if t.quant is not None:
+        factor, align, logical, what = t.quant
+        spec = SplitSpec(
+            shape,
+            t.dim,
+            t.parts,
+            None,
+            chunk,
+            factor=factor,
+            align=align,
+            logical=logical,
+            what=what,
+        )
+    elif t.vocab and options.vocab_padding != "none":
         padded_len = _padded_vocab(shape[t.dim], tp, options.vocab_padding)
         spec = SplitSpec(shape, t.dim, (), padded_len, chunk)
     else:

@@ -21,6 +21,7 @@ from shardctl.layout.rules import Matcher, compile_rules
 from shardctl.layout.split import Part
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
+from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
 
@@ -41,6 +42,9 @@ class TensorRule:
     # Experts packed in one tensor (Llama-4, gpt-oss: ``experts.gate_up_proj [E, H, 2I]``):
     # dim 0 is the expert index, split contiguously over ep.
     packed: bool = False
+    # A quantized member: (factor, align, logical length, what) of its split dim, which follows
+    # its logical weight's (shardctl/quant/groups.py); None for a plain tensor.
+    quant: tuple[int, int, int, str] | None = None
 
 
 @dataclass(frozen=True)
@@ -79,31 +83,35 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     conv1d = is_conv1d(model.architecture)
     arch = model.architecture
     names = [t.fqn for t in model.tensors]
+    quant_groups = group_tensors(model.tensors, model.config, where=model.source)
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
     unplaced: list[str] = []
     # Layers after the decoder stack (MTP) are not decoder layers: pinned to the last stage.
     first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
     for info in model.tensors:
+        group = quant_groups.get(info.fqn)
+        # a quantized member is placed as the unquantized weight it encodes would be
+        logical = group.logical if group is not None else info
         layer = layer_index(info.fqn)
         trailing = first_mtp is not None and layer is not None and layer >= first_mtp
         if trailing:
             layer = None
-        match = matcher.find(info.fqn, need_stage=layer is None)
+        match = matcher.find(logical.fqn, need_stage=layer is None)
         if match is None:
             unplaced.append(info.fqn)  # all of them in one error, after the loop
             continue
         cr = match.rule
         assert cr.placement is not None
-        resolved = resolve_placement(cr.placement, info.shape, conv1d=conv1d, fqn=info.fqn)
+        resolved = resolve_placement(cr.placement, logical.shape, conv1d=conv1d, fqn=logical.fqn)
         dim = resolved.placement.dim
         groups = 1
         if dim is None:
             parts: tuple[Part, ...] = ()
         elif cr.rule.groups:
-            groups, parts = _grouped_parts(info, dim, cr.rule, dims, cr.label)
+            groups, parts = _grouped_parts(logical, dim, cr.rule, dims, cr.label)
         else:
-            parts = _parts(info, dim, cr.rule, dims, cr.label)
+            parts = _parts(logical, dim, cr.rule, dims, cr.label)
         if resolved.vocab and (len(parts) > 1 or groups > 1):
             raise LayoutError(
                 "a vocab placement cannot have fused parts",
@@ -119,6 +127,25 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 where=info.fqn,
                 hint=f"shard another dim on tp in {cr.label}, e.g. S(1) or S(2)",
             )
+        quant = None
+        if group is not None and dim is not None:
+            if resolved.vocab:
+                raise LayoutError(
+                    f"a vocab-parallel placement of a {SCHEME_NAMES[group.scheme]} quantized "
+                    "table is not supported",
+                    where=info.fqn,
+                    hint=f"replicate it (tp: R) with a manifest rule, or drop {cr.label}",
+                )
+            if groups > 1:
+                raise LayoutError(
+                    f"{SCHEME_NAMES[group.scheme]} quantization of a tensor fused per group "
+                    f"(interleaved, {cr.label}) is not supported",
+                    where=info.fqn,
+                    hint="reshard such a checkpoint unsplit, or dequantize it first",
+                )
+            dim, quant = _member_split(group, info, dim)
+            if dim is None:
+                parts = ()
         out.append(
             TensorRule(
                 info,
@@ -130,7 +157,8 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 resolved.vocab,
                 expert,
                 cr.label,
-                packed,
+                packed=packed,
+                quant=quant,
             )
         )
     if unplaced:
@@ -185,6 +213,21 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
     tied = "lm_head.weight" not in set(names) and (dims is None or dims.tie_word_embeddings)
     return ModelRules(tuple(out), num_layers, num_experts, tied)
+
+
+def _member_split(
+    group: QuantGroup, info: TensorInfo, logical_dim: int
+) -> tuple[int | None, tuple[int, int, int, str] | None]:
+    """The stored dim of member ``info`` that runs along the logical weight's split dim, and
+    its (factor, align, logical length, what); ``(None, None)``: the member is replicated."""
+    member = next(m for m in group.members if m.info.fqn == info.fqn)
+    for stored, axis in enumerate(member.axes):
+        if axis.dim == logical_dim:
+            align, unit = group.constraint(logical_dim)
+            name = group.dim_names[logical_dim]
+            what = f"{unit or SCHEME_NAMES[group.scheme]} on {name}"
+            return stored, (axis.factor, align, group.logical.shape[logical_dim], what)
+    return None, None
 
 
 def _parts(

@@ -63,6 +63,14 @@ class SplitSpec:
     padded: int | None = None  # vocab: the padded length of ``dim`` (single part)
     chunk: bool = False  # allow torch.chunk's uneven rule
     groups: int = 1  # > 1: ``dim`` is ``groups`` repeats of ``parts`` (interleaved per group)
+    # A quantized member (shardctl/quant/groups.py): ``parts`` are in units of the logical
+    # weight's dim (length ``logical``); one stored index covers ``factor`` logical ones, and
+    # every rank boundary must be a multiple of ``align`` (the group's coarsest int32 packing,
+    # quantization group or scale block), named ``what`` in the refusal.
+    factor: int = 1
+    align: int = 1
+    logical: int = 0
+    what: str = ""
 
 
 # Per tp rank: its pieces (in local order) and its local shape.
@@ -79,27 +87,62 @@ def split(spec: SplitSpec, tp: int) -> tuple[RankSplit, ...]:
     d = spec.dim
     if spec.groups > 1:
         return _grouped(spec, tp)
-    parts = spec.parts or (Part(shape[d]),)
-    # ranges[j][r] = (start within part j, size, local size incl. padding)
-    ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
+    ranges = _ranges(spec, tp)
     out: list[RankSplit] = []
     for r in range(tp):
         pieces: list[Piece] = []
-        part_offset = 0
         local = 0
-        for p, rr in zip(parts, ranges, strict=True):
+        for rr in ranges:
             start, size, local_size = rr[r]
             pieces.append(
                 Piece(
-                    offsets=_at(shape, d, part_offset + start, 0),
+                    offsets=_at(shape, d, start, 0),
                     sizes=_at(shape, d, size, None),
                     local_offsets=_at(shape, d, local, 0),
                 )
             )
-            part_offset += p.size
             local += local_size
         out.append((tuple(pieces), _at(shape, d, local, None)))
     return tuple(out)
+
+
+def _ranges(spec: SplitSpec, tp: int) -> list[list[tuple[int, int, int]]]:
+    """Per part, per rank: (start along the dim, size, local size incl. padding), in the
+    stored tensor's units."""
+    assert spec.dim is not None
+    length = spec.logical or spec.shape[spec.dim]
+    parts = spec.parts or (Part(length),)
+    out = []
+    offset = 0
+    for p in parts:
+        rr = _part_ranges(p, tp, spec.padded, spec.chunk)
+        out.append([(offset + a, b, c) for a, b, c in rr])
+        offset += p.size
+    if spec.logical:
+        return [[_stored(spec, tp, r, a, b) for r, (a, b, _) in enumerate(rr)] for rr in out]
+    return out
+
+
+def _stored(spec: SplitSpec, tp: int, rank: int, start: int, size: int) -> tuple[int, int, int]:
+    """A logical range of a quantized member → its stored range; refused when a boundary
+    falls inside an int32, a quantization group or a scale block."""
+    end, length, align = start + size, spec.logical, spec.align
+    for edge in (start, end):
+        if edge % align and edge != length:
+            where = f"{size} per rank" if size % align else f"rank {rank} would start at {start}"
+            raise SplitError(
+                f"{spec.what} {length} with tp {tp}: {where}, which is not a multiple of {align}",
+                f"use tp in {_aligned_divisors(length, align)}",
+            )
+    s0, s1 = start // spec.factor, -(-end // spec.factor)
+    return (s0, s1 - s0, s1 - s0)
+
+
+def _aligned_divisors(length: int, align: int) -> str:
+    ok = [
+        t for t in range(1, min(length, 4096) + 1) if length % t == 0 and (length // t) % align == 0
+    ]
+    return "{" + ", ".join(map(str, ok[:12])) + "}"
 
 
 def local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
@@ -115,8 +158,7 @@ def _local_numels(spec: SplitSpec, tp: int) -> tuple[int, ...]:
         return tuple(math.prod(local) for _, local in split(spec, tp))
     d = spec.dim
     other = math.prod(_at(spec.shape, d, 1, None))  # elements per index along dim d
-    parts = spec.parts or (Part(spec.shape[d]),)
-    ranges = [_part_ranges(p, tp, spec.padded, spec.chunk) for p in parts]
+    ranges = _ranges(spec, tp)
     return tuple(other * sum(rr[r][2] for rr in ranges) for r in range(tp))
 
 

@@ -23,6 +23,7 @@ from shardctl.archs import SUPPORTED, family_for
 from shardctl.archs._family import get_bool
 from shardctl.errors import InvalidInputError
 from shardctl.model.types import ModelDims, TensorInfo
+from shardctl.quant.expand import expand
 
 __all__ = ["SUPPORTED", "dims_from_config", "model_type_of", "tensors_from_config"]
 
@@ -55,5 +56,9 @@ def tensors_from_config(
     ``dtype`` is a safetensors code (``"BF16"``); see :func:`shardctl.dtypes.normalize_dtype`.
     """
     dims = dims_from_config(config, where=where)
-    shapes = family_for(config["model_type"]).tensors(config, dims, where)
-    return tuple(TensorInfo(fqn, shape, dtype) for fqn, shape in sorted(shapes))
+    family = family_for(config["model_type"])
+    shapes = family.tensors(config, dims, where)
+    tensors = tuple(TensorInfo(fqn, shape, dtype) for fqn, shape in sorted(shapes))
+    if config.get("quantization_config") is not None:  # the quantized checkpoint's tensors
+        tensors = expand(tensors, config, family.quantizable, where=where)
+    return tensors

@@ -32,13 +32,30 @@ def load_model(manifest: Manifest) -> ModelInfo:
     if spec.checkpoint is not None:
         info = inventory.from_checkpoint(spec.checkpoint)
         # A checkpoint is counted as stored: its headers are the truth, whatever model.dtype says.
-        return info
+        return _not_requantized(manifest, info)
     if spec.config is not None:
         info = inventory.from_config_file(spec.config, dtype=spec.dtype)
-        return info
+        return _not_requantized(manifest, info)
     if spec.parameters is not None:
         return inventory.from_parameters(spec.parameters, spec.dtype or "BF16")
     return inventory.from_config(dict(spec.inline_config), dtype=spec.dtype, source="inline")
+
+
+def _not_requantized(manifest: Manifest, info: ModelInfo) -> ModelInfo:
+    """A quantized checkpoint (its ``quantization_config``) is counted by its stored tensors;
+    a manifest ``quantization:`` on top would price it twice."""
+    from shardctl.errors import InvalidInputError
+    from shardctl.quant.config import read_quant
+
+    stored = read_quant(info.config, where=info.source)
+    if stored is not None and manifest.quantization is not None:
+        raise InvalidInputError(
+            f"the model is already quantized ({stored.describe()}): its stored tensors are "
+            "counted as they are, so quantization: / --quantization would count it twice",
+            where="quantization",
+            hint="drop quantization: (or --quantization) for a quantized checkpoint or config",
+        )
+    return info
 
 
 def apply_mesh_overrides(mesh: Mesh, overrides: Mapping[str, int]) -> Mesh:

@@ -125,9 +125,16 @@ def _forward_runs(
     """Exit 5 "could not verify" when the forward level cannot run this family or this layout
     of it (the family's local config refuses it: an uneven split, ALiBi at tp > 1): a verifier
     that cannot check must say so, never report a difference (exit 1) it did not find."""
+    from shardctl.quant.dequant import forward_refusal
     from shardctl.verify.adapters import SUPPORTED, local_config
 
     arch = config.get("model_type")
+    why = forward_refusal(config)
+    if why:
+        raise EnvironmentFailure(
+            f"could not verify the forward level: {why}; structure and bitwise passed",
+            hint="rerun with --level bitwise to gate on the levels that ran",
+        )
     if arch not in SUPPORTED:
         raise EnvironmentFailure(
             f"could not verify the forward level: it cannot run architecture {arch!r} yet "

@@ -136,6 +136,29 @@ class Reference:
     flips: int = 0  # token-layer choices the unpinned dtype model would have made differently
 
 
+def _dequantized_reference(path: Path, config: dict[str, Any]) -> nn.Module:
+    """The unsharded model with every quantized weight dequantized (shardctl/quant/dequant.py):
+    the reference a rank's dequantized shards must reproduce. Written as a temporary BF16
+    checkpoint and loaded by ``from_pretrained``, so transformers maps on-disk names (per-expert
+    tensors) to its in-memory modules exactly as for an unquantized SRC."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from shardctl.io.tempdirs import owned_tempdir
+    from shardctl.quant.dequant import dequantize, model_dtype, without_quant
+    from shardctl.verify.rank import read_tensors
+
+    files = tuple(str(f) for f in sorted(Path(path).glob("*.safetensors")))
+    state = dequantize(read_tensors(files), config, model_dtype(config))
+    with owned_tempdir("shardctl-verify-dequant-") as out:
+        save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
+        del state
+        (out / "config.json").write_text(json.dumps(without_quant(config)))
+        return AutoModelForCausalLM.from_pretrained(out, dtype="auto", **implementations(config))
+
+
 def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = None) -> Reference:
     """Run SRC unsharded (an HF checkpoint, or a shardctl layout merged first; ``figures`` gets
     how and how long): float64 first, recording MoE routing, then the checkpoint dtype with that
@@ -146,15 +169,19 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
 
     with hf_reference(src, figures) as path, quiet_transformers():
         try:
-            model = AutoModelForCausalLM.from_pretrained(
-                path, dtype="auto", **implementations(job.config)
-            )
+            model: nn.Module
+            if job.config.get("quantization_config") is not None:
+                model = _dequantized_reference(path, job.config)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(
+                    path, dtype="auto", **implementations(job.config)
+                )
         except (OSError, ValueError) as exc:
             raise EnvironmentFailure(
                 f"could not load the reference model: {exc}", where=str(src)
             ) from exc
     device = torch.device(job.device)
-    model = model.to(device).eval()  # type: ignore[arg-type]
+    model = model.to(device).eval()
     dtype = next(model.parameters()).dtype
     layers = model.get_submodule(adapter_for(str(job.config.get("model_type"))).layer_prefix)
     assert isinstance(layers, nn.ModuleList)

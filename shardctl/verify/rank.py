@@ -113,8 +113,15 @@ def run_rank(job: RankJob, comm: Comm) -> RankOutcome:
     built = None
     try:
         tensors = read_tensors(job.files)
+        config = job.config
+        if config.get("quantization_config") is not None:
+            # each rank dequantizes what it holds: a misplaced scale gives wrong weights here
+            from shardctl.quant.dequant import dequantize, model_dtype, without_quant
+
+            tensors = dequantize(tensors, config, model_dtype(config))
+            config = without_quant(config)
         built = build_rank_model(
-            job.config, role, tensors, comm, dtype=compute_dtype(tensors), device=device
+            config, role, tensors, comm, dtype=compute_dtype(tensors), device=device
         )
         outcome.problems = built.problems
     except Exception as exc:  # reported by every rank's agreement below, never left hanging

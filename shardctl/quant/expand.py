@@ -1,0 +1,121 @@
+"""config.json with ``quantization_config`` → the stored tensors a quantized checkpoint holds.
+
+``plan`` on a manifest or config without a checkpoint needs the real bytes too: each weight the
+family marks quantizable (``Family.quantizable``, fqn globs; minus ``modules_to_not_convert`` /
+``ignore``) becomes the members its scheme stores, with the shapes and dtypes of
+:mod:`shardctl.quant.groups` (so the layout places them exactly as a checkpoint's)::
+
+    down_proj.weight [4096, 11008] BF16, gptq int4 g128 ->
+        qweight I32 [1376, 4096], qzeros I32 [86, 512], scales F16 [86, 4096], g_idx I32 [11008]
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from shardctl.model.types import TensorInfo
+from shardctl.quant.config import QuantConfig, read_quant
+
+
+def expand(
+    tensors: Iterable[TensorInfo],
+    config: Mapping[str, Any],
+    quantizable: tuple[str, ...],
+    *,
+    where: str = "config",
+) -> tuple[TensorInfo, ...]:
+    """``tensors`` (the unquantized inventory) as the quantized checkpoint stores them."""
+    qc = read_quant(config, where=where)
+    tensors = tuple(tensors)
+    if qc is None or not quantizable:
+        return tensors
+    globs = [re.compile(fnmatch.translate(g)) for g in quantizable]
+    out: list[TensorInfo] = []
+    for t in tensors:
+        # MXFP4 quantizes packed experts [E, in, out]; the other schemes 2-D [out, in] weights
+        ndim_ok = len(t.shape) == (3 if qc.method == "mxfp4" else 2)
+        if ndim_ok and any(g.match(t.fqn) for g in globs) and not _ignored(t.fqn, qc):
+            out += members(t, qc)
+        else:
+            out.append(t)
+    return tuple(sorted(out, key=lambda t: t.fqn))
+
+
+def _ignored(fqn: str, qc: QuantConfig) -> bool:
+    """``modules_to_not_convert`` names modules (``lm_head``, ``gate``) or globs of them
+    (gpt-oss: ``model.layers.*.self_attn``); compressed-tensors ``ignore`` also takes ``re:``
+    patterns. A name covers the module and everything inside it."""
+    module = fqn.rsplit(".", 1)[0]
+    for name in qc.ignore:
+        if name.startswith("re:"):
+            if re.match(name[3:], module):
+                return True
+        elif module == name or module.endswith(f".{name}") or f".{name}." in f".{module}.":
+            return True
+        elif any(ch in name for ch in "*?[") and (
+            fnmatch.fnmatchcase(module, name) or fnmatch.fnmatchcase(module, f"{name}.*")
+        ):
+            return True
+    return False
+
+
+def members(t: TensorInfo, qc: QuantConfig) -> list[TensorInfo]:
+    """The stored tensors of one quantized weight ``t`` (``[out, in]``, or ``[E, in, out]`` for
+    MXFP4's packed experts)."""
+    if qc.method == "mxfp4":
+        *lead, in_f, out_f = t.shape
+        base = t.fqn
+        return [
+            TensorInfo(f"{base}_blocks", (*lead, out_f, -(-in_f // 32), 16), "U8"),
+            TensorInfo(f"{base}_scales", (*lead, out_f, -(-in_f // 32)), "U8"),
+        ]
+    out_f, in_f = t.shape[-2:]
+    base = t.fqn.removesuffix(".weight")
+    pack = 32 // qc.bits
+    groups = 1 if qc.group_size == -1 else -(-in_f // qc.group_size)
+    if qc.method == "fp8":
+        if qc.block:
+            bo, bi = qc.block
+            scale = TensorInfo(f"{base}.weight_scale_inv", (-(-out_f // bo), -(-in_f // bi)), "F32")
+        else:
+            scale = TensorInfo(f"{base}.weight_scale", (), "F32")
+        return [TensorInfo(t.fqn, t.shape, "F8_E4M3"), scale]
+    if qc.method == "gptq":
+        return [
+            TensorInfo(f"{base}.qweight", (in_f // pack, out_f), "I32"),
+            TensorInfo(f"{base}.qzeros", (groups, out_f // pack), "I32"),
+            TensorInfo(f"{base}.scales", (groups, out_f), "F16"),
+            TensorInfo(f"{base}.g_idx", (in_f,), "I32"),
+        ]
+    if qc.method == "awq":
+        return [
+            TensorInfo(f"{base}.qweight", (in_f, out_f // pack), "I32"),
+            TensorInfo(f"{base}.qzeros", (groups, out_f // pack), "I32"),
+            TensorInfo(f"{base}.scales", (groups, out_f), "F16"),
+        ]
+    # compressed-tensors
+    if qc.fmt == "nvfp4-pack-quantized":
+        out = [
+            TensorInfo(f"{base}.weight_packed", (out_f, in_f // 2), "U8"),
+            TensorInfo(f"{base}.weight_scale", (out_f, -(-in_f // 16)), "F8_E4M3"),
+            TensorInfo(f"{base}.weight_global_scale", (1,), "F32"),
+        ]
+        if qc.input_scales:  # NVFP4 (W4A4); NVFP4A16 stores none
+            out.append(TensorInfo(f"{base}.input_global_scale", (1,), "F32"))
+        return out
+    if qc.fmt == "float-quantized":
+        return [
+            TensorInfo(t.fqn, t.shape, "F8_E4M3"),
+            TensorInfo(f"{base}.weight_scale", (out_f, 1), t.dtype),
+        ]
+    out = [
+        TensorInfo(f"{base}.weight_packed", (out_f, in_f // pack), "I32"),
+        TensorInfo(f"{base}.weight_scale", (out_f, groups), t.dtype),
+        TensorInfo(f"{base}.weight_shape", (2,), "I64"),
+    ]
+    if not qc.symmetric:
+        out.append(TensorInfo(f"{base}.weight_zero_point", (-(-out_f // pack), groups), "I32"))
+    return out
