@@ -1,8 +1,8 @@
 """Quantized checkpoints of the families whose published weights ship quantized: DeepSeek-V3
-in FP8 (128x128 ``weight_scale_inv`` on MLA projections, shared and routed experts) and
-gpt-oss in MXFP4 (packed experts' ``*_blocks`` / ``*_scales``). Split (tp, ep x tp) -> merge
-is byte-identical, plan bytes are the written bytes, verify's forward level passes on the
-dequantized weights.
+in FP8 (128x128 ``weight_scale_inv`` on MLA projections, shared and routed experts), Qwen3-MoE
+in FP8 (the block format of Qwen3-*-FP8) and gpt-oss in MXFP4 (packed experts' ``*_blocks`` /
+``*_scales``). Split (tp, ep x tp) -> merge is byte-identical, plan bytes are the written
+bytes, verify's forward level passes on the dequantized weights.
 
 The family files come from other branches (deepseek_v3, gpt_oss): each test skips, naming the
 missing family, until its file is registered in shardctl.archs.
@@ -62,6 +62,24 @@ def test_deepseek_v3_fp8(tmp_path: Path) -> None:
     )
     _round_trip(src, tmp_path, Mesh(ep=2, tp=2))  # experts over ep, every tensor over tp
     # plan from the config alone: the same tensors (MLA's kv_a_proj_with_mqa quantized too)
+    assert sorted(map(str, from_config_file(src / "config.json").tensors)) == sorted(
+        map(str, from_checkpoint(src).tensors)
+    )
+
+
+def test_qwen3_moe_fp8(tmp_path: Path) -> None:
+    """Qwen3-MoE in FP8 with 128x128 blocks (as Qwen/Qwen3-30B-A3B-FP8 ships): experts over ep,
+    attention, dense layer and expert matrices over tp, each block whole on one rank."""
+    _need("qwen3_moe")
+    geometry = dict(
+        hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=128, moe_intermediate_size=256, vocab_size=128, num_hidden_layers=2,
+        mlp_only_layers=[0],
+    )  # fmt: skip
+    src = _quant.fp8_block(
+        make_checkpoint("qwen3_moe", tmp_path / "bf16", **geometry), tmp_path / "fp8"
+    )
+    _round_trip(src, tmp_path, Mesh(ep=2, tp=2))
     assert sorted(map(str, from_config_file(src / "config.json").tensors)) == sorted(
         map(str, from_checkpoint(src).tensors)
     )
