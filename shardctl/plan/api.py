@@ -136,6 +136,8 @@ class PlanResult:
             from shardctl.formats.vllm.command import reshard_command as vllm_command
 
             return vllm_command(self.manifest, self.mesh)
+        if engine == "hf":
+            return _hf_command(self.manifest, self.mesh)
         return None
 
     def stage_weight_bytes(self) -> list[int]:
@@ -220,6 +222,34 @@ def make_plan(
 ) -> PlanResult:
     manifest = load_manifest(manifest_path)
     return plan_manifest(manifest, mesh_overrides=mesh_overrides, only_weights=only_weights)
+
+
+def _hf_command(manifest: Manifest, mesh: Mesh) -> dict[str, Any]:
+    """``engine: hf``: transformers loads the HF checkpoint itself — whole tensors that
+    ``tp_plan="auto"`` shards at load under ``torchrun`` — so no conversion is needed (the plan's
+    ``model`` is an HF checkpoint or config); it has no pipeline stages or expert-parallel
+    axis, so such a layout is refused."""
+    del manifest
+    if mesh.pp > 1 or mesh.ep > 1:
+        axis = "pp" if mesh.pp > 1 else "ep"
+        why = (
+            f"transformers loads tensor-parallel ranks only ({axis} {getattr(mesh, axis)}); "
+            "plan with pp 1 and ep 1, or use --device-map for layers over GPUs"
+        )
+        return {"engine": "hf", "command": None, "refused": why, "load_flags": None}
+    load = (
+        f"torchrun --nproc-per-node {mesh.tp} …: "
+        'AutoModelForCausalLM.from_pretrained(CHECKPOINT, tp_plan="auto")'
+        if mesh.tp > 1
+        else "AutoModelForCausalLM.from_pretrained(CHECKPOINT)"
+    )
+    return {
+        "engine": "hf",
+        "command": None,
+        "refused": None,
+        "note": "no conversion: transformers loads the Hugging Face checkpoint as it is",
+        "load_flags": load,
+    }
 
 
 def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:

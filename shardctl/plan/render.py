@@ -83,6 +83,10 @@ def render_plan(
             )
             if cmd.get("load_flags"):
                 console.print(f"  load with: {cmd['load_flags']}", markup=False)
+        elif cmd.get("refused") is None:  # nothing to convert (engine: hf)
+            console.print(f"{cmd['engine']}: {cmd.get('note', '')}", markup=False)
+            if cmd.get("load_flags"):
+                console.print(f"  load with: {cmd['load_flags']}", markup=False)
         else:
             console.print(
                 f"{cmd['engine']}: cannot write this layout: {cmd['refused']}", markup=False
