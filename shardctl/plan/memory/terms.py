@@ -105,34 +105,15 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     # Context parallelism: a rank keeps the activations of its s/cp tokens (Megatron CP).
     seq, mb, tp, sp = tr.sequence_length // ctx.cp, tr.micro_batch_size, m.tp, tr.sequence_parallel
     kv_seq = tr.sequence_length if ctx.cp > 1 else None
-    per_layer = act.layer_activation_bytes(
-        d,
-        seq=seq,
-        batch=mb,
-        tp=tp,
-        sequence_parallel=sp,
-        recompute=tr.recompute,
-        flash_attention=tr.flash_attention,
-        dropout=tr.dropout,
-        act_bytes=ctx.nb,
-        capacity_factor=tr.capacity_factor,
-        saved=ctx.engine.saved,
-        kv_seq=kv_seq,
-    )
-    # Partial recompute (``recompute_layers``): N layers keep only their input, the rest all.
-    stored_layers = st.num_layers
-    full_input = 0
-    if tr.recompute == "full" and tr.recompute_layers is not None:
-        recomputed = min(tr.recompute_layers, st.num_layers)
-        stored_layers = st.num_layers - recomputed
-        full_input = per_layer * recomputed  # per_layer is the "full" (input-only) figure
-        per_layer = act.layer_activation_bytes(
+
+    def layer_bytes(recompute: str) -> int:
+        return act.layer_activation_bytes(
             d,
             seq=seq,
             batch=mb,
             tp=tp,
             sequence_parallel=sp,
-            recompute="none",
+            recompute=recompute,
             flash_attention=tr.flash_attention,
             dropout=tr.dropout,
             act_bytes=ctx.nb,
@@ -140,6 +121,16 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             saved=ctx.engine.saved,
             kv_seq=kv_seq,
         )
+
+    per_layer = layer_bytes(tr.recompute)
+    # Partial recompute (``recompute_layers``): N layers keep only their input, the rest all.
+    stored_layers = st.num_layers
+    full_input = 0
+    if tr.recompute == "full" and tr.recompute_layers is not None:
+        recomputed = min(tr.recompute_layers, st.num_layers)
+        stored_layers = st.num_layers - recomputed
+        full_input = per_layer * recomputed  # per_layer is the "full" (input-only) figure
+        per_layer = layer_bytes("none")
     layers = per_layer * stored_layers + full_input
     if tr.lora_rank and stored_layers and tr.recompute != "full":
         # PEFT saves each adapter's fp32 ``lora_A`` output [T, r] for ``lora_B``'s backward.
@@ -171,20 +162,7 @@ def training_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     working = 0
     if tr.recompute == "full" and st.num_layers and tr.recompute_layers != 0:
         # Backward replays one layer's forward: its full activations are live once.
-        working = act.layer_activation_bytes(
-            d,
-            seq=seq,
-            batch=mb,
-            tp=tp,
-            sequence_parallel=sp,
-            recompute="none",
-            flash_attention=tr.flash_attention,
-            dropout=tr.dropout,
-            act_bytes=ctx.nb,
-            capacity_factor=tr.capacity_factor,
-            saved=ctx.engine.saved,
-            kv_seq=kv_seq,
-        )
+        working = layer_bytes("none")
     if tr.pipeline_schedule == "interleaved" and m.pp > 1:
         # Chunks of 1/v of the stage's layers; the embedding sits on chunk 0 (the first pp
         # micro-batches of a group), the head on the last chunk (one in flight on the last
