@@ -172,7 +172,7 @@ def decoder_local_config(
     if d.num_experts:
         local_div("num_local_experts", d.num_experts, ep)
     types = cfg.get("layer_types")
-    if isinstance(types, list) and len(types) == d.num_layers:
+    if isinstance(types, (list, tuple)) and len(types) == d.num_layers:
         local["layer_types"] = types[first_layer : first_layer + num_layers]
     if "max_window_layers" in cfg:
         local["max_window_layers"] = max(0, int(cfg["max_window_layers"]) - first_layer)

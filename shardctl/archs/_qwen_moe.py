@@ -67,7 +67,7 @@ def sparse_layers(config: Config, num_layers: int, where: str) -> list[int]:
     """The layers with experts, as transformers' ``Qwen2MoeDecoderLayer`` decides."""
     step = get_int(config, "decoder_sparse_step", where, default=1)
     dense = config.get("mlp_only_layers") or []
-    if not isinstance(dense, list) or not all(
+    if not isinstance(dense, (list, tuple)) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in dense
     ):
         raise InvalidInputError(

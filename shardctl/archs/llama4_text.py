@@ -88,7 +88,7 @@ def moe_layers(config: Config, num_layers: int, where: str) -> list[int]:
     if given is None:
         step = get_int(config, "interleave_moe_layer_step", where, default=1)
         return list(range(step - 1, num_layers, step))
-    if not isinstance(given, list) or not all(
+    if not isinstance(given, (list, tuple)) or not all(
         isinstance(i, int) and not isinstance(i, bool) for i in given
     ):
         raise InvalidInputError(
@@ -136,7 +136,7 @@ def _local_config(
         i - first_layer for i in moe_layers(cfg, d.num_layers, "config") if i in stage
     ]
     rope = cfg.get("no_rope_layers")
-    if isinstance(rope, list) and len(rope) == d.num_layers:
+    if isinstance(rope, (list, tuple)) and len(rope) == d.num_layers:
         local["no_rope_layers"] = rope[first_layer : first_layer + num_layers]
     return local
 
