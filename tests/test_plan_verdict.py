@@ -115,16 +115,23 @@ def test_search_and_plan_agree_on_every_mesh(name: str) -> None:
     man = _manifest(name)
     gpus = min(man.mesh.world, 16)
     result = _search(name, gpus)
-    compared = 0
+    # Every priced mesh; for the 10k+-tensor MoE flagships (DeepSeek-V3: 46k tensors, ~1.5 s a
+    # plan) every step-th of them, a fixed spread over tp, pp and ep — the search priced all.
+    big = len(load_model(man).tensors) > 10_000
+    step = max(1, result.priced // 12) if big else 1
+    priced = compared = 0
     for mesh in _meshes(gpus):
         verdict = _search_verdict(man, result, mesh)
         if verdict is None:
+            continue
+        priced += 1
+        if (priced - 1) % step:
             continue
         plan = plan_manifest(man, mesh_overrides=mesh.as_dict())
         assert plan.fits is not False if verdict else plan.fits is False, mesh
         assert plan.budget == result.budget
         compared += 1
-    assert compared == result.priced
+    assert priced == result.priced and compared >= min(priced, 12)
 
 
 @pytest.mark.parametrize("name", BUNDLED)
