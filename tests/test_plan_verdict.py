@@ -110,28 +110,28 @@ def _search_verdict(man: Manifest, result: SearchResult, mesh: Mesh) -> bool | N
     return any(c.mesh == mesh for c in result.candidates)
 
 
-@pytest.mark.parametrize("name", BUNDLED)
+# The 10k+-tensor MoE flagships (DeepSeek-V2/V3, Qwen3-235B: 29k-46k tensors) take 1-4 minutes
+# each to sweep; the search and plan code they run is the same as the MoE manifests kept here
+# (Mixtral, Qwen3-30B-A3B, gpt-oss, Llama-4-Scout), and their own verdicts are held against the
+# JSON and exit code below.
+SWEPT = [n for n in BUNDLED if not n.startswith(("deepseek-v2-tp", "deepseek-v3", "qwen3-235b"))]
+
+
+@pytest.mark.parametrize("name", SWEPT)
 def test_search_and_plan_agree_on_every_mesh(name: str) -> None:
     man = _manifest(name)
     gpus = min(man.mesh.world, 16)
     result = _search(name, gpus)
-    # Every priced mesh; for the 10k+-tensor MoE flagships (DeepSeek-V3: 46k tensors, ~1.5 s a
-    # plan) every step-th of them, a fixed spread over tp, pp and ep — the search priced all.
-    big = len(load_model(man).tensors) > 10_000
-    step = max(1, result.priced // 12) if big else 1
-    priced = compared = 0
+    compared = 0
     for mesh in _meshes(gpus):
         verdict = _search_verdict(man, result, mesh)
         if verdict is None:
-            continue
-        priced += 1
-        if (priced - 1) % step:
             continue
         plan = plan_manifest(man, mesh_overrides=mesh.as_dict())
         assert plan.fits is not False if verdict else plan.fits is False, mesh
         assert plan.budget == result.budget
         compared += 1
-    assert priced == result.priced and compared >= min(priced, 12)
+    assert compared == result.priced
 
 
 @pytest.mark.parametrize("name", BUNDLED)
