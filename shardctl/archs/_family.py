@@ -12,11 +12,14 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
+
+if TYPE_CHECKING:  # vllm-families
+    from shardctl.formats.vllm.spec import VllmNames
 
 Shapes = list[tuple[str, tuple[int, ...]]]
 # What GPTQ / AWQ / fp8 / compressed-tensors quantize by default (Family.quantizable).
@@ -155,6 +158,9 @@ class Family:
     # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
     # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
     quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
+    # vllm-families: how vLLM names and fuses the tensors in ``sharded_state``
+    # (shardctl/formats/vllm/spec.py); None: ``--format vllm`` refuses the family.
+    vllm: VllmNames | None = None
 
 
 # ---- config readers ----------------------------------------------------------------------

@@ -72,3 +72,8 @@ FAMILY = dataclasses.replace(
     ),
     memory=_memory,
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import COHERE, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, COHERE)

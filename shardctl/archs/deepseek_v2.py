@@ -406,3 +406,8 @@ FAMILY = mla_family(
     route_weights=_softmax_weights,
     defaults=V2_DEFAULTS,
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DEEPSEEK, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DEEPSEEK)

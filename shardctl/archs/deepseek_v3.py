@@ -46,3 +46,8 @@ FAMILY = mla_family(
     route_weights=_sigmoid_weights,
     defaults=V3_DEFAULTS,
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DEEPSEEK_V3, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DEEPSEEK_V3)

@@ -215,3 +215,8 @@ FAMILY = Family(
         "attention_dropout",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import FALCON, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, FALCON)

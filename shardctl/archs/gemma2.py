@@ -27,3 +27,8 @@ FAMILY = decoder_family(
         "sliding_window_pattern",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import NO_LM_HEAD, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, NO_LM_HEAD)

@@ -67,3 +67,8 @@ _FAMILY = decoder_family(
     ),
 )
 FAMILY = dataclasses.replace(_FAMILY, dims=_dims)
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

@@ -78,3 +78,8 @@ FAMILY = dataclasses.replace(
     dims=_dims,
     memory=_memory,
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

@@ -186,3 +186,8 @@ FAMILY = Family(
         "use_cache",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import TRANSFORMERS_BACKEND, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, TRANSFORMERS_BACKEND)

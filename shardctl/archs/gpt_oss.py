@@ -117,3 +117,8 @@ FAMILY = decoder_family(
     ),
     sliding_layers="even",
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import TRANSPOSED_EXPERTS, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, TRANSPOSED_EXPERTS)

@@ -195,3 +195,8 @@ FAMILY = decoder_family(
         "for_llm_compressor",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import TRANSPOSED_EXPERTS, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, TRANSPOSED_EXPERTS)

@@ -13,3 +13,8 @@ FAMILY = decoder_family(
     config_keys=(*DECODER_OTHER, *SLIDING),
     sliding_layers="all",  # Mistral-7B-v0.1: every layer, window 4096
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

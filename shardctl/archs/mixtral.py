@@ -103,3 +103,8 @@ FAMILY = decoder_family(
         "router_jitter_noise",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import MIXTRAL, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, MIXTRAL)

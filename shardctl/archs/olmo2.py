@@ -83,3 +83,8 @@ FAMILY = dataclasses.replace(
     _FAMILY,
     forward=dataclasses.replace(decoder_forward(localize=_localize), shard_layer=_shard_layer),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import TRANSFORMERS_BACKEND, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, TRANSFORMERS_BACKEND)

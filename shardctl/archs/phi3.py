@@ -57,3 +57,8 @@ FAMILY = decoder_family(
         "original_max_position_embeddings",
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

@@ -15,3 +15,8 @@ FAMILY = decoder_family(
     follows="vLLM qwen2.py",
     config_keys=(*DECODER_OTHER, *SLIDING),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

@@ -16,3 +16,8 @@ FAMILY = decoder_family(
     shape_keys=(*DECODER_SHAPES, "attention_bias"),
     config_keys=(*DECODER_OTHER, *SLIDING),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, DECODER)

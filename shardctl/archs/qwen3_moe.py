@@ -77,3 +77,8 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
 
 
 FAMILY = moe.with_moe(_BASE, _dims)
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import QWEN3_MOE, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, QWEN3_MOE)

@@ -137,3 +137,8 @@ FAMILY = dataclasses.replace(
         decoder_forward(localize=_localize), local_config=_local_config, shard_layer=_shard_layer
     ),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import STABLELM, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, STABLELM)

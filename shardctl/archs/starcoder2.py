@@ -92,3 +92,8 @@ FAMILY = dataclasses.replace(
     memory=_memory,
     forward=decoder_forward(row_parallel=("self_attn.o_proj", "mlp.c_proj")),
 )
+
+# vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
+from shardctl.formats.vllm.spec import TRANSFORMERS_BACKEND, declare  # noqa: E402
+
+FAMILY = declare(FAMILY, TRANSFORMERS_BACKEND)

@@ -22,7 +22,7 @@ from shardctl.checkpoint.hf import INDEX_NAME, LAYOUT_RECORD, SINGLE_NAME
 from shardctl.checkpoint.source import InputFile, Source, SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.errors import InvalidInputError
-from shardctl.formats.vllm.names import SCALE_NAME, hf_order, rank_tensors
+from shardctl.formats.vllm.names import SCALE_NAME, attention_scales, hf_order, rank_tensors
 from shardctl.io.safetensors_header import HeaderEntry, read_header
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, Piece, RankLayout, Shard, Stage
 from shardctl.model.archs import tensors_from_config
@@ -96,17 +96,18 @@ def read_vllm(root: Path) -> VllmCheckpoint:
                     raise _bad(f"tensor {e.name!r} in two parts of rank {r}", path)
                 entries[e.name] = (len(files) - 1, e, header.data_offset + e.begin)
         headers.append(entries)
-    first = next((v for n, v in headers[0].items() if not SCALE_NAME.match(n)), None)
+    first = next((v for n, v in headers[0].items() if not SCALE_NAME.search(n)), None)
     if first is None:
         raise _bad("rank 0 holds no tensors", root)
     guess = from_tensors(root, tensors_from_config(config, first[1].dtype, where=str(config_path)))
     ranks = rank_tensors(guess, tp)
+    scales = set(attention_scales(guess))
     dtypes: dict[str, str] = {}
     for r, (vts, entries) in enumerate(zip(ranks, headers, strict=True)):
         want = {v.name for v in vts}
         missing = sorted(want - set(entries))
-        # vLLM's attention scale buffers (names.SCALE_NAME) belong to no HF tensor: tolerated
-        extra = sorted(n for n in set(entries) - want if not SCALE_NAME.match(n))
+        # vLLM's attention scale buffers belong to no HF tensor: tolerated (not required)
+        extra = sorted(set(entries) - want - scales)
         if missing or extra:
             raise _bad(
                 f"rank {r} does not hold what vLLM writes for this config: missing "

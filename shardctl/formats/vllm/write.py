@@ -75,18 +75,16 @@ def vllm_files(source: Source, mesh: Mesh | None, max_shard_size: int) -> VllmFi
             # vLLM's save_file passes no metadata: no ``__metadata__`` key at all
             files.append(_file(PATTERN.format(rank=r, part=k), items, cast(Any, None), r))
     extra: list[tuple[str, bytes]] = []
-    dims = source.model.dims
-    scales = _scales_file(dims.num_layers if dims else 0)
+    scales = _scales_file(attention_scales(source.model))
     for r in range(tp):
         parts = sum(1 for f in files if f.rank == r)
         extra.append((PATTERN.format(rank=r, part=parts), scales))
     return VllmFiles(tuple(files), _virtual_sources(source, ranks[0]), order, tuple(extra))
 
 
-def _scales_file(num_layers: int) -> bytes:
+def _scales_file(names: list[str]) -> bytes:
     """A safetensors file of the attention scale buffers: float32 scalars, all 1.0."""
     one = struct.pack("<f", 1.0)
-    names = attention_scales(num_layers)
     entries = [HeaderEntry(n, "F32", (), 4 * i, 4 * i + 4) for i, n in enumerate(names)]
     return header_bytes(entries, None) + one * len(names)
 
