@@ -254,6 +254,30 @@ def test_refused_one_line(tmp_path: Path, name: str, tp: int, needle: str) -> No
     assert "Traceback" not in res.stderr and not out.exists()
 
 
+def test_plan_refuses_what_format_vllm_refuses(tmp_path: Path) -> None:
+    """``workload.engine: vllm`` prints the command for a family vLLM loads, and the refusal
+    ``--format vllm`` would give for one it does not (here OLMo-2: vLLM's Transformers backend)."""
+    hf = make_checkpoint("qwen3_moe", tmp_path / "qwen3_moe")
+    olmo = make_checkpoint("olmo2", tmp_path / "olmo2")
+    for ckpt, want in ((hf, "vllm checkpoint: shardctl reshard"), (olmo, "Transformers backend")):
+        manifest = tmp_path / f"{ckpt.name}.yaml"
+        manifest.write_text(
+            f"model: {{checkpoint: {json.dumps(str(ckpt))}}}\nmesh: {{tp: 2}}\n"
+            "hardware: {gpu: h100-sxm}\nworkload: {engine: vllm, sequence_length: 64}\n"
+        )
+        res = _cli("plan", str(manifest), "--json")
+        assert res.returncode == 0, res.stderr
+        got = json.loads(res.stdout)["reshard"]
+        if ckpt == hf:
+            assert got["command"] == (
+                f"shardctl reshard {hf} {tmp_path / 'qwen3_moe-vllm-tp2'} --tp 2 --format vllm"
+            )
+        else:
+            assert got["command"] is None and want in got["refused"], got
+        text = _cli("plan", str(manifest)).stdout
+        assert want in text if ckpt == hf else "vllm: cannot write this layout" in text, text
+
+
 # ---- optional: vLLM's own loader (pytest -m vllm; README "--format vllm") ---------------------
 
 # vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: 64 here. MLA (DeepSeek) runs its own

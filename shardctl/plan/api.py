@@ -135,7 +135,7 @@ class PlanResult:
         if engine == "vllm":
             from shardctl.formats.vllm.command import reshard_command as vllm_command
 
-            return vllm_command(self.manifest, self.mesh)
+            return vllm_command(self.manifest, self.mesh, self.model)
         if engine == "hf":
             return _hf_command(self.manifest, self.mesh)
         return None

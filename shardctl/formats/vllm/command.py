@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 
-def reshard_command(manifest: Any, mesh: Any) -> dict[str, Any]:
+def reshard_command(manifest: Any, mesh: Any, model: Any = None) -> dict[str, Any]:
     """``{"engine": "vllm", "command": "shardctl reshard SRC SRC-vllm-tp4 --tp 4 --format vllm",
     "refused": None, "load_flags": "vllm serve DST --load-format sharded_state …"}``, or with
     ``command`` None and the reason in ``refused``.
@@ -24,6 +24,16 @@ def reshard_command(manifest: Any, mesh: Any) -> dict[str, Any]:
             f"{getattr(mesh, axis)}); plan with pp 1 and ep 1, or use --format ranks"
         )
         return {"engine": "vllm", "command": None, "refused": why, "load_flags": None}
+    if model is not None and model.tensors and model.dims is not None:
+        # what ``--format vllm`` would refuse for this family / config / tp (one line)
+        from shardctl.errors import ShardctlError
+        from shardctl.formats.vllm.names import check_supported
+
+        try:
+            check_supported(model, mesh.tp)
+        except ShardctlError as e:
+            why = e.message
+            return {"engine": "vllm", "command": None, "refused": why, "load_flags": None}
     spec = manifest.model
     src: Path | None = spec.checkpoint
     if src is None and spec.config is not None:

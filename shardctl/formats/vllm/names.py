@@ -13,17 +13,21 @@ vLLM's own weight loaders filled it from the HF checkpoint. Read from vLLM's sou
   then split evenly — rank r holds padded rows ``[r·per, (r+1)·per)``, rows past the real vocab
   zero (vocab 32,001 at tp 2: padded 32,064, rank 1 starts at row 16,032);
 - tied embeddings: ``lm_head.weight`` and ``model.embed_tokens.weight`` share one tensor and
-  ``_filter_subtensors`` keeps the smaller key, ``lm_head.weight`` (Gemma-2 has no lm_head
-  module: ``model.embed_tokens.weight``);
-- Mixtral experts (``FusedMoE``, no EP): ``experts.routed_experts.w13_weight [E, 2·I/tp, H]``
-  = per expert ``[w1_r; w3_r]``, ``….w2_weight [E, H, I/tp]`` = per expert ``w2[:, r·I/tp..]``;
-- everything else (norms, the router) whole on every rank;
-- every attention layer's ``self_attn.attn._{k,v,q,prob}_scale``: float32 scalars, 1.0 for an
+  ``_filter_subtensors`` keeps the smaller key, ``lm_head.weight`` (Gemma-2 and Cohere have no
+  lm_head module: ``model.embed_tokens.weight``);
+- MoE experts (``FusedMoE``, no EP): ``experts.routed_experts.w13_weight [E, 2·I/tp, H]``
+  = per expert ``[gate_r; up_r]``, ``….w2_weight [E, H, I/tp]`` = per expert ``down[:, r·I/tp..]``;
+- everything else (norms, routers) whole on every rank;
+- a module registered twice (MoE routers and shared experts on vLLM's MoE runner, MLA
+  projections on its wrapper): ``_filter_subtensors`` keeps the smaller name;
+- every attention layer's ``…attn._{k,v,q,prob}_scale``: float32 scalars, 1.0 for an
   unquantized model — persistent buffers of vLLM's ``Attention`` (``set_default_quant_scales(
   register_buffer=True)``, vLLM 0.32), so they are in the state dict the loader fills and it
   reports them missing otherwise. They belong to no HF tensor: written in a last part per rank.
 
-A :class:`Part` says which box of which HF tensor lands where in a vLLM local tensor; the same
+Which of these applies to which tensor is the family's declaration (``Family.vllm``, a
+:class:`~shardctl.formats.vllm.spec.VllmNames` of rules; this module names no family). A
+:class:`Part` says which box of which HF tensor lands where in a vLLM local tensor; the same
 table drives the writer (``write.py``) and the reader (``read.py``).
 """
 
