@@ -280,14 +280,22 @@ def test_plan_refuses_what_format_vllm_refuses(tmp_path: Path) -> None:
 
 # ---- optional: vLLM's own loader (pytest -m vllm; README "--format vllm") ---------------------
 
-# vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: 64 here. MLA (DeepSeek) runs its own
-# CPU path: the tiny MLA dims of tests/_models.py are kept.
+# vLLM's CPU attention needs head_dim in {32, 64, 80, ...}: 64 here. Its MLA decode kernel
+# (``cpu_mla.py``) only takes DeepSeek's latent size kv_lora_rank 512 + rope 64 = 576.
 _BIG = dict(hidden_size=256, num_attention_heads=4, num_key_value_heads=2, vocab_size=1000)
+_MLA = dict(
+    hidden_size=256,
+    vocab_size=1000,
+    kv_lora_rank=512,
+    qk_rope_head_dim=64,
+    qk_nope_head_dim=32,
+    v_head_dim=32,
+)
 VLLM_CASES = [
     ("qwen3_moe", {**_BIG, "head_dim": 64}),
     ("qwen2_moe", _BIG),
-    ("deepseek_v3", {"hidden_size": 256, "vocab_size": 1000, "topk_method": "noaux_tc"}),
-    ("deepseek_v2", {"hidden_size": 256, "vocab_size": 1000}),
+    ("deepseek_v3", {**_MLA, "q_lora_rank": 64, "topk_method": "noaux_tc"}),
+    ("deepseek_v2", _MLA),
     ("gemma3_text", {**_BIG, "head_dim": 64}),
     ("cohere", _BIG),
     ("stablelm-sequential", {**_BIG, "num_key_value_heads": 4}),
