@@ -155,6 +155,10 @@ class Family:
     # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
     # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
     quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
+    # (fqn glob, dtype): tensors a quantized checkpoint (config with quantization_config) stores
+    # in another dtype than the model's 16-bit one, as the published files do (DeepSeek-V3's FP8
+    # release keeps mlp.gate.e_score_correction_bias in F32; save_pretrained writes it BF16).
+    quantized_dtypes: tuple[tuple[str, str], ...] = ()
 
 
 # ---- config readers ----------------------------------------------------------------------
