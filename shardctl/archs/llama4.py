@@ -151,7 +151,10 @@ def _vision(config: Config, text_hidden: int, where: str) -> Shapes:
     out += [
         (f"{V}.vision_adapter.mlp.fc1.weight", (pin, i)),
         (f"{V}.vision_adapter.mlp.fc2.weight", (pout, pout)),
-        ("multi_modal_projector.linear_1.weight", (text_hidden, get_int(v, "vision_output_dim", w))),
+        (
+            "multi_modal_projector.linear_1.weight",
+            (text_hidden, get_int(v, "vision_output_dim", w)),
+        ),
     ]
     return out
 

@@ -194,3 +194,6 @@ FAMILY = decoder_family(
         "for_llm_compressor",
     ),
 )
+# flagships: shared expert, dense layers of intermediate_size_mlp: not the closed form's uniform
+# MoE layer; plan counts by kind from the layout engine (exact).
+FAMILY = dataclasses.replace(FAMILY, closed_form=False)

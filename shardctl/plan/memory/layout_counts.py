@@ -31,6 +31,24 @@ def uses_layout_counts(model: ModelInfo) -> bool:
     return bool(model.tensors) and family is not None and not family.closed_form
 
 
+def refuse_closed_form(model: ModelInfo) -> None:
+    """The closed form describes uniform Llama / Mixtral layers only: for a family whose file
+    opts out (DeepSeek's MLA, MoE with shared experts or dense layers, gpt-oss' biases and sinks,
+    Llama-4's vision tower) and a model given without its tensors, refuse rather than price it
+    approximately. Every family derives its tensors from its config, so the remedy is to give
+    one."""
+    from shardctl.errors import InvalidInputError
+
+    family = find(model.architecture)
+    if family is not None and not family.closed_form and not model.tensors:
+        raise InvalidInputError(
+            f"{model.architecture}: the closed-form counts do not describe this family "
+            "(non-uniform layers); plan counts it from its tensor inventory",
+            where=model.source,
+            hint="give model.config (config.json or inline keys) or model.checkpoint",
+        )
+
+
 def layout_counts(
     model: ModelInfo, mesh: Mesh, stages: tuple[Stage, ...], vocab_padding: str
 ) -> dict[int, Counts]:
