@@ -85,7 +85,8 @@ def read_quant(config: Mapping[str, Any], *, where: str = "config") -> QuantConf
         block = raw.get("weight_block_size")
         if block is None:
             return QuantConfig("fp8", bits=8, ignore=ignore)
-        if not isinstance(block, (list, tuple)) or len(block) != 2 or not all(_positive(b) for b in block):
+        pair = isinstance(block, (list, tuple)) and len(block) == 2  # inline manifests: tuples
+        if not pair or not all(_positive(b) for b in block):
             raise InvalidInputError(
                 f"weight_block_size: expected [rows, cols] of positive integers, got {block!r}",
                 where=w,
