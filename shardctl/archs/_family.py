@@ -111,6 +111,9 @@ class ForwardSpec:
     arch: str = ""  # filled in by the registry: the model_type asked for
     renames: tuple[tuple[str, str], ...] = ()
     recomputed: tuple[str, ...] = ()
+    # a multimodal config's section the forward level runs (Llama-4: "text_config"): its keys
+    # are lifted to the top of the config verify reads, model_type kept (verify/adapters.py)
+    sub_config: str = ""
 
     def param(self, fqn: str) -> str:
         """The in-memory name of an on-disk ``fqn``."""

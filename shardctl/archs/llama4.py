@@ -28,17 +28,22 @@ their count), o_proj / fc2 ``RowParallelLinear`` (bias added once: whole on ever
 fc1 / patch embedding / projector ``ColumnParallelLinear``. The vision tower and the projector
 make the image embeddings merged into the first stage's input embeddings, so every vision and
 projector tensor sits on the first pipeline stage (their ``layers.{i}`` are not decoder layers).
-The forward level of ``verify`` does not run the multimodal model (no ``ForwardSpec``): it
-reports the level as not checked (exit 5); structure and bitwise levels check every tensor.
+The forward level of ``verify`` runs the text model (``AutoModelForCausalLM`` builds
+``Llama4ForCausalLM`` from this config, as transformers does for token input): the ranks' text
+shards under their in-memory names (``language_model.`` dropped), logits compared with the
+unsharded model's. The vision tower and projector take no part in a token-only forward: that
+level does not read them (``recomputed`` below); the structure and bitwise levels check them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
+from typing import Any
 
 from shardctl.archs import llama4_text
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, MemoryFlags, Shapes, get_int
+from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_int
 from shardctl.archs._keys import COMMON
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
@@ -169,6 +174,34 @@ def _memory(config: Config) -> MemoryFlags:
     return llama4_text.FAMILY.memory(text_config(config, "config"))
 
 
+def _local_config(
+    cfg: Config, d: ModelDims, tp: int, ep: int, first_layer: int, num_layers: int
+) -> dict[str, Any]:
+    """A rank's ``llama4_text`` config: the text config's keys with llama4_text's local sizes."""
+    text = text_config(cfg, "config")
+    text_forward = llama4_text.FAMILY.forward
+    assert text_forward is not None
+    local = dict(text)
+    local.update(text_forward.local_config(text, d, tp, ep, first_layer, num_layers))
+    local["model_type"] = "llama4_text"
+    # the nested sections stay out of the text model's config (transformers reads them as
+    # sub-configs there)
+    local.update(text_config=None, vision_config=None)
+    return local
+
+
+def _forward() -> ForwardSpec:
+    text_forward = llama4_text.FAMILY.forward
+    assert text_forward is not None
+    return dataclasses.replace(
+        text_forward,
+        local_config=_local_config,
+        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        recomputed=(f"{V}.*", "multi_modal_projector.*"),
+        sub_config="text_config",
+    )
+
+
 FAMILY = Family(
     name="llama4",
     model_types=("llama4",),
@@ -177,7 +210,7 @@ FAMILY = Family(
     tensors=_tensors,
     rules=RULES,
     memory=_memory,
-    forward=None,
+    forward=_forward(),
     follows="vLLM mllama4.py (Llama4ForConditionalGeneration; text: llama4.py)",
     shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
     config_keys=(*COMMON, "boi_token_index", "eoi_token_index", "image_token_index"),

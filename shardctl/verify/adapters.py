@@ -39,6 +39,17 @@ def adapter_for(arch: str) -> Adapter:
     return dataclasses.replace(family.forward, arch=arch)
 
 
+def forward_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config the forward level reads: a multimodal family's text section lifted to the
+    top (``ForwardSpec.sub_config``), its own ``model_type`` kept; others unchanged."""
+    family = find(str(cfg.get("model_type")))
+    section = family.forward.sub_config if family is not None and family.forward else ""
+    sub = cfg.get(section) if section else None
+    if not isinstance(sub, dict):
+        return cfg
+    return {**cfg, **sub, "model_type": cfg["model_type"]}
+
+
 def dims_of(cfg: dict[str, Any]) -> Dims:
     """The global sizes the local config divides (the inventory's own dims)."""
     return dims_from_config(cfg)
