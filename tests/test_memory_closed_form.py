@@ -17,7 +17,7 @@ from tests._models import CONFIGS
 # Families whose file opts out of the closed form (Family.closed_form = False: DeepSeek's MLA,
 # Qwen2-MoE / Llama-4 shared experts and dense layers, gpt-oss' biases and sinks, the multimodal
 # Llama-4) are counted from the engine itself (tests/test_families_mla_manifests.py,
-# tests/test_flagships.py); without tensors the closed form refuses them (test_flagships.py).
+# tests/test_flagships.py); without tensors the plan labels the closed form approximate.
 PRESET_ARCHS = [
     n
     for n in CONFIGS

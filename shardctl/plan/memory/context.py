@@ -14,11 +14,7 @@ from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
-from shardctl.plan.memory.layout_counts import (
-    layout_counts,
-    refuse_closed_form,
-    uses_layout_counts,
-)
+from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
@@ -84,7 +80,6 @@ class Context:
             self._counts.update(layout_counts(self.model, self.mesh, self.stages, vocab_padding))
             return self._counts[st.index]
         else:
-            refuse_closed_form(self.model)
             c = stage_counts(self.shape, st, self.mesh.pp, self.mesh.tp, self.mesh.ep)
         self._counts[st.index] = c
         return c

@@ -31,22 +31,22 @@ def uses_layout_counts(model: ModelInfo) -> bool:
     return bool(model.tensors) and family is not None and not family.closed_form
 
 
-def refuse_closed_form(model: ModelInfo) -> None:
-    """The closed form describes uniform Llama / Mixtral layers only: for a family whose file
-    opts out (DeepSeek's MLA, MoE with shared experts or dense layers, gpt-oss' biases and sinks,
-    Llama-4's vision tower) and a model given without its tensors, refuse rather than price it
-    approximately. Every family derives its tensors from its config, so the remedy is to give
-    one."""
-    from shardctl.errors import InvalidInputError
+def closed_form_caveat(model: ModelInfo) -> str | None:
+    """Why the closed form is approximate for ``model``, or None when it is exact.
 
+    The closed form describes uniform Llama / Mixtral layers only. A family whose file opts out
+    (DeepSeek's MLA, MoE with shared experts or dense layers, gpt-oss' biases and sinks,
+    Llama-4's vision tower) is counted from its tensors by the layout engine, exactly; given by
+    its dims alone (no tensors: a library caller's ``ModelInfo``) the closed form is all there
+    is, and the plan says it is approximate (``MemoryPlan.warnings``)."""
     family = find(model.architecture)
-    if family is not None and not family.closed_form and not model.tensors:
-        raise InvalidInputError(
-            f"{model.architecture}: the closed-form counts do not describe this family "
-            "(non-uniform layers); plan counts it from its tensor inventory",
-            where=model.source,
-            hint="give model.config (config.json or inline keys) or model.checkpoint",
-        )
+    if family is None or family.closed_form or model.tensors:
+        return None
+    return (
+        f"{model.architecture}: weights, gradients and optimizer states are the closed form's "
+        "uniform-layer counts, approximate for this family (non-uniform layers); give its "
+        "config or checkpoint for exact counts"
+    )
 
 
 def layout_counts(

@@ -8,11 +8,7 @@ from typing import TYPE_CHECKING
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Stage
-from shardctl.plan.memory.layout_counts import (
-    largest_layer,
-    refuse_closed_form,
-    uses_layout_counts,
-)
+from shardctl.plan.memory.layout_counts import largest_layer, uses_layout_counts
 from shardctl.plan.memory.shapes import Counts, layer_counts, lora_layer_params
 from shardctl.plan.memory.training import model_states, optimizer_bytes_per_param
 
@@ -137,5 +133,4 @@ def _gathered_layer(ctx: Context) -> int:
     assert ctx.shape is not None
     if uses_layout_counts(ctx.model):
         return largest_layer(ctx.model, ctx.mesh, ctx.shape.vocab_padding) * ctx.nb
-    refuse_closed_form(ctx.model)
     return layer_counts(ctx.shape, ctx.mesh.tp, ctx.mesh.ep).total * ctx.nb
