@@ -38,8 +38,6 @@ import sys
 from collections import Counter
 from pathlib import Path
 
-import pytest
-
 from shardctl.layout.engine import resolve
 from shardctl.layout.types import LayoutOptions, Mesh
 from shardctl.manifest import load_manifest
