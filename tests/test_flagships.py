@@ -33,16 +33,15 @@ Llama-4-Scout-17B-16E-Instruct (``manifests/llama-4-scout-mm-tp8.yaml``)
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
 from shardctl.layout.engine import resolve
 from shardctl.layout.types import LayoutOptions, Mesh
 from shardctl.manifest import load_manifest
-from shardctl.model.inventory import from_checkpoint, from_config, from_config_file
+from shardctl.model.inventory import from_config
 from shardctl.model.types import ModelInfo
+from tests._cli import run_cli
 
 MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 GPT_OSS_TOTAL_SIZE = 65_248_815_744
@@ -54,12 +53,7 @@ SCOUT_SHARD_FILE_BYTES = 217_283_738_720  # 50 files: data + 8-byte length + JSO
 
 
 def _plan(manifest: str) -> dict:  # type: ignore[type-arg]
-    done = subprocess.run(
-        [sys.executable, "-m", "shardctl", "plan", str(MANIFESTS / manifest), "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
+    done = run_cli("plan", str(MANIFESTS / manifest), "--json")
     assert done.returncode in (0, 1), done.stderr  # 1: does not fit, still a full plan
     return json.loads(done.stdout)  # type: ignore[no-any-return]
 
@@ -161,32 +155,6 @@ def test_llama4_vision_tower_sits_on_the_first_stage_only() -> None:
     assert {f: placement[f] for f in expect} == expect
 
 
-def test_llama4_inventory_equals_save_pretrained(tmp_path: Path) -> None:
-    """A tiny Llama4ForConditionalGeneration written by transformers: the inventory from its
-    config.json alone equals the file's tensors (names, shapes, dtypes)."""
-    import torch
-    from transformers import Llama4Config, Llama4ForConditionalGeneration
-
-    cfg = Llama4Config(
-        text_config=dict(
-            vocab_size=256, hidden_size=64, intermediate_size=32, intermediate_size_mlp=96,
-            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-            num_local_experts=4, interleave_moe_layer_step=2,
-        ),
-        vision_config=dict(
-            hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-            image_size=56, patch_size=14, projector_input_dim=48, projector_output_dim=40,
-            vision_output_dim=24, pixel_shuffle_ratio=0.5,
-        ),
-    )  # fmt: skip
-    torch.manual_seed(0)
-    Llama4ForConditionalGeneration(cfg).to(torch.bfloat16).save_pretrained(tmp_path)
-    written = from_checkpoint(tmp_path)
-    assert written.architecture == "llama4"
-    assert from_config_file(tmp_path / "config.json").tensors == written.tensors
-    assert any(t.fqn == "multi_modal_projector.linear_1.weight" for t in written.tensors)
-
-
 def test_closed_form_labels_itself_approximate_for_non_uniform_families() -> None:
     """A family whose file opts out of the closed form (Family.closed_form = False) is counted
     from its tensors, exactly; given by its dims only (no tensors), the closed form is all there
@@ -211,3 +179,16 @@ def test_closed_form_labels_itself_approximate_for_non_uniform_families() -> Non
     bare = type(dense)(dense.architecture, dense.dims, (), dense.dtype, "inline", dense.config)
     stages = assign_layers(dense.dims.num_layers, 1)
     assert not any("approximate" in w for w in estimate(bare, Mesh(tp=2), stages).warnings())
+
+
+def test_inline_quantized_config_is_not_quantized_twice(tmp_path: Path) -> None:
+    """The published gpt-oss config is already MXFP4: a manifest quantization: on top would
+    price its experts twice; refused with one line, exit 3, like a quantized checkpoint."""
+    text = (MANIFESTS / "gpt-oss-120b-mxfp4-h100.yaml").read_text()
+    manifest = tmp_path / "twice.yaml"
+    manifest.write_text(text + "quantization: {method: fp8}\n")
+    done = run_cli("plan", str(manifest))
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and "already quantized (mxfp4" in lines[0], done.stderr
+    assert "Traceback" not in done.stderr
