@@ -16,6 +16,7 @@ family, biases off).
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
@@ -71,7 +72,6 @@ def _stored_dtypes(
     """A quantized release's non-16-bit unquantized tensors (``Family.quantized_dtypes``)."""
     if not dtypes:
         return tensors
-    import fnmatch
 
     def dtype_of(t: TensorInfo) -> str:
         for glob, dtype in dtypes:

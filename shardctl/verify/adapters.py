@@ -15,6 +15,7 @@ rank holding ``[Q_r; K_r; V_r]`` computes correctly, a rank holding a plain chun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from shardctl.archs import FAMILIES, ForwardSpec, find
@@ -45,9 +46,9 @@ def forward_config(cfg: dict[str, Any]) -> dict[str, Any]:
     family = find(str(cfg.get("model_type")))
     section = family.forward.sub_config if family is not None and family.forward else ""
     sub = cfg.get(section) if section else None
-    if not isinstance(sub, dict):
+    if not isinstance(sub, Mapping):
         return cfg
-    return {**cfg, **sub, "model_type": cfg["model_type"]}
+    return {**cfg, **dict(sub), "model_type": cfg["model_type"]}
 
 
 def dims_of(cfg: dict[str, Any]) -> Dims:
