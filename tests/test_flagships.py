@@ -36,6 +36,8 @@ import json
 from collections import Counter
 from pathlib import Path
 
+import pytest
+
 from shardctl.layout.engine import resolve
 from shardctl.layout.types import LayoutOptions, Mesh
 from shardctl.manifest import load_manifest
@@ -192,3 +194,25 @@ def test_inline_quantized_config_is_not_quantized_twice(tmp_path: Path) -> None:
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "already quantized (mxfp4" in lines[0], done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize(
+    ("model", "message"),
+    [
+        ("  vision_config: {hidden_size: 32}\n", "'text_config': expected an object"),
+        (
+            "  text_config: {hidden_size: 64, num_hidden_layers: 2, num_attention_heads: 4,\n"
+            "    intermediate_size: 32, intermediate_size_mlp: 64, vocab_size: 128,\n"
+            "    num_local_experts: 2, num_experts_per_tok: 1}\n  vision_config: 7\n",
+            "'vision_config': expected an object (the multimodal Llama-4 config nests it); got int",
+        ),
+    ],
+)
+def test_llama4_config_without_its_sections_exits_3(
+    tmp_path: Path, model: str, message: str
+) -> None:
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(f"model:\n  model_type: llama4\n{model}hardware: {{gpu: h100-sxm}}\n")
+    done = run_cli("plan", str(manifest))
+    assert done.returncode == 3, done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr

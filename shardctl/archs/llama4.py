@@ -105,9 +105,9 @@ VISION_DEFAULTS: Config = {
 def _sub(config: Config, key: str, where: str) -> dict[str, object]:
     value = config.get(key)
     if not isinstance(value, Mapping):
+        got = "it is missing" if value is None else f"got {type(value).__name__}"
         raise InvalidInputError(
-            f"{key!r}: expected an object (the multimodal Llama-4 config nests it), "
-            f"got {type(value).__name__}",
+            f"{key!r}: expected an object (the multimodal Llama-4 config nests it); {got}",
             where=where,
             hint=f"give {key} as in the model's config.json",
         )
