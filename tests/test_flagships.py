@@ -216,3 +216,12 @@ def test_llama4_config_without_its_sections_exits_3(
     done = run_cli("plan", str(manifest))
     assert done.returncode == 3, done.stderr
     assert len(done.stderr.strip().splitlines()) == 1 and message in done.stderr, done.stderr
+
+
+def test_zero3_gathers_a_decoder_layer_not_a_vision_layer() -> None:
+    """What ZeRO-3 gathers at once is the largest decoder layer: the multimodal Scout's equals its
+    text model's (the vision tower's layers.{i} are not added into decoder layer i)."""
+    from shardctl.plan.memory.layout_counts import largest_layer
+
+    mm, text = _inventory("llama-4-scout-mm-tp8.yaml"), _inventory("llama-4-scout-tp8.yaml")
+    assert largest_layer(mm, Mesh(tp=8), "tp") == largest_layer(text, Mesh(tp=8), "tp") > 0

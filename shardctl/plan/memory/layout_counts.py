@@ -19,6 +19,7 @@ from __future__ import annotations
 from shardctl.archs import find
 from shardctl.layout.engine import resolve
 from shardctl.layout.pipeline import layer_index
+from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import split
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
@@ -85,9 +86,17 @@ def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:
     FSDP gathers at once); MTP layers included, they are layers too."""
     options = LayoutOptions(vocab_padding=vocab_padding)
     res = resolve(model, Mesh(ep=mesh.ep, tp=mesh.tp), options=options)
+    # the resolution's own decoder-layer numbers (cached), plus the MTP layers it pins to the
+    # last stage: a multimodal encoder's layers (vision_model.model.layers.{i}) are not layers
+    decoder = {t.info.fqn: t.layer for t in model_rules(model, ()).tensors}
+    dims = model.dims
+    first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
     per_layer: dict[int, int] = {}
     for t in res.tensors:
-        layer = layer_index(t.info.fqn)
+        layer = decoder.get(t.info.fqn)
+        if layer is None and first_mtp is not None:
+            index = layer_index(t.info.fqn)
+            layer = index if index is not None and index >= first_mtp else None
         if layer is None or t.ep_rank not in (None, 0):
             continue
         local = split(t.split, mesh.tp)[0][1]
