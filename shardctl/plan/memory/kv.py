@@ -58,6 +58,24 @@ class KvCapacity:
     block_size: int = VLLM_BLOCK_SIZE
     kv_bytes: int = 0
     max_concurrency: float = 0.0
+    engine: str = "generic"
+
+    def engine_units(self) -> dict[str, int | float]:
+        """The capacity as the engine's own start-up log states it."""
+        if self.engine == "sglang":  # "max_total_num_tokens=N", "KV Cache is allocated. #tokens"
+            return {"max_total_num_tokens": self.tokens}
+        if self.engine == "trtllm":  # "Allocated X GiB for max tokens in paged KV cache (N)"
+            return {
+                "max_tokens_in_paged_kv_cache": self.tokens,
+                "tokens_per_block": self.block_size,
+                "blocks": self.blocks,
+            }
+        # vLLM: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency …: 1.56x"
+        return {
+            "num_gpu_blocks": self.blocks,
+            "gpu_kv_cache_tokens": self.tokens,
+            "max_concurrency": round(self.max_concurrency, 2),
+        }
 
 
 def kv_capacity(
@@ -70,6 +88,8 @@ def kv_capacity(
     sequence_length: int,
     block_size: int = VLLM_BLOCK_SIZE,
     sequence_bytes: int | None = None,
+    engine: str = "generic",
+    round_up: bool = False,
 ) -> KvCapacity:
     """Tokens of KV one rank can hold under ``utilization`` (vLLM ``gpu_memory_utilization``).
 
@@ -81,8 +101,11 @@ def kv_capacity(
     assert budget is not None
     available = budget - non_kv_bytes
     if per_token <= 0:
-        return KvCapacity(budget, available, 0, 0, 0)
-    blocks = max(available, 0) // (per_token * block_size)
+        return KvCapacity(budget, available, 0, 0, 0, engine=engine)
+    if round_up:  # TensorRT-LLM: whole tokens, then up to whole blocks
+        blocks = -(-(max(available, 0) // per_token) // block_size)
+    else:
+        blocks = max(available, 0) // (per_token * block_size)
     tokens = blocks * block_size
     kv_bytes = blocks * block_size * per_token
     if sequence_bytes is None:
@@ -98,4 +121,5 @@ def kv_capacity(
         block_size=block_size,
         kv_bytes=kv_bytes,
         max_concurrency=concurrency,
+        engine=engine,
     )

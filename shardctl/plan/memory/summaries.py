@@ -70,13 +70,15 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
         caps = [
             kv_capacity(
                 device_memory=ctx.hw.device_memory,
-                utilization=w.gpu_memory_utilization,
+                utilization=ctx.utilization,
                 non_kv_bytes=r.total - r.kv_cache,
                 per_token=per_stage[p],
                 batch=ctx.batch,
                 sequence_length=w.sequence_length,
-                block_size=w.block_size,
+                block_size=ctx.block_size if ctx.sglang or ctx.trtllm else w.block_size,
                 sequence_bytes=per_sequence[p],
+                engine=w.engine,
+                round_up=ctx.trtllm,
             )
             for (p, _e, _t), r in coords.items()
             if per_stage[p]
@@ -107,9 +109,19 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             kv_cache_dtype=ctx.kv_dtype,
             flash_attention=w.flash_attention,
             max_num_batched_tokens=w.max_num_batched_tokens,
-            gpu_memory_utilization=w.gpu_memory_utilization,
+            gpu_memory_utilization=ctx.utilization,
             engine=w.engine,
         )
+        if ctx.sglang:
+            out.update(mem_fraction_static=ctx.mem_fraction_static, page_size=1)
+        if ctx.trtllm:
+            from shardctl.plan.memory.trtllm import MAX_NUM_TOKENS
+
+            out.update(
+                free_gpu_memory_fraction=w.free_gpu_memory_fraction,
+                tokens_per_block=w.tokens_per_block,
+                max_num_tokens=w.profile_tokens or MAX_NUM_TOKENS,
+            )
         if ctx.vllm:
             from shardctl.plan.memory.vllm import profile_tokens
 
