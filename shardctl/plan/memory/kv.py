@@ -90,6 +90,7 @@ def kv_capacity(
     sequence_bytes: int | None = None,
     engine: str = "generic",
     round_up: bool = False,
+    groups: int = 1,
 ) -> KvCapacity:
     """Tokens of KV one rank can hold under ``utilization`` (vLLM ``gpu_memory_utilization``).
 
@@ -106,7 +107,10 @@ def kv_capacity(
         blocks = -(-(max(available, 0) // per_token) // block_size)
     else:
         blocks = max(available, 0) // (per_token * block_size)
-    tokens = blocks * block_size
+    # vLLM V1 hybrid models: ``per_token`` is one token slot of a whole group of layers and
+    # each of the ``groups`` takes its blocks from the same pool ("GPU KV cache size" =
+    # num_blocks // groups × block_size).
+    tokens = blocks // groups * block_size
     kv_bytes = blocks * block_size * per_token
     if sequence_bytes is None:
         sequence_bytes = per_token * sequence_length

@@ -65,6 +65,18 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
 
     per_stage = tuple(stage_kv_per_token(ctx, s) for s in ctx.stages)
     per_sequence = tuple(stage_sequence_kv(ctx, s, w.sequence_length) for s in ctx.stages)
+    # vLLM V1 with several attention kinds in a stage: blocks hold one group of layers
+    slot, groups = list(per_stage), [1] * len(ctx.stages)
+    if ctx.vllm:
+        from shardctl.plan.memory.kv_layers import hybrid_groups
+        from shardctl.plan.memory.terms import stage_windows
+
+        for i, s in enumerate(ctx.stages):
+            windows = stage_windows(ctx, s)
+            if len(set(windows)) > 1:
+                size, kinds = hybrid_groups(windows)
+                slot[i] = per_stage[i] // s.num_layers * size
+                groups[i] = sum(n for _w, n in kinds) // size
     capacity = None
     if ctx.hw.device_memory is not None:
         caps = [
@@ -72,7 +84,8 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
                 device_memory=ctx.hw.device_memory,
                 utilization=ctx.utilization,
                 non_kv_bytes=r.total - r.kv_cache,
-                per_token=per_stage[p],
+                per_token=slot[p],
+                groups=groups[p],
                 batch=ctx.batch,
                 sequence_length=w.sequence_length,
                 block_size=ctx.block_size if ctx.sglang or ctx.trtllm else w.block_size,

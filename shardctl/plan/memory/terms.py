@@ -9,7 +9,11 @@ from shardctl.layout.types import Stage
 from shardctl.plan.memory import activations as act
 from shardctl.plan.memory import trtllm, vllm
 from shardctl.plan.memory.kv import kv_bytes_per_token
-from shardctl.plan.memory.kv_layers import layer_bytes_per_token, sequence_kv_bytes
+from shardctl.plan.memory.kv_layers import (
+    layer_bytes_per_token,
+    sequence_kv_bytes,
+    vllm_sequence_kv_bytes,
+)
 from shardctl.plan.memory.shapes import vocab_rows_per_rank
 
 if TYPE_CHECKING:
@@ -41,6 +45,11 @@ def stage_sequence_kv(ctx: Context, st: Stage, length: int) -> int:
         ctx.shape.dims, ctx.kv_dtype, tp=ctx.mesh.tp, mla_width=ctx.mla_width
     )
     windows = stage_windows(ctx, st)
+    if ctx.vllm:  # V1's per-layer reservation and hybrid groups (kv_layers.py)
+        batched = vllm.profile_tokens(ctx.workload.sequence_length, ctx.workload.profile_tokens)
+        return vllm_sequence_kv_bytes(
+            per_layer, windows, length, block_size=ctx.block_size, batched_tokens=batched
+        )
     if ctx.sglang or ctx.trtllm:
         # SGLang 0.4's token pool and TensorRT-LLM's cell size count every layer for every
         # token (``profile_max_num_token``, ``_get_cache_size_per_token``): no window savings.
