@@ -266,3 +266,24 @@ def test_serving_engines_refuse_training() -> None:
             estimate(model, Mesh(), split_layers(32, 1), hardware=H100,
                      workload=Workload(sequence_length=2048, engine=engine),
                      training=TrainingSpec(sequence_length=2048))  # fmt: skip
+
+
+def test_search_prices_serving_engines_as_plan_does(tmp_path: Path) -> None:
+    # 60 × 8,192 = 491,520 tokens > SGLang's 442,926 on one H100: plan exits 1; the search over
+    # 2 GPUs keeps only layouts that plan itself says fit, under the same budget.
+    path = tmp_path / "s.yaml"
+    path.write_text(
+        (MANIFEST % ("sglang", ", batch_size: 60")).replace(
+            "{gpu: h100-sxm}", "{gpu: h100-sxm, gpus_per_node: 2}"
+        )
+    )
+    plan = _cli("plan", str(path), "--json")
+    assert plan.returncode == 1
+    search = json.loads(_cli("plan", str(path), "--search", "--gpus", "2", "--json").stdout)
+    assert search["budget_bytes"] == json.loads(plan.stdout)["budget_bytes"]
+    meshes = [c["mesh"] for c in search["candidates"]]
+    assert {"pp": 1, "dp": 1, "tp": 1, "ep": 1} not in meshes and meshes
+    for mesh in meshes:
+        one = _cli("plan", str(path), "--tp", str(mesh["tp"]), "--pp", str(mesh["pp"]),
+                   "--dp", str(mesh["dp"]), "--json")  # fmt: skip
+        assert one.returncode == 0, (mesh, one.stderr)
