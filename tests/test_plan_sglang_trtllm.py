@@ -11,8 +11,6 @@ and settings was found for a full prediction (docs/memory-model.md says so).
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +24,7 @@ from shardctl.plan.memory.kv import KvCapacity
 from shardctl.plan.memory.sglang import default_mem_fraction_static
 from shardctl.plan.memory.shapes import split_layers
 from shardctl.plan.memory.trtllm import max_kv_tokens
+from tests._cli import run_cli as _cli
 
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
@@ -112,11 +111,7 @@ def test_sglang_verdict_is_the_token_pool(batch: int, length: int, tp: int) -> N
 def test_sglang_qwen3_235b_fp8_tp4_h100() -> None:
     # vLLM issue #21348 (MMuzzammil1, 2025-07-22): Qwen3-235B-A22B-FP8, 4xH100, `--tp 4
     # --mem-fraction-static 0.93`: "KV Cache is allocated. #tokens: 367404, K size: 8.23 GB".
-    done = subprocess.run(
-        [sys.executable, "-m", "shardctl", "plan", "manifests/qwen3-235b-a22b-fp8-sglang-tp4.yaml",
-         "--json"],
-        cwd=ROOT, capture_output=True, text=True, check=False,
-    )  # fmt: skip
+    done = _cli("plan", str(ROOT / "manifests/qwen3-235b-a22b-fp8-sglang-tp4.yaml"), "--json")
     assert done.returncode == 0, done.stderr
     kv = json.loads(done.stdout)["kv_cache"]
     assert kv["engine_units"]["max_total_num_tokens"] == kv["capacity_tokens_per_rank"]
@@ -212,13 +207,6 @@ def test_trtllm_verdict_is_the_paged_cache(batch: int, length: int) -> None:
 
 
 # -- manifest and refusals -------------------------------------------------------------------
-
-
-def _cli(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        cwd=ROOT, capture_output=True, text=True, input=stdin, check=False,
-    )  # fmt: skip
 
 
 MANIFEST = """
