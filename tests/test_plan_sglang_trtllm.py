@@ -171,6 +171,21 @@ def test_trtllm_sizing_arithmetic_reproduces_its_log() -> None:
     assert tokens % 32 == 0
 
 
+def test_trtllm_engine_path_log_is_the_same_fraction() -> None:
+    # NVIDIA/TensorRT-LLM issue #4275 (comment of 2025-06, TensorRT-LLM 0.19.0 in Triton, RTX
+    # 5090, Llama-3.1-8B-Instruct FP8 with FP8 KV: 2·32·8·128 = 65,536 B per token):
+    # "Memory usage when calculating max tokens in paged kv cache: total: 31.84 GiB, available:
+    # 17.83 GiB", "Number of tokens per block: 32.", "Allocated 16.05 GiB for max tokens in
+    # paged KV cache (263008)". The TensorRT-engine path keeps the same 0.9 of what is free;
+    # again the sizing step only (the free memory is the log's).
+    avail, tokens = max_kv_tokens(
+        total=round(31.84 * GIB), peak=round((31.84 - 17.83) * GIB), tmp_kv=0,
+        fraction=0.9, per_token=65536, tokens_per_block=32,
+    )  # fmt: skip
+    assert round(avail / GIB, 2) == 16.05
+    _within(tokens, 263_008, tol=0.001)  # 262,944: the log's 2-decimal GiB leave ±3 blocks
+
+
 def test_trtllm_kv_is_the_fraction_of_what_the_profile_left() -> None:
     plan = _plan("trtllm")
     r = plan.coords[(0, 0, 0)]

@@ -149,7 +149,7 @@ class Context:
             items = sglang_overhead(
                 self.hw.device_memory,
                 gpu=self.hw.gpu,
-                tp=self.mesh.tp,
+                ranks=self.mesh.tp * self.mesh.pp * self.mesh.ep,
                 fraction=self.mem_fraction_static,
                 init=self.workload.non_torch_memory,
             ).items()

@@ -59,10 +59,11 @@ def default_mem_fraction_static(tp: int) -> float:
     return _DEFAULT_FRACTION[-1][1]
 
 
-def init_bytes(gpu: str | None, tp: int) -> int:
-    """Memory one rank uses before its weights load (``total_gpu_memory`` = device − this)."""
+def init_bytes(gpu: str | None, ranks: int) -> int:
+    """Memory one rank uses before its weights load (``total_gpu_memory`` = device − this);
+    ``ranks`` is the process group's size (tp · pp · ep of one replica)."""
     base = INIT_TP1.get(gpu or "", INIT_TP1_OTHER)
-    return base + (INIT_DISTRIBUTED if tp > 1 else 0)
+    return base + (INIT_DISTRIBUTED if ranks > 1 else 0)
 
 
 @dataclass(frozen=True)
@@ -78,9 +79,9 @@ class SglangOverhead:
 
 
 def sglang_overhead(
-    device_memory: int | None, *, gpu: str | None, tp: int, fraction: float, init: int | None
+    device_memory: int | None, *, gpu: str | None, ranks: int, fraction: float, init: int | None
 ) -> SglangOverhead:
     """The profile's overhead items; ``init`` overrides the measured table."""
-    used = init_bytes(gpu, tp) if init is None else init
+    used = init_bytes(gpu, ranks) if init is None else init
     reserve = 0 if device_memory is None else int((device_memory - used) * (1 - fraction))
     return SglangOverhead(init=used, load_extra=LOAD_EXTRA, reserve=reserve)
