@@ -290,3 +290,25 @@ def test_search_prices_serving_engines_as_plan_does(tmp_path: Path) -> None:
         one = _cli("plan", str(path), "--tp", str(mesh["tp"]), "--pp", str(mesh["pp"]),
                    "--dp", str(mesh["dp"]), "--json")  # fmt: skip
         assert one.returncode == 0, (mesh, one.stderr)
+
+
+def test_sglang_05_default_fraction_follows_gpu_memory(tmp_path: Path) -> None:
+    # SGLang >= 0.5.3 (PR #10975, server_args._handle_gpu_memory_settings): H100 bucket, 8k
+    # chunk, 256 graphs at tp 1: reserved = 512 + 12,288 + 512 + 128 = 13,440 MiB of the
+    # device's 81,117 MiB (79.216 GiB as CUDA reports it) → round(67,677 / 81,117, 3) = 0.834.
+    plan = _plan("sglang", sglang_version="0.5")
+    assert plan.inputs["mem_fraction_static"] == 0.834
+    # tp 8: 512 graphs, 1,024 MiB for tp/8 → 14,848 MiB reserved → 0.817
+    assert _plan("sglang", tp=8, sglang_version="0.5").inputs["mem_fraction_static"] == 0.817
+    # the newer default leaves less for the pool than 0.4's 0.88
+    assert _capacity(plan).tokens < _capacity(_plan("sglang")).tokens
+    # the manifest key, written as a plain number
+    path = tmp_path / "v.yaml"
+    path.write_text(MANIFEST % ("sglang", ", sglang_version: 0.5"))
+    done = _cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["memory_model"]["inputs"]["mem_fraction_static"] == 0.834
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(MANIFEST % ("sglang", ", sglang_version: 0.6"))
+    done = _cli("plan", str(bad))
+    assert done.returncode == 3 and "sglang_version" in done.stderr

@@ -271,6 +271,11 @@ def _workload_section() -> dict[str, Any]:
                 "maximum": 1,
                 "description": "SGLang mem_fraction_static (default: SGLang's by tp).",
             },
+            "sglang_version": {
+                "enum": ["0.4", "0.5", 0.4, 0.5],
+                "description": "SGLang default mem_fraction_static: 0.4 by tp (default), 0.5 by "
+                "GPU memory (>= 0.5.3).",
+            },
             "free_gpu_memory_fraction": {
                 "type": "number",
                 "exclusiveMinimum": 0,

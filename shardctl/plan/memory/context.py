@@ -18,7 +18,11 @@ from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
-from shardctl.plan.memory.sglang import default_mem_fraction_static, sglang_overhead
+from shardctl.plan.memory.sglang import (
+    default_mem_fraction_static,
+    default_mem_fraction_static_v05,
+    sglang_overhead,
+)
 from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
@@ -60,6 +64,10 @@ class Context:
         self.mem_fraction_static = (
             workload.mem_fraction_static
             if workload.mem_fraction_static is not None
+            else default_mem_fraction_static_v05(
+                hardware.device_memory, tp=mesh.tp * mesh.ep, pp=mesh.pp
+            )
+            if workload.sglang_version == "0.5" and hardware.device_memory is not None
             else default_mem_fraction_static(mesh.tp * mesh.pp * mesh.ep)
         )
         # tokens per KV block in the engine's own units (SGLang: page size 1)

@@ -59,6 +59,44 @@ def default_mem_fraction_static(tp: int) -> float:
     return _DEFAULT_FRACTION[-1][1]
 
 
+SGLANG_VERSIONS = ("0.4", "0.5")
+
+
+def default_mem_fraction_static_v05(device_memory: int, *, tp: int, pp: int = 1) -> float:
+    """SGLang ≥ 0.5.3's default (sgl-project/sglang PR #10975; ``server_args.py``,
+    ``_handle_gpu_memory_settings``): a reserve in MiB for activations and CUDA graphs, from the
+    GPU-memory bucket's ``chunked_prefill_size`` and ``cuda_graph_max_bs``::
+
+        reserved = 512 + 1.5 · max(chunked_prefill_size, 2048) + 2 · cuda_graph_max_bs
+                   + 1024 · tp · pp / 8          (at least 10 GiB on GPUs above 60 GiB)
+        mem_fraction_static = round((gpu_mem − reserved) / gpu_mem, 3)
+
+    ``gpu_mem`` is SGLang's ``get_nvgpu_memory_capacity`` (nvidia-smi's total, MiB); the
+    device memory of the plan is used. Not modelled: DP attention, speculative decoding,
+    piecewise CUDA graphs, multimodal adjustments (each reserves more).
+
+    >>> default_mem_fraction_static_v05(80 * 2**30, tp=1)  # H100 (8k chunk, 256 graphs)
+    0.836
+    >>> default_mem_fraction_static_v05(48 * 2**30, tp=1)  # L40S (4k chunk, 32 graphs)
+    0.861
+    """
+    mib = device_memory / 2**20
+    if mib < 20 * 1024:
+        chunk, graphs = 2048, 8
+    elif mib < 35 * 1024:
+        chunk, graphs = 2048, 24 if tp < 4 else 80
+    elif mib < 60 * 1024:
+        chunk, graphs = 4096, 32 if tp < 4 else 160
+    elif mib < 160 * 1024:
+        chunk, graphs = 8192, 256 if tp < 4 else 512
+    else:
+        chunk, graphs = 16384, 512
+    reserved = 512 + max(chunk, 2048) * 1.5 + graphs * 2 + tp * pp / 8 * 1024
+    if mib > 60 * 1024:
+        reserved = max(reserved, 10 * 1024)
+    return round((mib - reserved) / mib, 3)
+
+
 def init_bytes(gpu: str | None, ranks: int) -> int:
     """Memory one rank uses before its weights load (``total_gpu_memory`` = device − this);
     ``ranks`` is the process group's size (tp · pp · ep of one replica)."""
