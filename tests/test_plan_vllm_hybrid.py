@@ -55,6 +55,7 @@ def test_gemma3_capacity_in_vllms_units() -> None:
     # groups × 16; the pool holds num_blocks pages of 10 layers
     assert cap.blocks == cap.available // (16 * per_layer) // 10
     assert cap.tokens == cap.blocks // 7 * 16
+    assert cap.engine_units()["kv_cache_groups"] == 7
     assert cap.kv_bytes == cap.blocks * 16 * per_layer * 10
     # one 32k sequence: 60 sliding slots of cdiv(min(1023 + 2048, 32768), 16) + 1 = 193 blocks,
     # 10 full ones of 2,048 blocks

@@ -164,9 +164,10 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
             )
             return
         # vLLM's own units: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency".
+        groups = f" shared by {c.groups} KV cache groups" if c.groups > 1 else ""
         console.print(
             f"KV cache per rank: {fmt_in(c.kv_bytes, unit)} = {c.blocks:,} blocks of "
-            f"{c.block_size} tokens = {c.tokens:,} tokens; max concurrency at "
+            f"{c.block_size} tokens{groups} = {c.tokens:,} tokens; max concurrency at "
             f"{kv.sequence_length:,} tokens: {c.max_concurrency:.2f}x"
         )
 

@@ -59,6 +59,7 @@ class KvCapacity:
     kv_bytes: int = 0
     max_concurrency: float = 0.0
     engine: str = "generic"
+    groups: int = 1  # vLLM V1 hybrid KV cache groups sharing the blocks
 
     def engine_units(self) -> dict[str, int | float]:
         """The capacity as the engine's own start-up log states it."""
@@ -71,11 +72,14 @@ class KvCapacity:
                 "blocks": self.blocks,
             }
         # vLLM: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency …: 1.56x"
-        return {
+        out: dict[str, int | float] = {
             "num_gpu_blocks": self.blocks,
             "gpu_kv_cache_tokens": self.tokens,
             "max_concurrency": round(self.max_concurrency, 2),
         }
+        if self.groups > 1:
+            out["kv_cache_groups"] = self.groups
+        return out
 
 
 def kv_capacity(
@@ -126,4 +130,5 @@ def kv_capacity(
         kv_bytes=kv_bytes,
         max_concurrency=concurrency,
         engine=engine,
+        groups=groups,
     )
