@@ -33,6 +33,9 @@ import warnings
 from pathlib import Path
 
 
+CpuCoreAttention = None  # built in main() (torch imported there)
+
+
 def main(argv: list[str]) -> None:
     warnings.filterwarnings("ignore")
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
@@ -69,6 +72,11 @@ def main(argv: list[str]) -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # see the docstring
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False  # see the docstring
+    global CpuCoreAttention
+    CpuCoreAttention = _core_attention_class()
     for mg, hf in zip(argv[::2], argv[1::2], strict=True):
         pp = int(os.environ.get("MCORE_PP", "1"))
         row = check(Path(mg), Path(hf)) if pp == 1 else check_stage(Path(mg), Path(hf))
@@ -81,12 +89,21 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     moe = spec["experts"] > 0
-    cfg = TransformerConfig(
-        num_layers=spec["layers"],
+    mla = spec.get("kv_lora_rank", 0) > 0
+    layers = spec["layers"]
+    moe_layers = spec.get("moe_layers")
+    kw = dict(
+        num_layers=layers,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=(
@@ -94,8 +111,6 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         ),
         hidden_size=spec["hidden"],
         num_attention_heads=spec["heads"],
-        num_query_groups=spec["groups"],
-        kv_channels=spec["head_dim"],
         ffn_hidden_size=spec["ffn"],
         normalization="RMSNorm",
         layernorm_epsilon=spec["eps"],
@@ -103,7 +118,7 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec["qkv_bias"],
-        qk_layernorm=spec["qk_norm"],
+        qk_layernorm=spec["qk_norm"] or mla,
         use_cpu_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -111,15 +126,52 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         hidden_dropout=0.0,
         attention_dropout=0.0,
         num_moe_experts=spec["experts"] or None,
-        moe_ffn_hidden_size=spec["ffn"] if moe else None,
+        moe_ffn_hidden_size=(spec.get("moe_ffn") or spec["ffn"]) if moe else None,
         moe_router_topk=spec["topk"] or 2,
-        moe_router_pre_softmax=False,
+        moe_router_pre_softmax=spec.get("router_pre_softmax", False),
         moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
+        moe_layer_freq=(
+            [int(i in moe_layers) for i in range(layers)] if moe and moe_layers else 1
+        ),
+        moe_shared_expert_intermediate_size=spec.get("shared_ffn") or None,
+        moe_shared_expert_gate=spec.get("shared_gate", False),
+        moe_router_score_function=spec.get("router_score", "softmax"),
+        moe_router_enable_expert_bias=spec.get("router_bias", False),
+        moe_router_num_groups=spec.get("router_groups") or None,
+        moe_router_group_topk=spec.get("router_group_topk") or None,
+        moe_router_topk_scaling_factor=(
+            spec.get("router_scale") if spec.get("router_scale", 1.0) != 1.0 else None
+        ),
     )
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec["experts"] or None, moe_grouped_gemm=False, qk_layernorm=spec["qk_norm"]
-    )
+    if mla:
+        cfg = MLATransformerConfig(
+            **kw,
+            q_lora_rank=spec["q_lora_rank"],
+            kv_lora_rank=spec["kv_lora_rank"],
+            qk_head_dim=spec["qk_nope"],
+            qk_pos_emb_head_dim=spec["qk_rope"],
+            v_head_dim=spec["v_head_dim"],
+            rope_type="rope",
+            rotary_base=spec["rope_theta"],
+        )
+    else:
+        cfg = TransformerConfig(
+            **kw, num_query_groups=spec["groups"], kv_channels=spec["head_dim"]
+        )
+    if moe_layers or mla:  # mixed dense/MoE layers (or MLA): mcore's per-layer block spec
+        layer_spec = get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        for ls in layer_spec.layer_specs:
+            if mla:  # see the module docstring: the local DotProductAttention lacks k/v dims
+                ls.submodules.self_attention.submodules.core_attention = CpuCoreAttention
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=spec["experts"] or None,
+            moe_grouped_gemm=False,
+            qk_layernorm=spec["qk_norm"],
+        )
     model = GPTModel(
         config=cfg,
         transformer_layer_spec=layer_spec,
@@ -133,6 +185,29 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         post_process=parallel_state.is_pipeline_last_stage(),
     )
     return model.eval()
+
+
+def _core_attention_class():  # type: ignore[no-untyped-def]
+    import torch
+
+    class CpuCoreAttention(torch.nn.Module):
+        """softmax(q·kᵀ·scale, causal)·v on [s, b, heads, dim] tensors; q/k and v head dims
+        may differ (MLA). No parameters: the checkpoint's keys are unchanged."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,  # type: ignore[no-untyped-def]
+                     softmax_scale=None, **_):  # fmt: skip
+            super().__init__()
+            self.scale = softmax_scale
+
+        def forward(self, q, k, v, attention_mask, **_):  # type: ignore[no-untyped-def]
+            q, k, v = (t.permute(1, 2, 0, 3).float() for t in (q, k, v))
+            s = (q @ k.transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            o = s.softmax(-1) @ v
+            return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
+
+    return CpuCoreAttention
 
 
 def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
@@ -171,7 +246,7 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         "common": common,
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "ep": parallel_state.get_expert_model_parallel_world_size(),
-        "local_qkv_rows": int(model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]),
+        "local_qkv_rows": _local_rows(model.decoder.layers[0].self_attention),
         "max_abs": float((got - want).abs().max()),
         "ref_max": float(want.abs().max()),
         "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
@@ -204,13 +279,17 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         g = stage * per + i
         want = ref.get_tensor(f"model.layers.{g}.self_attn.o_proj.weight")
         equal.append(torch.equal(layer.self_attention.linear_proj.weight.data, want))
-        if spec["experts"]:
-            moe = f"model.layers.{g}.block_sparse_moe."
+        if spec["experts"] and g in (spec.get("moe_layers") or range(spec["layers"])):
+            moe = f"model.layers.{g}.{spec.get('hf_moe', 'block_sparse_moe')}."
+            down = spec.get("hf_expert", ["w1", "w3", "w2"])[2]
             want = ref.get_tensor(moe + "gate.weight")
             equal.append(torch.equal(layer.mlp.router.weight.data, want))
             for e, expert in enumerate(layer.mlp.experts.local_experts):
-                want = ref.get_tensor(f"{moe}experts.{e}.w2.weight")
+                want = ref.get_tensor(f"{moe}experts.{e}.{down}.weight")
                 equal.append(torch.equal(expert.linear_fc2.weight.data, want))
+            if spec.get("shared_ffn"):
+                want = ref.get_tensor(f"{moe}{spec['hf_shared']}.down_proj.weight")
+                equal.append(torch.equal(layer.mlp.shared_experts.linear_fc2.weight.data, want))
         else:
             want = ref.get_tensor(f"model.layers.{g}.mlp.down_proj.weight")
             equal.append(torch.equal(layer.mlp.linear_fc2.weight.data, want))
@@ -227,6 +306,12 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         rows, {"stage": stage, "layers": len(model.decoder.layers), "equal": equal}
     )
     return {"dir": str(mg), "stages": rows}
+
+
+def _local_rows(att) -> int:  # type: ignore[no-untyped-def]
+    """This TP rank's rows of the fused qkv (or, MLA, of linear_q_up_proj)."""
+    lin = att.linear_qkv if hasattr(att, "linear_qkv") else att.linear_q_up_proj
+    return int(lin.weight.shape[0])
 
 
 def _padding_is_zero(model, vocab: int) -> bool:  # type: ignore[no-untyped-def]
