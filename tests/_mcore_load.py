@@ -32,7 +32,6 @@ import sys
 import warnings
 from pathlib import Path
 
-
 CpuCoreAttention = None  # built in main() (torch imported there)
 
 
@@ -131,9 +130,7 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         moe_router_pre_softmax=spec.get("router_pre_softmax", False),
         moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
-        moe_layer_freq=(
-            [int(i in moe_layers) for i in range(layers)] if moe and moe_layers else 1
-        ),
+        moe_layer_freq=([int(i in moe_layers) for i in range(layers)] if moe and moe_layers else 1),
         moe_shared_expert_intermediate_size=spec.get("shared_ffn") or None,
         moe_shared_expert_gate=spec.get("shared_gate", False),
         moe_router_score_function=spec.get("router_score", "softmax"),
@@ -144,6 +141,8 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
             spec.get("router_scale") if spec.get("router_scale", 1.0) != 1.0 else None
         ),
     )
+    if spec.get("mtp_layers"):
+        kw["mtp_num_layers"] = spec["mtp_layers"]
     if mla:
         cfg = MLATransformerConfig(
             **kw,
@@ -156,9 +155,7 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
             rotary_base=spec["rope_theta"],
         )
     else:
-        cfg = TransformerConfig(
-            **kw, num_query_groups=spec["groups"], kv_channels=spec["head_dim"]
-        )
+        cfg = TransformerConfig(**kw, num_query_groups=spec["groups"], kv_channels=spec["head_dim"])
     if moe_layers or mla:  # mixed dense/MoE layers (or MLA): mcore's per-layer block spec
         layer_spec = get_gpt_decoder_block_spec(
             cfg, use_transformer_engine=False, normalization="RMSNorm"
@@ -172,7 +169,15 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
             moe_grouped_gemm=False,
             qk_layernorm=spec["qk_norm"],
         )
+    extra = {}
+    if spec.get("mtp_layers"):  # built like the last decoder layer, on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(
+            cfg, layer_spec, use_transformer_engine=False
+        )
     model = GPTModel(
+        **extra,
         config=cfg,
         transformer_layer_spec=layer_spec,
         vocab_size=spec["padded_vocab"],
@@ -219,11 +224,13 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     side = json.loads((mg / "shardctl.megatron.json").read_text())
     spec = side["spec"]
     ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    model = build(spec, torch.float32)
+    # the MTP layers load strictly into model_bf; mcore 0.16.1's forward of an MTP model needs
+    # labels (it returns the loss), so the logits come from the same weights without them
+    model = build({**spec, "mtp_layers": 0}, torch.float32)
     # the checkpoint's dtype is bf16; mcore loads into the model's tensors: build in bf16, then
     # upcast for a float32 comparison with the float32 reference.
     model_bf = build(spec, torch.bfloat16)
-    sharded = model_bf.sharded_state_dict()
+    sharded = model_bf.sharded_state_dict(metadata=_metadata())
     loaded = dist_checkpointing.load(sharded, str(mg / "release"), strict=StrictHandling.RAISE_ALL)
     common = {k: loaded.pop(k) for k in ("checkpoint_version", "iteration")}
     model_bf.load_state_dict(loaded, strict=True)
@@ -231,6 +238,7 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         {
             k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
             for k, v in model_bf.state_dict().items()
+            if not k.startswith("mtp.")
         },
         strict=True,
     )
@@ -244,6 +252,7 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     return {
         "dir": str(mg),
         "common": common,
+        "mtp_tensors": sum(k.startswith("mtp.") and torch.is_tensor(v) for k, v in loaded.items()),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "ep": parallel_state.get_expert_model_parallel_world_size(),
         "local_qkv_rows": _local_rows(model.decoder.layers[0].self_attention),
@@ -266,7 +275,9 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     spec = json.loads((mg / "shardctl.megatron.json").read_text())["spec"]
     model = build(spec, torch.bfloat16)
     loaded = dist_checkpointing.load(
-        model.sharded_state_dict(), str(mg / "release"), strict=StrictHandling.RAISE_ALL
+        model.sharded_state_dict(metadata=_metadata()),
+        str(mg / "release"),
+        strict=StrictHandling.RAISE_ALL,
     )
     for k in ("checkpoint_version", "iteration"):
         loaded.pop(k)
@@ -293,6 +304,20 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         else:
             want = ref.get_tensor(f"model.layers.{g}.mlp.down_proj.weight")
             equal.append(torch.equal(layer.mlp.linear_fc2.weight.data, want))
+    if spec.get("mtp_layers") and parallel_state.is_pipeline_last_stage():
+        for k, mtp in enumerate(model.mtp.layers):
+            p = f"model.layers.{spec['layers'] + k}."
+            pairs = [
+                (mtp.eh_proj.weight, p + "eh_proj.weight"),
+                (mtp.enorm.weight, p + "enorm.weight"),
+                (mtp.final_layernorm.weight, p + "shared_head.norm.weight"),
+                (mtp.transformer_layer.self_attention.linear_kv_up_proj.weight,
+                 p + "self_attn.kv_b_proj.weight"),
+                (mtp.transformer_layer.mlp.router.expert_bias,
+                 p + "mlp.gate.e_score_correction_bias"),
+            ]  # fmt: skip
+            for got, name in pairs:
+                equal.append(torch.equal(got.data.float(), ref.get_tensor(name).float()))
     if parallel_state.is_pipeline_first_stage():
         emb = model.embedding.word_embeddings.weight.data[: spec["vocab"]]
         equal.append(torch.equal(emb, ref.get_tensor("model.embed_tokens.weight")))
@@ -306,6 +331,14 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         rows, {"stage": stage, "layers": len(model.decoder.layers), "equal": equal}
     )
     return {"dir": str(mg), "stages": rows}
+
+
+def _metadata() -> dict:  # type: ignore[type-arg]
+    """What Megatron-LM passes to ``sharded_state_dict``: mcore 0.16.1 reads ``dp_cp_group``
+    to tie the embedding copy an MTP stage holds (it raises without one)."""
+    from megatron.core import parallel_state
+
+    return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
 
 
 def _local_rows(att) -> int:  # type: ignore[no-untyped-def]

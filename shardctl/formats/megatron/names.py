@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from shardctl.errors import InvalidInputError
 from shardctl.formats.megatron.spec import MegatronSpec
 
 Get = Callable[[str], torch.Tensor]
@@ -49,26 +50,50 @@ def units(spec: MegatronSpec) -> list[Unit]:
     """Every chunk of the mcore checkpoint of ``spec``, in a fixed order."""
     s = spec
     H = s.hidden
+    # an MTP layer's embed_tokens / shared_head.head are the main model's (mcore shares them):
+    # stored once, given back under every name (pack checks they are equal)
+    mtp = [f"model.layers.{s.layers + k}." for k in range(s.mtp_layers)]
     out: list[Unit] = [
         Unit(
             "embedding.word_embeddings.weight",
             (),
             (s.padded_vocab, H),
-            ("model.embed_tokens.weight",),
+            ("model.embed_tokens.weight", *(p + "embed_tokens.weight" for p in mtp)),
             "vocab",
         )
     ]
     for i in range(s.layers):
         out += [u for u, _ in _layer_units(s, i)]
     out.append(Unit("decoder.final_layernorm.weight", (), (H,), ("model.norm.weight",), "copy"))
+    for k in range(s.mtp_layers):
+        out += [u for u, _ in _mtp_units(s, k)]
     if not s.tied:
-        out.append(
-            Unit("output_layer.weight", (), (s.padded_vocab, H), ("lm_head.weight",), "vocab")
-        )
+        heads = ("lm_head.weight", *(p + "shared_head.head.weight" for p in mtp))
+        out.append(Unit("output_layer.weight", (), (s.padded_vocab, H), heads, "vocab"))
     return out
 
 
-def _layer_units(s: MegatronSpec, i: int) -> list[tuple[Unit, bool]]:
+def _mtp_units(s: MegatronSpec, k: int) -> list[tuple[Unit, bool]]:
+    """MTP layer ``k`` (HF ``model.layers.{layers + k}``): mcore's ``mtp.layers.{k}``, its
+    transformer layer built like the last decoder layer, never stacked."""
+    H = s.hidden
+    p = f"model.layers.{s.layers + k}."
+    m = f"mtp.layers.{k}."
+    out = [
+        (Unit(m + "enorm.weight", (), (H,), (p + "enorm.weight",), "copy"), False),
+        (Unit(m + "hnorm.weight", (), (H,), (p + "hnorm.weight",), "copy"), False),
+        (Unit(m + "eh_proj.weight", (), (H, 2 * H), (p + "eh_proj.weight",), "copy"), True),
+    ]
+    sparse = s.is_moe_layer(s.layers - 1)
+    out += _layer_units(s, s.layers + k, key=m + "transformer_layer.", sparse=sparse)
+    norm = (p + "shared_head.norm.weight",)
+    out.append((Unit(m + "final_layernorm.weight", (), (H,), norm, "copy"), False))
+    return out
+
+
+def _layer_units(
+    s: MegatronSpec, i: int, *, key: str = "", sparse: bool | None = None
+) -> list[tuple[Unit, bool]]:
     """Layer ``i``'s units, each with whether its linear layer has an ``_extra_state``.
 
     Stacked (every layer alike): ``decoder.layers.X`` with the layer on a leading axis; else
@@ -78,18 +103,21 @@ def _layer_units(s: MegatronSpec, i: int) -> list[tuple[Unit, bool]]:
     att = p + "self_attn."
     out: list[tuple[Unit, bool]] = []
 
-    def lay(key: str, shape: tuple[int, ...], hf: tuple[str, ...], kind: str, ex: bool) -> None:
-        if s.stacked:
-            out.append((Unit("decoder.layers." + key, (i,), (L, *shape), hf, kind), ex))
-        else:
-            out.append((Unit(f"decoder.layers.{i}.{key}", (), shape, hf, kind), ex))
+    stacked = s.stacked and not key
+    key = key or f"decoder.layers.{i}."
 
-    def exp(key: str, e: int, shape: tuple[int, ...], hf: tuple[str, ...], kind: str) -> None:
-        E = s.experts
-        if s.stacked:
-            out.append((Unit("decoder.layers." + key, (i, e), (L, E, *shape), hf, kind), True))
+    def lay(name: str, shape: tuple[int, ...], hf: tuple[str, ...], kind: str, ex: bool) -> None:
+        if stacked:
+            out.append((Unit("decoder.layers." + name, (i,), (L, *shape), hf, kind), ex))
         else:
-            out.append((Unit(f"decoder.layers.{i}.{key}", (e,), (E, *shape), hf, kind), True))
+            out.append((Unit(key + name, (), shape, hf, kind), ex))
+
+    def exp(name: str, e: int, shape: tuple[int, ...], hf: tuple[str, ...], kind: str) -> None:
+        E = s.experts
+        if stacked:
+            out.append((Unit("decoder.layers." + name, (i, e), (L, E, *shape), hf, kind), True))
+        else:
+            out.append((Unit(key + name, (e,), (E, *shape), hf, kind), True))
 
     sa = "self_attention."
     if s.mla:
@@ -127,7 +155,7 @@ def _layer_units(s: MegatronSpec, i: int) -> list[tuple[Unit, bool]]:
         # the local spec maps pre_mlp_layernorm onto linear_fc1's fused norm (MoE layers too)
         lay("mlp.linear_fc1.layer_norm_weight", (H,), (p + "post_attention_layernorm.weight",),
             "copy", False)  # fmt: skip
-    if not s.is_moe_layer(i):
+    if not (s.is_moe_layer(i) if sparse is None else sparse):
         mlp = p + "mlp."
         lay("mlp.linear_fc1.weight", (2 * s.ffn, H),
             (mlp + "gate_proj.weight", mlp + "up_proj.weight"), "cat", True)  # fmt: skip
@@ -166,8 +194,10 @@ def extra_state_keys(spec: MegatronSpec) -> list[tuple[str, tuple[int, ...]]]:
     object's shape is the unit's leading (layer[, expert]) axes, or ``1`` for a lone layer."""
     out: list[tuple[str, tuple[int, ...]]] = []
     seen: set[tuple[str, tuple[int, ...]]] = set()
-    for i in range(spec.layers):
-        for u, ex in _layer_units(spec, i):
+    layer_units = [_layer_units(spec, i) for i in range(spec.layers)]
+    layer_units += [_mtp_units(spec, k) for k in range(spec.mtp_layers)]
+    for units_of_layer in layer_units:
+        for u, ex in units_of_layer:
             if not ex:
                 continue
             base = u.key.rsplit(".", 1)[0] + "._extra_state"
@@ -192,6 +222,14 @@ def pack(unit: Unit, spec: MegatronSpec, get: Get) -> torch.Tensor:
         t = _interleave(parts[0], parts[1], parts[2], spec)
     else:  # vocab: zero rows up to Megatron's padded vocabulary
         t = parts[0]
+        for name, dup in zip(unit.hf[1:], parts[1:], strict=True):
+            if dup.dtype != t.dtype or not torch.equal(dup, t):
+                raise InvalidInputError(
+                    f"format megatron: {name!r} differs from {unit.hf[0]!r}; Megatron-Core "
+                    "shares one tensor between the model and its MTP layers",
+                    where=name,
+                    hint="write --format ranks or hf for this checkpoint",
+                )
         pad = spec.padded_vocab - t.shape[0]
         if pad:
             t = torch.cat([t, t.new_zeros((pad, *t.shape[1:]))], dim=0)
@@ -209,7 +247,7 @@ def unpack(unit: Unit, spec: MegatronSpec, chunk: torch.Tensor) -> dict[str, tor
     if unit.kind == "qkv":
         q, k, v = _deinterleave(t, spec)
         return dict(zip(unit.hf, (q, k, v), strict=True))
-    return {unit.hf[0]: t[: spec.vocab]}
+    return dict.fromkeys(unit.hf, t[: spec.vocab])
 
 
 def _interleave(

@@ -66,6 +66,8 @@ class MegatronCheckpoint:
         else:
             cfg = layout.read_config(self.root, self.ckpt)
             cfg = {**cfg, "tie_word_embeddings": "output_layer.weight" not in tensors}
+            if any(k.startswith("mtp.layers.") for k in tensors):
+                cfg["include_mtp_layers"] = True  # shardctl's key: count the MTP layers
             spec = spec_from_config(cfg, where=str(self.root / "config.json"))
             self.spec = replace(spec, padded_vocab=int(emb.size[0]))
             self.hf = self._derive_tensors(tensors)

@@ -66,6 +66,7 @@ class MegatronSpec:
     hf_shared: str = ""
     hf_shared_gate: str = ""
     rope_scaling: dict[str, Any] | None = None  # yarn etc. (recorded; mcore's rope_type)
+    mtp_layers: int = 0  # multi-token prediction: HF model.layers.{layers + k} -> mtp.layers.k
 
     @property
     def moe(self) -> bool:
@@ -147,12 +148,9 @@ def spec_from_config(
             "with attention_bias/mlp_bias has biases on o_proj/MLP that the GPT spec "
             "(add_bias_linear=False) cannot hold"
         )
-    mtp = [n for n in inv if (_layer_of(n) or 0) >= layers]
-    if mtp:
-        refuse(
-            f"multi-token-prediction layers ({mtp[0]}, ...) are not written by --format megatron",
-            hint="drop include_mtp_layers (the decoder converts without them)",
-        )
+    mtp = sorted({i for n in inv if (i := _layer_of(n) or 0) >= layers})
+    if mtp and not (decl.mla and f"model.layers.{layers}.eh_proj.weight" in inv):
+        refuse(f"has layers past num_hidden_layers ({mtp[0]}, ...) that are no MTP layer")
     moe_layers = (
         tuple(i for i in range(layers) if f"model.layers.{i}.{decl.moe}.gate.weight" in inv)
         if decl.moe
@@ -226,6 +224,8 @@ def spec_from_config(
             where=where,
             hint=f"use a pp that divides {layers}: {_divisors(layers)}",
         )
+    if mtp and experts and layers - 1 not in moe_layers:
+        refuse("has MTP layers after a dense last layer: mcore builds them like the last layer")
     if ep > 1 and (not experts or experts % ep):
         raise InvalidInputError(
             f"format megatron: ep {ep} needs a number of experts it divides, got {experts}",
@@ -249,6 +249,7 @@ def spec_from_config(
         topk=topk,
         rope_theta=_rope_theta(cfg),
         rope_scaling=_rope_params(cfg),
+        mtp_layers=len(mtp),
         eps=float(cfg.get("rms_norm_eps") or 1e-6),
         tp=tp,
         pp=pp,
@@ -385,6 +386,8 @@ def load_flags(spec: MegatronSpec) -> str:
                 )
         else:
             flags.append("--rope-type rope")
+    if spec.mtp_layers:
+        flags.append(f"--mtp-num-layers {spec.mtp_layers}")
     if spec.moe:
         flags.append(
             f"--num-experts {spec.experts} --moe-router-topk {spec.topk} "
