@@ -22,6 +22,14 @@ yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgat
 because the default ``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction;
 ``Tensor.cuda`` returns the tensor itself, because with tied embeddings and PP > 1 mcore's
 ``LanguageModule`` moves the last stage's copy of the embedding to CUDA before its all-reduce.
+MLA (DeepSeek-V3): ``multi_latent_attention.HAVE_TE`` is False, because without
+transformer-engine mcore's TE extension still imports (a ``MagicMock`` in TE's place) and MLA
+then calls ``isinstance`` with the mock; and the layer specs' ``core_attention`` is
+:class:`CpuCoreAttention` (causal ``softmax(q·kᵀ·scale)·v``, no parameters), because the local
+``DotProductAttention`` takes no ``k_channels``/``v_channels`` (MLA's q/k and v head dims
+differ). ``sharded_state_dict`` gets ``metadata={"dp_cp_group": ...}`` as Megatron-LM passes
+it (0.16.1 needs it to tie the embedding copy of an MTP stage). Mixed dense/MoE layers and MLA
+build with ``get_gpt_decoder_block_spec`` (local layers, ``moe_layer_freq`` a list).
 """
 
 from __future__ import annotations

@@ -12,6 +12,13 @@ swiglu factory writes gate at rows [0, F), up at [F, 2F) of the global tensor). 
 fused into the following linear as ``layer_norm_weight``. A unit is one chunk: ``(key, index)``
 where ``index`` is ``()``, ``(layer,)`` or ``(layer, expert)``; ``pack`` builds its tensor from
 HF tensors and ``unpack`` gives them back, bit for bit.
+
+When dense and MoE layers are mixed (mcore's ``moe_layer_freq`` a list) mcore does not stack:
+every key is per layer, ``decoder.layers.{i}.mlp.experts.experts.linear_fc1.weight [E, 2·F, H]``
+(index ``(expert,)``); MTP layers are ``mtp.layers.{k}.`` (never stacked). MLA layers copy
+DeepSeek's projections one to one (``linear_q_down_proj`` = ``q_a_proj`` ...). Which HF module
+holds the experts, the shared expert and its gate comes from the spec (the family's
+``MegatronDecl``), never from a family name.
 """
 
 from __future__ import annotations
