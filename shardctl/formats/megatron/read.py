@@ -160,7 +160,7 @@ def _from_sidecar(side: dict[str, Any], where: Path) -> tuple[MegatronSpec, list
                 fields[key] = tuple(fields[key])
         spec = MegatronSpec(**fields)
         extra = [spec.experts, spec.topk, spec.moe_ffn, spec.shared_ffn, spec.q_lora_rank]
-        extra += [spec.kv_lora_rank, spec.qk_nope, spec.qk_rope, spec.v_head_dim]
+        extra += [spec.kv_lora_rank, spec.qk_nope, spec.qk_rope, spec.v_head_dim, spec.mtp_layers]
         ints = [getattr(spec, f) for f in _INT_FIELDS] + list(extra)
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints) or not all(
             ints[: len(_INT_FIELDS)]
@@ -170,7 +170,7 @@ def _from_sidecar(side: dict[str, Any], where: Path) -> tuple[MegatronSpec, list
             raise ValueError("moe_layers must be layer indices")
         if len(spec.hf_expert) != 3 or not all(isinstance(x, str) for x in spec.hf_expert):
             raise ValueError("hf_expert must be three names")
-        if spec.heads % spec.groups or spec.experts > 2**16:
+        if spec.heads % spec.groups or spec.experts > 2**16 or spec.mtp_layers > 64:
             raise ValueError("inconsistent heads/groups/experts")
         hf = [
             TensorInfo(str(f), tuple(int(x) for x in shape), str(d))

@@ -361,6 +361,9 @@ def load_flags(spec: MegatronSpec) -> str:
             f"--group-query-attention --num-query-groups {spec.groups} "
             f"--kv-channels {spec.head_dim}"
         )
+    if spec.moe or spec.mla:
+        # the keys are the local spec's; the TE spec's MoE/MLA norm keys differ (docs/megatron.md)
+        flags.append("--transformer-impl local")
     if not spec.tied:
         flags.append("--untie-embeddings-and-output-weights")
     if spec.qkv_bias:
