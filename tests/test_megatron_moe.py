@@ -1,12 +1,13 @@
 """``--format megatron`` for the MoE families beyond Mixtral: Qwen2-MoE (shared expert + its
 sigmoid gate), Qwen3-MoE (q/k norms, a dense layer among MoE ones) and DeepSeek-V3 (MLA, a dense
-first layer, shared experts, the router's ``e_score_correction_bias``).
+first layer, shared experts, the router's ``e_score_correction_bias``, an MTP layer).
 
 - megatron-core 0.16.1's own ``dist_checkpointing.load`` reads the output strictly into a
   ``GPTModel`` it builds on CPU from its local (non-TE) specs at TP 2 / EP 2 on two gloo
   processes; the logits match transformers' on the HF original. A negative control (the router
   bias written as zeros) loads just as strictly and fails the logits check, so it can fail.
-- PP 2: each stage loads strictly and holds its HF layers bit for bit.
+- PP 2: DeepSeek-V3's stages load strictly and hold their HF layers (and the MTP layer) bit
+  for bit.
 - HF -> megatron -> HF is byte-identical; verify accepts torch_dist on either side; plan prints
   the command; refusals are one line.
 """
@@ -53,9 +54,13 @@ def _deepseek_v3(out: Path) -> Path:
 
 def _hf(name: str, out: Path) -> Path:
     """DeepSeek-V3 with a non-zero router bias and its multi-token-prediction layer (appended
-    in the published layout: transformers does not write one); the others as saved."""
+    in the published layout: transformers does not write one); ``qwen2_moe-all``: every layer
+    MoE, as the published Qwen-MoE models (mcore stacks the layers then); the others as in
+    tests/_models.py (a dense layer among MoE ones: per-layer keys)."""
     if name == "deepseek_v3":
         return _with_mtp(_deepseek_v3(out))
+    if name == "qwen2_moe-all":
+        return make_checkpoint("qwen2_moe", out, mlp_only_layers=[])
     return make_checkpoint(name, out)
 
 
@@ -67,6 +72,7 @@ def _spec(mg: Path) -> dict[str, Any]:
     ("name", "mesh"),
     [
         ("qwen2_moe", {"tp": 2, "ep": 2}),
+        ("qwen2_moe-all", {"ep": 2}),
         ("qwen3_moe", {"ep": 4}),
         ("deepseek_v3", {"tp": 2, "ep": 2, "pp": 2}),
     ],
@@ -155,7 +161,8 @@ def test_megatron_core_loads_strictly_and_logits_match(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     pairs: list[tuple[Path, Path]] = []
-    for name in FAMILIES:
+    # stacked layers with the shared expert and its gate; per-layer keys with q/k norms; MLA
+    for name in ("qwen2_moe-all", "qwen3_moe", "deepseek_v3"):
         hf = _hf(name, tmp_path / f"{name}-hf")
         pairs.append((_mg(hf, tmp_path / f"{name}-mg", tp=2, ep=2), hf))
     # negative control: DeepSeek-V3's router bias written as zeros loads strictly (the key is
