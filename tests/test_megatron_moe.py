@@ -298,3 +298,20 @@ def test_mtp_embedding_copy_must_equal_the_model_s(tmp_path: Path) -> None:
     one_line(code, err, 3)
     assert "model.layers.4.shared_head.head.weight" in err and "MTP" in err, err
     assert not dst.exists()
+
+
+def test_foreign_checkpoint_without_sidecar_reads_moe_mla_mtp(tmp_path: Path) -> None:
+    """A torch_dist checkpoint Megatron wrote has no sidecar: per-layer keys, MLA, the router
+    bias and the MTP layer are read from config.json and the keys present; tensors equal."""
+    from safetensors.torch import load_file
+
+    hf = _hf("deepseek_v3", tmp_path / "hf")
+    mg = _mg(hf, tmp_path / "mg", ep=2)
+    (mg / "shardctl.megatron.json").unlink()
+    reshard(mg, tmp_path / "back", format="hf")
+    got, want = (
+        load_file(tmp_path / "back" / "model.safetensors"),
+        load_file(hf / "model.safetensors"),
+    )
+    assert got.keys() == want.keys() and any(k.startswith("model.layers.4.") for k in want)
+    assert all(torch.equal(got[k], want[k]) and got[k].dtype == want[k].dtype for k in want)
