@@ -5,6 +5,11 @@
 line (what, where, expected vs actual, what to do). Megatron has no K/V replication: the query
 groups must divide by TP. Megatron pads the vocabulary to a multiple of
 ``make_vocab_size_divisible_by · tp`` (default 128): the padded size is part of the checkpoint.
+
+Which families are written, and how, is the family file's declaration (``Family.megatron``, a
+:class:`~shardctl.archs._family.MegatronDecl`: HF module names, router kind, MLA); every size,
+bias, norm, MoE layer and MTP layer is read from the family's own inventory of the config.
+This module names no family.
 """
 
 from __future__ import annotations
@@ -43,7 +48,8 @@ class MegatronSpec:
     tp: int = 1
     pp: int = 1
     ep: int = 1
-    # MoE details (defaults: Mixtral, every layer MoE, experts at ``ffn``)
+    # MoE details. The defaults are what a sidecar written before these fields means (every
+    # layer MoE, experts at ``ffn``, the ``block_sparse_moe`` / w1-w3-w2 names of that time)
     moe_layers: tuple[int, ...] | None = None  # None: all layers (when experts > 0)
     moe_ffn: int = 0  # 0: ffn
     shared_ffn: int = 0  # shared expert(s) intermediate size; 0: none
@@ -60,7 +66,7 @@ class MegatronSpec:
     qk_nope: int = 0
     qk_rope: int = 0
     v_head_dim: int = 0
-    # HF module names (from the family's declaration)
+    # HF module names (from the family's declaration; defaults: see "MoE details")
     hf_moe: str = "block_sparse_moe"
     hf_expert: tuple[str, str, str] = ("w1", "w3", "w2")
     hf_shared: str = ""
