@@ -151,6 +151,9 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     )
     if spec.get("mtp_layers"):
         kw["mtp_num_layers"] = spec["mtp_layers"]
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if layers % pp:  # Megatron-LM's --decoder-last-pipeline-num-layers (the sidecar's flags)
+        kw["num_layers_in_last_pipeline_stage"] = layers - -(-layers // pp) * (pp - 1)
     if mla:
         cfg = MLATransformerConfig(
             **kw,
@@ -291,7 +294,7 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         loaded.pop(k)
     model.load_state_dict(loaded, strict=True)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    per = spec["layers"] // parallel_state.get_pipeline_model_parallel_world_size()
+    per = -(-spec["layers"] // parallel_state.get_pipeline_model_parallel_world_size())
     ref = safe_open(str(hf / "model.safetensors"), framework="pt")
     equal = []
     for i, layer in enumerate(model.decoder.layers):

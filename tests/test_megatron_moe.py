@@ -6,8 +6,8 @@ first layer, shared experts, the router's ``e_score_correction_bias``, an MTP la
   ``GPTModel`` it builds on CPU from its local (non-TE) specs at TP 2 / EP 2 on two gloo
   processes; the logits match transformers' on the HF original. A negative control (the router
   bias written as zeros) loads just as strictly and fails the logits check, so it can fail.
-- PP 2: DeepSeek-V3's stages load strictly and hold their HF layers (and the MTP layer) bit
-  for bit.
+- PP 2: DeepSeek-V3's stages (5 layers: 3 + 2, Megatron's uneven split) load strictly and
+  hold their HF layers (and the MTP layer) bit for bit.
 - HF -> megatron -> HF is byte-identical; verify accepts torch_dist on either side; plan prints
   the command; refusals are one line.
 """
@@ -35,13 +35,13 @@ def _mg(src: Path, dst: Path, **mesh: int) -> Path:
     return dst
 
 
-def _deepseek_v3(out: Path) -> Path:
+def _deepseek_v3(out: Path, **overrides: Any) -> Path:
     """The tiny DeepSeek-V3 with a non-zero ``e_score_correction_bias`` (transformers leaves
     the buffer at zeros, where a dropped or misplaced bias could not show), saved again by
     ``save_pretrained``."""
     from transformers import AutoModelForCausalLM
 
-    base = make_checkpoint("deepseek_v3", out.parent / (out.name + "-zero-bias"))
+    base = make_checkpoint("deepseek_v3", out.parent / (out.name + "-zero-bias"), **overrides)
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -190,15 +190,18 @@ def test_megatron_core_loads_strictly_and_logits_match(
 
 @pytest.mark.skipif(not HAVE_MCORE, reason="megatron-core not installed (dev extra)")
 def test_megatron_core_loads_pipeline_stages_strictly(tmp_path: Path) -> None:
-    # DeepSeek-V3: per-layer keys (dense layer 0, MoE 1..3) split over the stages; the MTP
-    # layer (mtp.layers.0) on the last stage, its tensors bit for bit
-    hf = _hf("deepseek_v3", tmp_path / "hf")
+    # DeepSeek-V3 with 5 layers (like the real 61, pp does not divide them: stages of 3 and 2,
+    # --decoder-last-pipeline-num-layers 2): per-layer keys (dense layer 0, MoE 1..4) split
+    # over the stages; the MTP layer (mtp.layers.0) on the last stage, its tensors bit for bit
+    hf = _with_mtp(_deepseek_v3(tmp_path / "hf", num_hidden_layers=5))
     pairs = [(_mg(hf, tmp_path / "mg", pp=2), hf)]
+    flags = json.loads((tmp_path / "mg" / "shardctl.megatron.json").read_text())["load_flags"]
+    assert "--pipeline-model-parallel-size 2 --decoder-last-pipeline-num-layers 2" in flags
     for row in _mcore(pairs, MCORE_PP="2"):
         stages = row["stages"]
         assert [s["stage"] for s in stages] == [0, 1], row
         spec = _spec(Path(row["dir"]))
-        assert sum(s["layers"] for s in stages) == spec["layers"], row
+        assert [s["layers"] for s in stages] == [3, 2] and spec["layers"] == 5, row
         assert all(all(s["equal"]) and s["equal"] for s in stages), row
 
 

@@ -223,10 +223,11 @@ def spec_from_config(
                 where=where,
                 hint=f"use a tp that divides {size}",
             )
-    if layers % pp:
+    last_stage = last_stage_layers(layers, pp)
+    if last_stage is not None and last_stage < 1:
         raise InvalidInputError(
-            f"format megatron: pp {pp} does not divide num_hidden_layers {layers} "
-            "(Megatron splits layers evenly unless told otherwise)",
+            f"format megatron: pp {pp} cannot split num_hidden_layers {layers} (Megatron gives "
+            f"every stage but the last {-(-layers // pp)} layers, leaving the last none)",
             where=where,
             hint=f"use a pp that divides {layers}: {_divisors(layers)}",
         )
@@ -270,6 +271,15 @@ def spec_from_config(
         hf_shared_gate=decl.shared_gate,
         **kw,
     )
+
+
+def last_stage_layers(layers: int, pp: int) -> int | None:
+    """The last pipeline stage's layers when ``pp`` does not divide ``layers`` (Megatron-LM's
+    ``--decoder-last-pipeline-num-layers``; the other stages get ``ceil(layers / pp)``), else
+    None. The checkpoint holds global tensors: only the load flags depend on it."""
+    if layers % pp == 0:
+        return None
+    return layers - -(-layers // pp) * (pp - 1)
 
 
 def supported() -> list[str]:
@@ -351,6 +361,11 @@ def load_flags(spec: MegatronSpec) -> str:
     flags = [
         f"--tensor-model-parallel-size {spec.tp}",
         f"--pipeline-model-parallel-size {spec.pp}",
+        *(
+            [f"--decoder-last-pipeline-num-layers {last}"]
+            if (last := last_stage_layers(spec.layers, spec.pp)) is not None
+            else []
+        ),
         f"--num-layers {spec.layers}",
         f"--hidden-size {spec.hidden}",
         f"--ffn-hidden-size {spec.ffn}",
