@@ -128,6 +128,26 @@ class ForwardSpec:
 
 
 @dataclass(frozen=True)
+class MegatronDecl:
+    """How Megatron-Core's ``GPTModel`` holds this family (read by shardctl/formats/megatron):
+    the HF module names only; every size, bias and norm is derived from the family's inventory.
+
+    ``moe``: the MoE block's module under ``model.layers.N`` (``""``: a dense family);
+    ``expert``: a routed expert's (gate, up, down) projection names; ``shared``: the shared
+    expert(s) module under the MoE block; ``shared_gate``: its sigmoid gate ``[1, H]``;
+    ``router``: ``"softmax"`` (top-k renormalized iff the config's ``norm_topk_prob``, default
+    false), ``"softmax_topk"`` (always renormalized: Mixtral), ``"sigmoid_bias"`` (DeepSeek-V3:
+    sigmoid scores, ``e_score_correction_bias``, group-limited top-k); ``mla``: DeepSeek MLA."""
+
+    moe: str = ""
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = ""
+    shared_gate: str = ""
+    router: str = "softmax"
+    mla: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One architecture family; see any module in this package for an example."""
 
@@ -162,6 +182,8 @@ class Family:
     # in another dtype than the model's 16-bit one, as the published files do (DeepSeek-V3's FP8
     # release keeps mlp.gate.e_score_correction_bias in F32; save_pretrained writes it BF16).
     quantized_dtypes: tuple[tuple[str, str], ...] = ()
+    # ---- megatron-moe: Megatron-Core torch_dist (None: --format megatron refuses the family)
+    megatron: MegatronDecl | None = None
 
 
 # ---- config readers ----------------------------------------------------------------------
