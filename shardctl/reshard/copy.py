@@ -95,6 +95,8 @@ class Executor(Batching):
         self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
         self.scratch_key: tuple[int, int, int] | None = None
         self.fds: OrderedDict[int, int] = OrderedDict()  # LRU: inputs may be 10 000 files
+        self.windows: OrderedDict[int, tuple[int, int, bytearray]] = OrderedDict()
+        self.sizes: dict[int, int] = {}
         self.writers = [Writer(self.pool, i, on_done) for i in range(max(1, writers))]
         self.cancelled = threading.Event()
         self.outs: list[OutFile] = []
@@ -191,6 +193,8 @@ class Executor(Batching):
         for fqn, targets in sorted(order.items(), key=lambda kv: rank.get(kv[0], -1)):
             big = []
             for out, t in targets:
+                if self._fast(out, t):
+                    continue
                 boxes = self._small_boxes(t)
                 if boxes is not None:
                     self._small(out, t, boxes)
