@@ -34,6 +34,8 @@ class Batching(Gather, Windows):
 
     block: int
     sources: dict[str, tuple[SourceShard, ...]]
+    held_key: str | None = None
+    held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     progress: Callable[[int], None] | None
 
     def _buffer(self, asking: OutFile | None = None) -> bytearray:
@@ -116,34 +118,34 @@ class Batching(Gather, Windows):
                     return None
                 inside.append(a - b + c)
             return [(sh, tuple(inside), (0,) * nd, shape)]
-        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        held = self._held(t.fqn, srcs, nd)
+        if held is None:
+            return None
         parts: list[_Part] = []
         cut = -1  # the one dim the sources split
-        for sh in srcs:
-            if len(sh.pieces) != 1:
-                return None
-            q = sh.pieces[0]
-            if len(q.sizes) != nd or q.sizes != sh.local_shape or any(q.local_offsets):
-                return None
-            key = (q.offsets, q.sizes)
-            if key in seen:
-                continue
-            seen.add(key)
-            lo = tuple(max(a, b) for a, b in zip(p.offsets, q.offsets, strict=True))
-            sizes = tuple(
-                min(a + n, b + m) - x
-                for a, n, b, m, x in zip(p.offsets, p.sizes, q.offsets, q.sizes, lo, strict=True)
-            )
-            if any(m <= 0 for m in sizes):
-                continue
+        po, ps = p.offsets, p.sizes
+        for sh, qo, qs in held:
+            lo, sizes, src_lo = [], [], []
+            short = -1  # the dim this part does not span
             for d in range(nd):
-                if sizes[d] != p.sizes[d]:
-                    if cut not in (-1, d):
+                a, b = po[d], qo[d]
+                x = a if a > b else b
+                m = min(a + ps[d], b + qs[d]) - x
+                if m <= 0:
+                    break
+                if m != ps[d]:
+                    if short != -1:
                         return None
-                    cut = d
-            src_lo = tuple(a - b for a, b in zip(lo, q.offsets, strict=True))
-            dst_lo = tuple(a - b for a, b in zip(lo, p.offsets, strict=True))
-            parts.append((sh, src_lo, dst_lo, sizes))
+                    short = d
+                lo.append(x - a)
+                sizes.append(m)
+                src_lo.append(x - b)
+            else:
+                if short != -1:
+                    if cut not in (-1, short):
+                        return None
+                    cut = short
+                parts.append((sh, tuple(src_lo), tuple(lo), tuple(sizes)))
         # Every part spans all of the piece but along ``cut``: they tile it when their runs
         # along ``cut`` follow each other from 0 to its end (else the general path reports).
         d = max(cut, 0)
@@ -156,6 +158,28 @@ class Batching(Gather, Windows):
         if at != p.sizes[d] or (cut == -1 and len(parts) != 1):
             return None
         return parts
+
+    def _held(
+        self, fqn: str, srcs: tuple[SourceShard, ...], nd: int
+    ) -> list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None:
+        """``fqn``'s distinct source pieces as ``(shard, offsets, sizes)`` (replicas: the first
+        holder), when every source is one rectangular piece of ``nd`` dims; else None. One
+        entry cached: an fqn's targets are written one after another."""
+        if self.held_key == fqn:
+            return self.held
+        held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] = []
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        ok = True
+        for sh in srcs:
+            q = sh.pieces[0] if len(sh.pieces) == 1 else None
+            if q is None or len(q.sizes) != nd or q.sizes != sh.local_shape or any(q.local_offsets):
+                ok = False
+                break
+            if (q.offsets, q.sizes) not in seen:
+                seen.add((q.offsets, q.sizes))
+                held.append((sh, q.offsets, q.sizes))
+        self.held_key, self.held = fqn, (held if ok else None)
+        return self.held
 
     def _small_boxes(self, t: LocalTensor) -> list[Box] | None:
         """``t``'s boxes when it can be batched: it fits a block, and so does every source
