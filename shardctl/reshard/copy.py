@@ -15,8 +15,9 @@ time (rows ``[r0, r1)`` of some dim ``d``, every dim before ``d`` fixed), each b
 The target shards of one fqn advance in lockstep, block by block, so all ``tp`` targets of an
 ``S(1)`` split share one read of the source rows (a one-entry cache). Writer threads (each
 output file belongs to one) hash each buffer and ``pwrite`` it, in file order, so the digest is
-of the bytes actually written and every output file is written sequentially. Memory:
-``(POOL × writers + 1) × block_bytes``.
+of the bytes actually written and every output file is written sequentially. Small tensors
+take a short path (``batching``: many to a buffer, copied out of source windows). Memory:
+``(POOL × writers + 1) × block_bytes`` plus ``window.MAX_WINDOWS × window.WINDOW`` (16 MiB).
 """
 
 from __future__ import annotations
