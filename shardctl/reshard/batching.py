@@ -74,10 +74,14 @@ class Batching(Gather, Windows):
         for (sh, src_lo, dst_lo, sizes), (where, length) in zip(parts, spans, strict=True):
             ls = sh.local_shape
             src = self._window(sh.file, where, length)
-            if len(parts) == 1 and sizes == shape and is_contiguous(sizes, ls):
-                skip = flat_index((0, *src_lo[1:]), ls) * s
-                buf[at : at + n] = src[skip : skip + n]
-                continue
+            if len(parts) == 1 and sizes == shape:
+                if sizes[1:] == ls[1:]:  # whole rows (an S(0) split, a whole tensor)
+                    buf[at : at + n] = src[:n]
+                    continue
+                if is_contiguous(sizes, ls):
+                    skip = flat_index((0, *src_lo[1:]), ls) * s
+                    buf[at : at + n] = src[skip : skip + n]
+                    continue
             dst = np.frombuffer(buf, dtype=np.uint8, count=n, offset=at)
             if len(ls) == 1:
                 dst[dst_lo[0] * s : (dst_lo[0] + sizes[0]) * s] = np.frombuffer(src, np.uint8)
