@@ -284,8 +284,13 @@ def _shard_ok(s: Any, fqns: set[str], files: set[str]) -> bool:
         return False
     if "placement" in s:
         pl = s["placement"]
-        if type(pl) is not str or len(pl) > MAX_NAME or not pl.isascii():
+        if type(pl) is not str or len(pl) > MAX_NAME:
             return False
+        if not pl.isascii():  # "E·S(1)"; a lone surrogate cannot be encoded
+            try:
+                pl.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
     if not _shape_ok(s.get("local_shape")):
         return False
     pieces = s.get("pieces")
