@@ -297,7 +297,11 @@ def plan_manifest(
     else:
         warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, weights = weights_per_coord(
-            model, mesh, rules=manifest.rules, options=manifest.layout
+            model,
+            mesh,
+            rules=manifest.rules,
+            options=manifest.layout,
+            quant=manifest.quantization,
         )
     memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(

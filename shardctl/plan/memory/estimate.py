@@ -50,9 +50,10 @@ def estimate(
     overhead = overhead or OverheadSpec()
     # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
     hardware = engine_hardware(hardware, workload.engine, training=training is not None)
-    if training is not None and quant.method != "none" and not training.lora_rank:
+    if training is not None and quant.quantizes and not training.lora_rank:
+        what = quant.method if quant.method != "none" else "quantized (overrides)"
         raise InvalidInputError(
-            f"training with {quant.method} weights needs frozen weights: a quantized base "
+            f"training with {what} weights needs frozen weights: a quantized base "
             "trains only through adapters (QLoRA)",
             where="quantization.method",
             hint="set training.lora_rank (e.g. 16) for QLoRA, or drop quantization",
