@@ -87,7 +87,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "keep_16bit",
         "overrides",
     ),
-    "quantization.overrides": ("match", "method", "dtype", "group_size", "fp8_scaling"),
+    "quantization.overrides[]": ("match", "method", "dtype", "group_size", "fp8_scaling"),
     "overhead": (*m.OVERHEAD_SIZES, *m.OVERHEAD_FRACTIONS),
 }
 

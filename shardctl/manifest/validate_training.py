@@ -366,7 +366,7 @@ def read_overrides(node: Node | None, problems: Problems) -> tuple[m.QuantOverri
         if not isinstance(item, Map):
             problems.add(Invalid(where, f"expected a mapping, got {describe(item)}", item.line))
             continue
-        problems.keys(item, where, "quantization.overrides")
+        problems.keys(item, where, "quantization.overrides[]")
         get, lines = problems.get, item.key_lines
         if "match" not in item.entries:
             problems.add(

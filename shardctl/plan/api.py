@@ -203,6 +203,8 @@ class PlanResult:
         return {
             "quantization": {
                 "method": q.method,
+                **({"fp8_scaling": q.fp8_scaling} if q.method == "fp8" else {}),
+                **({"overrides": [_override_json(o) for o in q.overrides]} if q.overrides else {}),
                 "weight_bytes": stored,
                 "bytes_per_parameter": stored / self.model.parameters,
             }
@@ -257,6 +259,20 @@ def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
     if not only_weights or manifest.workload.only_weights:
         return manifest
     return replace(manifest, workload=replace(manifest.workload, only_weights=True))
+
+
+def _override_json(o: Any) -> dict[str, Any]:
+    """One ``quantization.overrides`` entry as given (first match wins)."""
+    out: dict[str, Any] = {"match": o.match}
+    if o.dtype is not None:
+        out["dtype"] = o.dtype
+    else:
+        out["method"] = o.method
+        if o.group_size is not None:
+            out["group_size"] = o.group_size
+        if o.method == "fp8":
+            out["fp8_scaling"] = o.fp8_scaling
+    return out
 
 
 def _cp(manifest: Manifest) -> int:
