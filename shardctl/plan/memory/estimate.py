@@ -40,9 +40,10 @@ def estimate(
 ) -> MemoryPlan:
     """Every memory component of every rank of ``mesh`` (inference, or training if given).
 
-    ``weights_per_coord`` are the layout engine's exact bytes per ``(pp, ep, tp)``; without
-    them (or with quantization) weights come from the closed form of
-    :mod:`shardctl.plan.memory.shapes`.
+    ``weights_per_coord`` are the layout engine's exact bytes per ``(pp, ep, tp)`` (with
+    ``quant``: each tensor in its own format, :func:`shardctl.plan.weights.weights_per_coord`);
+    without them weights come from the closed form of :mod:`shardctl.plan.memory.shapes`
+    (``quant.overrides`` need the per-tensor path).
     """
     workload = workload or Workload()
     quant = quant or QuantSpec()
