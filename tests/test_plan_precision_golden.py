@@ -22,6 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import yaml
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import shardctl
 
@@ -72,11 +74,10 @@ def test_405b_fp8_tp8_within_3_percent_of_vllm(tmp_path: Path) -> None:
     assert short < 0.85 * VLLM_405B_FP8_TP8
 
 
-def _with_quant(tmp_path: Path, quant: str, name: str) -> Path:
+def _with_quant(tmp_path: Path, quant: str, name: str, nodes: int = 1) -> Path:
     path = tmp_path / name
-    path.write_text(
-        re.sub(r"(?m)^hardware:.*$", "hardware: {gpu: h100-sxm, nodes: 1}", L8B) + quant
-    )
+    hardware = f"hardware: {{gpu: h100-sxm, nodes: {nodes}}}"
+    path.write_text(re.sub(r"(?m)^hardware:.*$", hardware, L8B) + quant)
     return path
 
 
@@ -124,3 +125,53 @@ def test_quant_search_keeps_the_overrides(tmp_path: Path) -> None:
         assert row["weights_per_rank_bytes"] > max(
             _rank_weights(shardctl.plan(flat, mesh=row["mesh"]))
         )
+
+
+def test_a_split_that_cuts_groups_is_refused_and_searched_around(tmp_path: Path) -> None:
+    """AWQ groups of 1024 along down_proj's 14336 in-features: tp 8 leaves 1792 per rank."""
+    quant = (
+        "quantization:\n  method: fp8\n  overrides:\n"
+        '    - {match: "*.down_proj.*", method: awq, group_size: 1024}\n'
+    )
+    path = _with_quant(tmp_path, quant, "g.yaml")
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "plan", str(path), "--tp", "8"],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 3, proc.stdout + proc.stderr
+    assert "model.layers.0.mlp.down_proj.weight" in proc.stderr and "cuts a group" in proc.stderr
+    assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+    found = shardctl.search(path, gpus=8)
+    assert found.candidates and all(c.mesh.tp < 8 for c in found.candidates)
+    assert found.rejected.get("layout_refused")
+    # tp 2 keeps whole groups (7168 = 7 × 1024) and is priced
+    assert shardctl.plan(path, mesh={"tp": 2}).ranks
+
+
+@given(
+    tp=st.sampled_from([1, 2, 4, 8, 16]),
+    pp=st.sampled_from([1, 2, 4]),
+    dtype=st.sampled_from(["float32", "bfloat16"]),
+)
+@settings(max_examples=12, deadline=None)
+def test_dense_overrides_are_the_layout_engines_bytes(tp: int, pp: int, dtype: str) -> None:
+    """A dense-dtype override over every tensor prices each rank's local elements at that
+    width: the layout engine's bf16 bytes, doubled for float32, on every rank of any mesh."""
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        base = _with_quant(Path(d), "", "b.yaml", nodes=8)
+        over = _with_quant(
+            Path(d),
+            f'quantization:\n  method: none\n  overrides: [{{match: "*", dtype: {dtype}}}]\n',
+            "o.yaml",
+            nodes=8,
+        )
+        mesh = {"tp": tp, "pp": pp}
+        want = _rank_weights(shardctl.plan(base, mesh=mesh, only_weights=True))
+        got = _rank_weights(shardctl.plan(over, mesh=mesh, only_weights=True))
+    factor = 2 if dtype == "float32" else 1
+    assert got == [w * factor for w in want]

@@ -18,6 +18,7 @@ from dataclasses import replace
 from shardctl.layout.pipeline import assign_layers
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.precision import Format
 from shardctl.plan.memory.spec import QuantSpec
 
 Coord = tuple[int, int, int]  # (pp, ep, tp)
@@ -93,6 +94,8 @@ def priced_weight_bytes(
         key = (t.split, t.packed, t.info.dtype, fmt)
         sizes = priced.get(key)
         if sizes is None:
+            if fmt.formula is not None and t.split.dim is not None and tp > 1:
+                _check_groups(t.info.fqn, t.info.shape, t.split.dim, fmt, tp)
             sizes = []
             for _pieces, local in split(t.split, tp):
                 if t.packed:  # packed experts: each ep rank holds E/ep of dim 0
@@ -125,3 +128,32 @@ def priced_weight_bytes(
         for e in range(ep)
         for r in range(tp)
     }
+
+
+# Formats whose scales cover groups of in-features (and, for fp8 blocks, of out-features): a
+# tp split must keep whole groups, as reshard does for a stored checkpoint
+# (shardctl/quant/groups.py) and vLLM does when it loads one.
+_IN_GROUPS = ("gptq", "int4", "awq", "mxfp4", "nvfp4", "fp8-block")
+
+
+def _check_groups(fqn: str, shape: tuple[int, ...], dim: int, fmt: Format, tp: int) -> None:
+    """Refuse a tp split of a 2-D matrix that would cut its format's groups (exit 3)."""
+    from shardctl.errors import LayoutError
+
+    g = fmt.group_size
+    if fmt.formula not in _IN_GROUPS or len(shape) != 2 or g <= 1:
+        return
+    in_dim = 0 if fmt.transposed else 1
+    if dim != in_dim and fmt.formula != "fp8-block":
+        return
+    length = shape[dim]
+    if length % tp == 0 and (length // tp) % g == 0:
+        return
+    side = "in-features" if dim == in_dim else "out-features"
+    raise LayoutError(
+        f"{fmt.formula} group_size {g} along {side} {length} with tp {tp}: "
+        f"{length / tp:g} per rank cuts a group",
+        where=fqn,
+        hint="pick a tp that keeps whole groups, a smaller group_size, or keep this tensor "
+        "in 16-bit (quantization.overrides / keep_16bit)",
+    )
