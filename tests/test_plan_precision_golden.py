@@ -175,3 +175,28 @@ def test_dense_overrides_are_the_layout_engines_bytes(tp: int, pp: int, dtype: s
         got = _rank_weights(shardctl.plan(over, mesh=mesh, only_weights=True))
     factor = 2 if dtype == "float32" else 1
     assert got == [w * factor for w in want]
+
+
+def test_training_takes_overrides_only_on_a_frozen_base(tmp_path: Path) -> None:
+    train = (ROOT / "manifests" / "llama-3-8b-train-zero3-dp8.yaml").read_text()
+    keep_attn = '  overrides: [{match: "*.self_attn.*", method: none}]\n'
+    full = tmp_path / "full.yaml"
+    full.write_text(
+        train + 'quantization:\n  method: none\n  overrides: [{match: "*", dtype: fp32}]\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "plan", str(full)],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 3 and "quantization.overrides" in proc.stderr, proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    qlora = train.replace("  master_weights: true", "  master_weights: true\n  lora_rank: 16")
+    plain, mixed = tmp_path / "q.yaml", tmp_path / "m.yaml"
+    plain.write_text(qlora + "quantization:\n  method: nf4\n")
+    mixed.write_text(qlora + "quantization:\n  method: nf4\n" + keep_attn)
+    w_plain = max(_rank_weights(shardctl.plan(plain)))
+    w_mixed = max(_rank_weights(shardctl.plan(mixed)))
+    assert w_mixed > w_plain  # the bf16 attention of the frozen base

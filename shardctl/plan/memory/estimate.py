@@ -59,6 +59,15 @@ def estimate(
             where="quantization.method",
             hint="set training.lora_rank (e.g. 16) for QLoRA, or drop quantization",
         )
+    if training is not None and quant.overrides and not training.lora_rank:
+        # Model states (gradients, optimizer, master weights) are priced per parameter in the
+        # training dtype; a per-tensor dtype would be counted in the weights alone.
+        raise InvalidInputError(
+            "quantization.overrides apply to a frozen base (LoRA/QLoRA); full training prices "
+            "every parameter's states in the training dtype",
+            where="quantization.overrides",
+            hint="set training.lora_rank (e.g. 16), or drop the overrides",
+        )
     if training is not None and training.lora_rank and not model.dims:
         raise InvalidInputError(
             "LoRA needs the model's shapes to size its adapters; a bare parameter count has none",
