@@ -142,6 +142,9 @@ def test_fbgemm_recipe_overrides_equal_the_stored_checkpoint(
         assert all(a < want[c] for c, a in _weights(all_fp8, mesh).items()), mesh
     (single,) = _weights(ours, {"tp": 1}).values()
     assert single == _stored_bytes(fbgemm / "model.safetensors")
+    inspected = shardctl.inspect(fbgemm)
+    assert inspected.model.weight_bytes == single
+    assert inspected.dtypes.keys() == {"F8_E4M3", "BF16", "F32"}
 
 
 @pytest.fixture(scope="module")
@@ -227,6 +230,7 @@ def test_dtype_and_method_overrides_over_a_bf16_base(
         assert _weights(ours, mesh) == _weights(stored, mesh), mesh
     (single,) = _weights(ours, {"tp": 1}).values()
     assert single == _stored_bytes(patchwork / "model.safetensors")
+    assert shardctl.inspect(patchwork).model.weight_bytes == single
 
 
 def test_keep_16bit_prices_decoder_matrices(bf16: Path, tmp_path: Path) -> None:
