@@ -75,6 +75,8 @@ class KvSummary:
             "block_size": None if c is None else c.block_size,
             "blocks_per_rank": None if c is None else c.blocks,
             "max_concurrency": None if c is None else round(c.max_concurrency, 2),
+            # the same capacity in the engine's own log units (workload.engine)
+            "engine_units": None if c is None else c.engine_units(),
         }
 
 
