@@ -389,7 +389,10 @@ class QuantSpec:
 
     ``method`` ``"none"`` counts the checkpoint as stored (an already-quantized checkpoint too).
     ``group_size`` ``None`` is the method's :data:`DEFAULT_GROUP_SIZE` (``fp8_scaling: block``:
-    128). ``keep_16bit`` are fqn globs left in 16-bit (:data:`DEFAULT_KEEP_16BIT`).
+    128). ``keep_16bit`` are fqn globs left in 16-bit (:data:`DEFAULT_KEEP_16BIT`), any tensor.
+    ``overrides`` give tensors their own format, first match wins, before ``keep_16bit`` and
+    ``method`` (:mod:`shardctl.plan.memory.precision`); with ``method`` ``"none"`` only they
+    quantize.
     """
 
     method: str = "none"
