@@ -200,3 +200,45 @@ def test_training_takes_overrides_only_on_a_frozen_base(tmp_path: Path) -> None:
     w_plain = max(_rank_weights(shardctl.plan(plain)))
     w_mixed = max(_rank_weights(shardctl.plan(mixed)))
     assert w_mixed > w_plain  # the bf16 attention of the frozen base
+
+
+def test_gpt_oss_recipe_mxfp4_experts_over_bf16(tmp_path: Path) -> None:
+    """openai/gpt-oss-120b as published: experts in MXFP4, attention, router, embeddings and
+    head in bf16 (config.json quantization_config, modules_to_not_convert). The bf16 manifest
+    plus one override prices the bytes the published config expands to, on every rank; tp 8
+    cuts the 2880 in-features into 360 (not whole blocks of 32): both refuse."""
+    src = (ROOT / "manifests" / "gpt-oss-120b-tp8.yaml").read_text()
+    cfg: dict[str, Any] = yaml.safe_load(src)["model"]
+    cfg["quantization_config"] = {
+        "quant_method": "mxfp4",
+        "modules_to_not_convert": [
+            "model.layers.*.self_attn",
+            "model.layers.*.mlp.router",
+            "model.embed_tokens",
+            "lm_head",
+        ],
+    }
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tail = "hardware: {gpu: h100-sxm, nodes: 1}\nworkload: {mode: weights-only}\n"
+    published = tmp_path / "published.yaml"
+    published.write_text(f"model: {{config: {tmp_path / 'config.json'}}}\nmesh: {{tp: 1}}\n" + tail)
+    ours = tmp_path / "ours.yaml"
+    ours.write_text(
+        re.sub(r"(?ms)^mesh:.*", "", src)
+        + "mesh: {tp: 1}\n"
+        + tail
+        + "quantization:\n  method: none\n"
+        + '  overrides: [{match: "*.mlp.experts.*", method: mxfp4}]\n'
+    )
+    for mesh in ({"tp": 1}, {"tp": 2}, {"ep": 2}, {"pp": 2, "ep": 2}):
+        want = _rank_weights(shardctl.plan(published, mesh=mesh))
+        assert _rank_weights(shardctl.plan(ours, mesh=mesh)) == want, mesh
+    for path in (published, ours):
+        proc = subprocess.run(
+            [sys.executable, "-m", "shardctl", "plan", str(path), "--tp", "8"],
+            capture_output=True,
+            text=True,
+            cwd=ROOT,
+            timeout=300,
+        )
+        assert proc.returncode == 3 and "360 per rank" in proc.stderr, proc.stderr

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shardctl.layout.pipeline import assign_layers
+from shardctl.layout.split import SplitSpec
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.precision import Format
@@ -94,8 +95,8 @@ def priced_weight_bytes(
         key = (t.split, t.packed, t.info.dtype, fmt)
         sizes = priced.get(key)
         if sizes is None:
-            if fmt.formula is not None and t.split.dim is not None and tp > 1:
-                _check_groups(t.info.fqn, t.info.shape, t.split.dim, fmt, tp)
+            if fmt.formula is not None and tp > 1:
+                _check_groups(t.info.fqn, t.split, fmt, tp)
             sizes = []
             for _pieces, local in split(t.split, tp):
                 if t.packed:  # packed experts: each ep rank holds E/ep of dim 0
@@ -136,23 +137,34 @@ def priced_weight_bytes(
 _IN_GROUPS = ("gptq", "int4", "awq", "mxfp4", "nvfp4", "fp8-block")
 
 
-def _check_groups(fqn: str, shape: tuple[int, ...], dim: int, fmt: Format, tp: int) -> None:
-    """Refuse a tp split of a 2-D matrix that would cut its format's groups (exit 3)."""
+def _check_groups(fqn: str, spec: SplitSpec, fmt: Format, tp: int) -> None:
+    """Refuse a tp split that would cut the format's groups of a matrix ``[out, in]``
+    (``[in, out]`` for a ``Conv1D``) or packed experts ``[E, out, in]`` (MXFP4's
+    ``[E, in, out]``, as gpt-oss stores them): each rank's local length along the split dim
+    must be whole groups (exit 3)."""
     from shardctl.errors import LayoutError
+    from shardctl.layout.split import split
 
-    g = fmt.group_size
-    if fmt.formula not in _IN_GROUPS or len(shape) != 2 or g <= 1:
+    g, nd, dim = fmt.group_size, len(spec.shape), spec.dim
+    if fmt.formula not in _IN_GROUPS or nd < 2 or g <= 1 or dim is None:
         return
-    in_dim = 0 if fmt.transposed else 1
-    if dim != in_dim and fmt.formula != "fp8-block":
+    if nd == 2:
+        in_dim, out_dim = (0, 1) if fmt.transposed else (1, 0)
+    elif fmt.formula == "mxfp4":
+        in_dim, out_dim = nd - 2, nd - 1
+    else:
+        in_dim, out_dim = nd - 1, nd - 2
+    # fp8 blocks are 2-D tiles: out-features too; the other formats group in-features only
+    if dim != in_dim and not (fmt.formula == "fp8-block" and dim == out_dim):
         return
-    length = shape[dim]
-    if length % tp == 0 and (length // tp) % g == 0:
+    locals_ = [local[dim] for _pieces, local in split(spec, tp)]
+    bad = next((n for n in locals_ if n % g), None)
+    if bad is None:
         return
     side = "in-features" if dim == in_dim else "out-features"
     raise LayoutError(
-        f"{fmt.formula} group_size {g} along {side} {length} with tp {tp}: "
-        f"{length / tp:g} per rank cuts a group",
+        f"{fmt.formula} group_size {g} along {side} {spec.shape[dim]} with tp {tp}: "
+        f"{bad} per rank cuts a group",
         where=fqn,
         hint="pick a tp that keeps whole groups, a smaller group_size, or keep this tensor "
         "in 16-bit (quantization.overrides / keep_16bit)",
