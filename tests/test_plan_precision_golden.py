@@ -242,3 +242,47 @@ def test_gpt_oss_recipe_mxfp4_experts_over_bf16(tmp_path: Path) -> None:
             timeout=300,
         )
         assert proc.returncode == 3 and "360 per rank" in proc.stderr, proc.stderr
+
+
+def test_first_match_wins_then_keep_then_method() -> None:
+    from shardctl.model.types import TensorInfo
+    from shardctl.plan.memory.precision import AS_STORED, tensor_format
+    from shardctl.plan.memory.spec import QuantOverride, QuantSpec
+
+    down = TensorInfo("model.layers.1.mlp.down_proj.weight", (64, 128), "BF16")
+    up = TensorInfo("model.layers.1.mlp.up_proj.weight", (128, 64), "BF16")
+    q_proj = TensorInfo("model.layers.1.self_attn.q_proj.weight", (64, 64), "BF16")
+    norm = TensorInfo("model.layers.1.input_layernorm.weight", (64,), "BF16")
+    router = TensorInfo("model.layers.1.mlp.gate.weight", (8, 64), "BF16")
+    spec = QuantSpec(
+        "awq",
+        keep_16bit=("*.mlp.*",),
+        overrides=(
+            QuantOverride("*.down_proj.*", method="fp8", fp8_scaling="channel"),
+            QuantOverride("*.mlp.*", dtype="F32"),  # after down_proj: takes up_proj only
+        ),
+    )
+    assert tensor_format(down, spec, 8).formula == "fp8-channel"
+    assert tensor_format(up, spec, 8).dtype == "F32"
+    assert tensor_format(q_proj, spec, 8).formula == "awq"  # no override, no keep: method
+    assert tensor_format(norm, spec, 8) == AS_STORED  # never quantized
+    only_keep = QuantSpec("awq", keep_16bit=("*.mlp.*",))
+    assert tensor_format(up, only_keep, 8) == AS_STORED
+    assert tensor_format(router, QuantSpec("fp8"), 8) == AS_STORED  # [E, hidden] router
+
+
+def test_a_keep_glob_shadowed_by_overrides_exits_3(tmp_path: Path) -> None:
+    quant = (
+        "quantization:\n  method: fp8\n"
+        '  keep_16bit: ["*embed_tokens.*", "*.mlp.down_proj.*"]\n'
+        '  overrides: [{match: "*.mlp.*", method: awq}]\n'
+    )
+    proc = subprocess.run(
+        [sys.executable, "-m", "shardctl", "plan", str(_with_quant(tmp_path, quant, "k.yaml"))],
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+        timeout=300,
+    )
+    assert proc.returncode == 3 and "never applies" in proc.stderr, proc.stderr
+    assert "'*.mlp.down_proj.*'" in proc.stderr and "quantization.keep_16bit" in proc.stderr

@@ -133,6 +133,14 @@ def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
                 hint="match weight matrices (e.g. '*.mlp.*'), or drop the override",
             )
         taken.update(t.fqn for t in fresh)
+    for glob in keeps:
+        if taken and all(n in taken for n in names if fnmatchcase(n, glob)):
+            raise InvalidInputError(
+                f"keep_16bit glob {glob!r} never applies: every tensor it matches is taken by "
+                "an override (overrides come first)",
+                where="quantization.keep_16bit",
+                hint="drop the glob, or move its tensors into an override",
+            )
 
 
 def _unmatched(glob: str, model: ModelInfo, example: str, where: str) -> InvalidInputError:
