@@ -59,6 +59,15 @@ def estimate(
             where="quantization.method",
             hint="set training.lora_rank (e.g. 16) for QLoRA, or drop quantization",
         )
+    if quant.overrides and weights_per_coord is None:
+        # The closed form prices kinds, not tensors: overrides would be silently ignored.
+        raise InvalidInputError(
+            "quantization.overrides are priced per tensor by the layout engine; this estimate "
+            "has no per-rank weights",
+            where="quantization.overrides",
+            hint="plan with a config or checkpoint (shardctl.plan), or pass weights_per_coord "
+            "from shardctl.plan.weights.weights_per_coord(..., quant=...)",
+        )
     if training is not None and quant.overrides and not training.lora_rank:
         # Model states (gradients, optimizer, master weights) are priced per parameter in the
         # training dtype; a per-tensor dtype would be counted in the weights alone.
