@@ -286,3 +286,16 @@ def test_a_keep_glob_shadowed_by_overrides_exits_3(tmp_path: Path) -> None:
     )
     assert proc.returncode == 3 and "never applies" in proc.stderr, proc.stderr
     assert "'*.mlp.down_proj.*'" in proc.stderr and "quantization.keep_16bit" in proc.stderr
+
+
+def test_405b_recipe_as_510_literal_overrides(tmp_path: Path) -> None:
+    """modules_to_not_convert pasted one module per override (510 entries over 1,137
+    tensors) prices what the three globs do, on every rank of TP8."""
+    kept = [f"model.layers.{i}.self_attn.{p}_proj" for i in range(126) for p in "qkvo"]
+    kept += [f"model.layers.{i}.mlp.{p}_proj" for i in (0, 125) for p in ("gate", "up", "down")]
+    lines = "".join(f'    - {{match: "{m}.*", method: none}}\n' for m in kept)
+    body = FP8_MANIFEST.read_text().split("  overrides:")[0]
+    literal = tmp_path / "literal.yaml"
+    literal.write_text(body + "  overrides:\n" + lines)
+    want = _rank_weights(shardctl.plan(FP8_MANIFEST, only_weights=True))
+    assert _rank_weights(shardctl.plan(literal, only_weights=True)) == want

@@ -18,7 +18,7 @@ from __future__ import annotations
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
 from shardctl.model.archs import SUPPORTED
-from shardctl.model.types import ModelInfo
+from shardctl.model.types import ModelInfo, TensorInfo
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.spec import DEFAULT_KEEP_16BIT, QuantSpec, TrainingSpec, Workload
 
@@ -95,7 +95,7 @@ def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
         return
     from fnmatch import fnmatchcase
 
-    from shardctl.plan.memory.precision import is_matrix
+    from shardctl.plan.memory.precision import first_match, is_matrix
 
     where = "quantization.overrides" if quant.overrides else "quantization.keep_16bit"
     if not model.tensors:
@@ -111,14 +111,20 @@ def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
         if not any(fnmatchcase(n, glob) for n in names):
             raise _unmatched(glob, model, example, "quantization.keep_16bit")
     experts = model.dims.num_experts if model.dims is not None else 0
-    taken: set[str] = set()
+    first = first_match(tuple(o.match for o in quant.overrides))
+    won: dict[int, list[TensorInfo]] = {}  # override index -> the tensors it is first for
+    for t in model.tensors:
+        i = first(t.fqn)
+        if i is not None:
+            won.setdefault(i, []).append(t)
+    taken = {t.fqn for ts in won.values() for t in ts}
     for i, o in enumerate(quant.overrides):
         at = f"quantization.overrides[{i}]"
-        hits = [t for t in model.tensors if fnmatchcase(t.fqn, o.match)]
-        if not hits:
-            raise _unmatched(o.match, model, example, f"{at}.match")
-        fresh = [t for t in hits if t.fqn not in taken]
+        fresh = won.get(i, [])
         if not fresh:
+            hits = [t for t in model.tensors if fnmatchcase(t.fqn, o.match)]
+            if not hits:
+                raise _unmatched(o.match, model, example, f"{at}.match")
             raise InvalidInputError(
                 f"{o.match!r} never applies: all {len(hits)} tensors it matches (e.g. "
                 f"{hits[0].fqn}) are taken by an earlier override (first match wins)",
@@ -132,7 +138,6 @@ def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
                 where=f"{at}.method",
                 hint="match weight matrices (e.g. '*.mlp.*'), or drop the override",
             )
-        taken.update(t.fqn for t in fresh)
     for glob in keeps:
         if taken and all(n in taken for n in names if fnmatchcase(n, glob)):
             raise InvalidInputError(

@@ -26,6 +26,9 @@ attention and the first and last layers' MLPs in bf16) is::
 
 from __future__ import annotations
 
+import fnmatch
+import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
@@ -62,11 +65,42 @@ def _quantized(method: str, scaling: str, group: int | None, double: bool) -> Fo
     return Format(formula_of(method, scaling), None, group, double)
 
 
-def tensor_format(t: TensorInfo, quant: QuantSpec, num_experts: int) -> Format:
-    """The format of ``t`` under ``quant`` (see the module docstring for the order)."""
-    for o in quant.overrides:
-        if not fnmatchcase(t.fqn, o.match):
-            continue
+def first_match(globs: tuple[str, ...]) -> Callable[[str], int | None]:
+    """``name -> index of the first glob (fnmatch, case-sensitive) that matches``, or None.
+
+    One alternation of the translated globs, tried in order, so a name costs one regex match
+    whatever the number of globs (a pasted list of 500 module names over 46,000 tensors).
+
+    >>> first_match(("*.mlp.down_proj.*", "*.mlp.*"))("model.layers.0.mlp.up_proj.weight")
+    1
+    """
+    if not globs:
+        return lambda _name: None
+    rx = re.compile("|".join(f"(?P<ovr{i}>{fnmatch.translate(g)})" for i, g in enumerate(globs)))
+
+    def first(name: str) -> int | None:
+        m = rx.match(name)
+        if m is None:
+            return None
+        # The outer group closes last, so it is the last matched group; else scan in order.
+        if m.lastgroup is not None and m.lastgroup.startswith("ovr"):
+            return int(m.lastgroup[3:])
+        return next(i for i in range(len(globs)) if m.group(f"ovr{i}") is not None)
+
+    return first
+
+
+def tensor_format(
+    t: TensorInfo, quant: QuantSpec, num_experts: int, first: int | None = -1
+) -> Format:
+    """The format of ``t`` under ``quant`` (see the module docstring for the order);
+    ``first``: the index of the first override matching ``t`` (None: none) when the caller
+    knows it, -1 to look it up here."""
+    if first == -1:
+        hits = (i for i, o in enumerate(quant.overrides) if fnmatchcase(t.fqn, o.match))
+        first = next(hits, None)
+    if first is not None:
+        o = quant.overrides[first]
         if o.dtype is not None:
             return Format(None, o.dtype)
         if o.method is None or o.method == "none" or not is_matrix(t, num_experts):
@@ -98,8 +132,9 @@ def tensor_formats(model: ModelInfo, quant: QuantSpec) -> dict[str, Format]:
     family = find(model.architecture)
     conv1d = family is not None and family.conv1d
     formats: dict[str, Format] = {}
+    first = first_match(tuple(o.match for o in quant.overrides))
     for t in model.tensors:
-        fmt = tensor_format(t, quant, experts)
+        fmt = tensor_format(t, quant, experts, first(t.fqn))
         if conv1d and fmt.formula is not None and _conv1d_weight(t):
             fmt = replace(fmt, transposed=True)
         formats[t.fqn] = fmt
