@@ -125,6 +125,26 @@ class ForwardSpec:
 
 
 @dataclass(frozen=True)
+class MegatronDecl:
+    """How Megatron-Core's ``GPTModel`` holds this family (read by shardctl/formats/megatron):
+    the HF module names only; every size, bias and norm is derived from the family's inventory.
+
+    ``moe``: the MoE block's module under ``model.layers.N`` (``""``: a dense family);
+    ``expert``: a routed expert's (gate, up, down) projection names; ``shared``: the shared
+    expert(s) module under the MoE block; ``shared_gate``: its sigmoid gate ``[1, H]``;
+    ``router``: ``"softmax"`` (top-k renormalized iff the config's ``norm_topk_prob``, default
+    false), ``"softmax_topk"`` (always renormalized: Mixtral), ``"sigmoid_bias"`` (DeepSeek-V3:
+    sigmoid scores, ``e_score_correction_bias``, group-limited top-k); ``mla``: DeepSeek MLA."""
+
+    moe: str = ""
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = ""
+    shared_gate: str = ""
+    router: str = "softmax"
+    mla: bool = False
+
+
+@dataclass(frozen=True)
 class Family:
     """One architecture family; see any module in this package for an example."""
 
@@ -155,6 +175,8 @@ class Family:
     # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
     # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
     quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
+    # ---- megatron-moe: Megatron-Core torch_dist (None: --format megatron refuses the family)
+    megatron: MegatronDecl | None = None
 
 
 # ---- config readers ----------------------------------------------------------------------

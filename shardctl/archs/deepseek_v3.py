@@ -16,7 +16,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from shardctl.archs._family import Config
+from shardctl.archs._family import (
+    Config,
+    MegatronDecl,  # megatron-moe
+)
 from shardctl.archs.deepseek_v2 import mla_family
 
 
@@ -45,4 +48,6 @@ FAMILY = mla_family(
     mlp_bias=False,
     route_weights=_sigmoid_weights,
     defaults=V3_DEFAULTS,
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(moe="mlp", shared="shared_experts", router="sigmoid_bias", mla=True),
 )
