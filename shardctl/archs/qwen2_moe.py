@@ -106,3 +106,6 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
 
 
 FAMILY = moe.with_moe(_BASE, _dims)
+# flagships: shared expert + its gate, dense layers off decoder_sparse_step: not the closed
+# form's uniform MoE layer; plan counts by kind from the layout engine (exact).
+FAMILY = dataclasses.replace(FAMILY, closed_form=False)
