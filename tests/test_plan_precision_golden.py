@@ -233,6 +233,8 @@ def test_gpt_oss_recipe_mxfp4_experts_over_bf16(tmp_path: Path) -> None:
     for mesh in ({"tp": 1}, {"tp": 2}, {"ep": 2}, {"pp": 2, "ep": 2}):
         want = _rank_weights(shardctl.plan(published, mesh=mesh))
         assert _rank_weights(shardctl.plan(ours, mesh=mesh)) == want, mesh
+    # = the published model.safetensors.index.json total_size (tests/test_flagships.py cites it)
+    assert _rank_weights(shardctl.plan(ours, mesh={"tp": 1})) == [65_248_815_744]
     for path in (published, ours):
         proc = subprocess.run(
             [sys.executable, "-m", "shardctl", "plan", str(path), "--tp", "8"],
