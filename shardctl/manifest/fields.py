@@ -83,7 +83,15 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "lora_rank",
         "lora_targets",
     ),
-    "quantization": ("method", "group_size", "double_quant", "fp8_scaling", "keep_16bit"),
+    "quantization": (
+        "method",
+        "group_size",
+        "double_quant",
+        "fp8_scaling",
+        "keep_16bit",
+        "overrides",
+    ),
+    "quantization.overrides[]": ("match", "method", "dtype", "group_size", "fp8_scaling"),
     "overhead": (*m.OVERHEAD_SIZES, *m.OVERHEAD_FRACTIONS),
 }
 
