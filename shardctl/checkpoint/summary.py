@@ -6,6 +6,7 @@ a single ``*.safetensors`` file, or a ``config.json``. No tensor data is read.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -52,10 +53,7 @@ class InspectResult:
     @property
     def dtypes(self) -> dict[str, int]:
         """Parameters per dtype, largest first."""
-        counts: Counter[str] = Counter()
-        for t in self.model.tensors:
-            counts[t.dtype] += t.numel
-        return dict(counts.most_common())
+        return dict(Counter(self.model.numel_by_dtype).most_common())
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -147,7 +145,9 @@ def _inspect_hf(root: Path) -> InspectResult:
     from shardctl.model.inventory import from_checkpoint
 
     files = open_checkpoint(root, ignore_layout_record=True)
-    model = from_checkpoint(root)
+    # headers parsed once; beside a record (a dangling link, say) from_checkpoint decides
+    bare = not os.path.lexists(root / "shardctl.layout.json")
+    model = from_checkpoint(root, opened=files if bare else None)
     return InspectResult(
         suggested=suggestion_for(model),
         path=root,
