@@ -139,6 +139,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     # name -> entry per file: a linear search per shard was quadratic (200 s at 90k tensors)
     entries = {name: {e.name: e for e in h.tensors} for name, h in headers.items()}
     seen: dict[str, set[str]] = {}
+    paths = {name: root / name for name in headers}  # one Path per file, not per shard
     for i, rl in enumerate(layout.ranks):
         for s in rl.shards:
             name = record.shard_files[(i, s.fqn)]
@@ -168,7 +169,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
                     s.local_shape,
                     s.pieces,
                     header.data_offset + entry.begin,
-                    path=root / name,
+                    path=paths[name],
                     rank=i,
                 )
             )

@@ -17,6 +17,13 @@ from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.compare import shard_key
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
+from shardctl.verify.bitwise.spans import (
+    SPAN_BYTES,
+    SPAN_DST_BYTES,
+    Span,
+    plain_shards,
+    plain_source,
+)
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
@@ -35,7 +42,17 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 
     shapes = {t.fqn: t.shape for t in src.model.tensors}
     workers, results = run_tasks(_tasks(src, by_fqn, shapes), src, feeds)
-    compared = {shard_key(s): sum(scalar_piece(p).numel for p in s.pieces) for s in ordered}
+    # only a shard that differs needs its element count (the message's "n of m elements")
+    keys = {r[1] for r in results}
+    compared = (
+        {
+            shard_key(s): sum(scalar_piece(p).numel for p in s.pieces)
+            for s in ordered
+            if shard_key(s) in keys
+        }
+        if keys
+        else {}
+    )
     for message, where in _findings(results, compared):
         level.fail(message, **where)
         per_tensor[where["fqn"]]["status"] = "fail"
@@ -72,9 +89,14 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 def _shards(src: Source, dst: Destination) -> tuple[list[DstShard], dict[str, list[DstShard]]]:
     """DST's shards of the tensors SRC has, sorted by (file, begin), and grouped by tensor in
     an order every DST file agrees with (``_file_order``)."""
+    names: dict[Path, str] = {}
+    for ss in dst.shards.values():
+        for s in ss:
+            if s.path not in names:
+                names[s.path] = str(s.path)
     ordered = sorted(
         (s for ss in dst.shards.values() for s in ss if s.fqn in src.shards),
-        key=lambda s: (str(s.path), s.begin),
+        key=lambda s: (names[s.path], s.begin),
     )
     by_fqn: dict[str, list[DstShard]] = {}
     for s in ordered:
@@ -97,7 +119,8 @@ def _tensor_rows(
         padded += sum(
             1
             for s in shards
-            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
+            if not (len(s.pieces) == 1 and s.pieces[0].sizes == s.local_shape)
+            and sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
         )
     return per_tensor, padded
 
@@ -105,14 +128,40 @@ def _tensor_rows(
 def _tasks(
     src: Source, by_fqn: dict[str, list[DstShard]], shapes: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[Any, ...]]:
-    """The tasks, in order: ``("block", tensor, lead, a, b)``, ``("blocks", [(tensor, lead, a,
-    b), ...])``, ``("padding", shard, kind)`` and ``("raw", shard)``."""
+    """The tasks, in order: ``("span", Span)`` (plain small tensors, ``spans.py``),
+    ``("block", tensor, lead, a, b)``, ``("blocks", [(tensor, lead, a, b), ...])``,
+    ``("padding", shard, kind)`` and ``("raw", shard)``."""
     # Tensors of one block or less are batched, up to a block of SRC bytes, into one task:
     # at 90,000 tensors one task (and one hand-off to the hashing) per tensor cost more
     # than reading them.
     batch: list[tuple[Any, ...]] = []
     size = 0
+    span: Span | None = None
     for fqn, shards in by_fqn.items():
+        plain = _plain(src, fqn, shapes[fqn], shards)
+        if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
+            path, begin, nbytes = plain
+            if batch:
+                yield ("blocks", batch)
+                batch, size = [], 0
+            dst_bytes = sum(s.nbytes for s in shards)
+            if span is not None and (
+                span.path != path
+                or span.end != begin
+                or span.end + nbytes - span.begin > SPAN_BYTES
+                or span.dst_bytes + dst_bytes > SPAN_DST_BYTES
+            ):
+                yield ("span", span)
+                span = None
+            if span is None:
+                span = Span(path, begin, begin, [])
+            span.shards.extend((s, begin - span.begin, shapes[fqn]) for s in shards)
+            span.end = begin + nbytes
+            span.dst_bytes += dst_bytes
+            continue
+        if span is not None:
+            yield ("span", span)
+            span = None
         t = plan_tensor(fqn, shapes[fqn], src, shards)
         if t is None:
             if batch:
@@ -144,6 +193,23 @@ def _tasks(
             yield ("padding", s, t.kind)
     if batch:
         yield ("blocks", batch)
+    if span is not None:
+        yield ("span", span)
+
+
+def _plain(
+    src: Source, fqn: str, shape: tuple[int, ...], shards: list[DstShard]
+) -> tuple[Path, int, int] | None:
+    """``(SRC path, begin, nbytes)`` of a tensor a span can hold, else None."""
+    if not plain_shards(shards, shape):
+        return None
+    found = plain_source(src, fqn, shape)
+    if found is None or found[2] > SPAN_BYTES:
+        return None
+    dtype = src.shards[fqn][0].dtype
+    if any(s.dtype != dtype for s in shards):
+        return None
+    return found
 
 
 def _file_order(ordered: list[DstShard]) -> list[str]:
