@@ -18,11 +18,10 @@ from shardctl.verify.bitwise.compare import shard_key
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
 from shardctl.verify.bitwise.spans import (
-    SPAN_BYTES,
-    SPAN_DST_BYTES,
     Span,
     plain_shards,
     plain_source,
+    span_caps,
 )
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
@@ -137,8 +136,9 @@ def _tasks(
     batch: list[tuple[Any, ...]] = []
     size = 0
     span: Span | None = None
+    span_src, span_dst = span_caps()
     for fqn, shards in by_fqn.items():
-        plain = _plain(src, fqn, shapes[fqn], shards)
+        plain = _plain(src, fqn, shapes[fqn], shards, span_src)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
             path, begin, nbytes = plain
             if batch:
@@ -148,8 +148,8 @@ def _tasks(
             if span is not None and (
                 span.path != path
                 or span.end != begin
-                or span.end + nbytes - span.begin > SPAN_BYTES
-                or span.dst_bytes + dst_bytes > SPAN_DST_BYTES
+                or span.end + nbytes - span.begin > span_src
+                or span.dst_bytes + dst_bytes > span_dst
             ):
                 yield ("span", span)
                 span = None
@@ -198,13 +198,13 @@ def _tasks(
 
 
 def _plain(
-    src: Source, fqn: str, shape: tuple[int, ...], shards: list[DstShard]
+    src: Source, fqn: str, shape: tuple[int, ...], shards: list[DstShard], cap: int
 ) -> tuple[Path, int, int] | None:
     """``(SRC path, begin, nbytes)`` of a tensor a span can hold, else None."""
-    if not plain_shards(shards, shape):
+    if cap <= 0 or not plain_shards(shards, shape):
         return None
     found = plain_source(src, fqn, shape)
-    if found is None or found[2] > SPAN_BYTES:
+    if found is None or found[2] > cap:
         return None
     dtype = src.shards[fqn][0].dtype
     if any(s.dtype != dtype for s in shards):

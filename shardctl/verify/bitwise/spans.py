@@ -3,8 +3,8 @@
 At 90,000 tensors (MoE experts of a few KiB each) the per-block path cost ~0.3 ms per tensor
 in Python: plan, image, one ``pread`` per shard. Most such tensors are *plain*: one whole
 source tensor, and DST shards that are each one box of it with no padding. A *span* is a run
-of plain tensors adjacent in one SRC file (at most ``SPAN_BYTES``), taken in the order every DST
-file agrees with. Its task reads the SRC bytes once, reads each DST file's shards of those
+of plain tensors adjacent in one SRC file (at most ``plan.BLOCK_BYTES``), taken in the order
+every DST file agrees with. Its task reads the SRC bytes once, reads each DST file's shards of those
 tensors in as few ``pread``s as they are adjacent, and compares shards of one geometry (same
 global shape, box and dtype: expert ``w1`` halves, say) placed at a constant stride on both
 sides as *one* strided numpy view — a few compares per span instead of one per shard.
@@ -29,8 +29,13 @@ from shardctl.verify.bitwise.compare import Out, Worker, _difference
 from shardctl.verify.boxes import equal, uint_of
 from shardctl.verify.dst import DstShard
 
-SPAN_BYTES = plan.BLOCK_BYTES  # SRC bytes per span task
-SPAN_DST_BYTES = 4 * plan.BLOCK_BYTES  # DST bytes per span task (replicas each count)
+ENABLED = True  # off: every tensor takes the per-block path (tests compare the two)
+
+
+def span_caps() -> tuple[int, int]:
+    """(SRC bytes, DST bytes) of one span task, replicas each counting on the DST side; (0, 0)
+    when spans are off. Read at run time: tests shrink ``plan.BLOCK_BYTES``."""
+    return (plan.BLOCK_BYTES, 4 * plan.BLOCK_BYTES) if ENABLED else (0, 0)
 
 
 @dataclass
