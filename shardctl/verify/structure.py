@@ -74,6 +74,8 @@ def _names(level: LevelResult, src: dict[str, TensorInfo], dst: Destination) -> 
 def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
     """None when the distinct boxes are disjoint and cover ``shape``; else what is wrong."""
     distinct = list({(p.offsets, p.sizes) for p in boxes})
+    if _slabs(shape, distinct):
+        return None
     total = math.prod(shape)
     covered = sum(math.prod(s) for _, s in distinct)
     for i, (oa, sa) in enumerate(distinct):
@@ -85,6 +87,30 @@ def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
     if covered > total:
         return f"pieces cover {covered} elements of a {total}-element tensor"
     return None
+
+
+def _slabs(
+    shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[int, ...]]]
+) -> bool:
+    """The common case, decided without the pairwise check: boxes whole on every dim but one,
+    along which they follow each other from 0 to its end (a tp split, or the whole tensor)."""
+    if len(distinct) == 1:
+        offsets, sizes = distinct[0]
+        return sizes == shape and not any(offsets)
+    split = None
+    for d, n in enumerate(shape):
+        if any(o[d] != 0 or z[d] != n for o, z in distinct):
+            if split is not None:
+                return False
+            split = d
+    if split is None:
+        return False  # identical whole boxes: distinct has one entry, so not reached
+    cursor = 0
+    for o, z in sorted(distinct, key=lambda b: b[0][split]):
+        if o[split] != cursor or z[split] == 0:
+            return False
+        cursor += z[split]
+    return cursor == shape[split]
 
 
 def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) -> None:

@@ -217,37 +217,47 @@ def _file_order(ordered: list[DstShard]) -> list[str]:
     file order, so its hash is fed as it is read): a topological sort of "``a`` comes before
     ``b`` in some file", ties by first appearance. Where files disagree (a cycle), the earliest
     tensor left goes next; those files are hashed again at the end."""
-    first: dict[str, int] = {}
-    files: dict[Path, list[str]] = {}
-    for i, s in enumerate(ordered):  # sorted by (path, begin)
-        first.setdefault(s.fqn, i)
-        files.setdefault(s.path, []).append(s.fqn)
-    after: dict[str, set[str]] = {f: set() for f in first}
-    before = dict.fromkeys(first, 0)
+    # Tensors as ints numbered by first appearance, so the heap's priority is the id itself
+    # (at 90,000 tensors the string-keyed sets and heap entries were seconds).
+    ids: dict[str, int] = {}
+    files: dict[Path, list[int]] = {}
+    for s in ordered:  # sorted by (path, begin)
+        i = ids.get(s.fqn)
+        if i is None:
+            i = ids[s.fqn] = len(ids)
+        files.setdefault(s.path, []).append(i)
+    names = list(ids)
+    n = len(names)
+    if all(a <= b for seq in files.values() for a, b in itertools.pairwise(seq)):
+        return names  # every file already agrees with first appearance: that is the sort
+    after: list[set[int]] = [set() for _ in range(n)]
+    before = [0] * n
     for seq in files.values():
         for a, b in itertools.pairwise(seq):
             if a != b and b not in after[a]:
                 after[a].add(b)
                 before[b] += 1
-    ready = [(first[f], f) for f, n in before.items() if n == 0]
+    ready = [f for f in range(n) if before[f] == 0]
     heapq.heapify(ready)
-    out: list[str] = []
-    done: set[str] = set()
-    while len(out) < len(first):
+    out: list[int] = []
+    done = [False] * n
+    earliest = 0  # every id below it is done
+    while len(out) < n:
         if not ready:  # a cycle: take the earliest tensor not placed yet
-            f = min((f for f in first if f not in done), key=first.__getitem__)
-            before[f] = 0
-            heapq.heappush(ready, (first[f], f))
-        _, f = heapq.heappop(ready)
-        if f in done:
+            while done[earliest]:
+                earliest += 1
+            before[earliest] = 0
+            heapq.heappush(ready, earliest)
+        f = heapq.heappop(ready)
+        if done[f]:
             continue
-        done.add(f)
+        done[f] = True
         out.append(f)
         for g in after[f]:
             before[g] -= 1
-            if before[g] == 0 and g not in done:
-                heapq.heappush(ready, (first[g], g))
-    return out
+            if before[g] == 0 and not done[g]:
+                heapq.heappush(ready, g)
+    return [names[f] for f in out]
 
 
 def _findings(
