@@ -62,8 +62,8 @@ ENTRY = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
     "text,data,fragment",
     [
         (f'{{"a":{ENTRY},"a":{ENTRY}}}', 8, "duplicate tensor name 'a'"),
-        (f'{{"a":{{}},"a":{ENTRY}}}', 4, "duplicate tensor name 'a'"),
-        (f'{{"a":1,"a":{ENTRY}}}', 4, "duplicate tensor name 'a'"),
+        (f'{{"a":{{}},"a":{ENTRY}}}', 4, "tensor 'a': missing 'dtype'"),
+        (f'{{"a":1,"a":{ENTRY}}}', 4, "tensor 'a': expected an object"),
         (
             '{"a":{"dtype":"F32","dtype":"F32","shape":[1],"data_offsets":[0,4]}}',
             4,
