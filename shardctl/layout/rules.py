@@ -39,6 +39,7 @@ class CompiledRule:
     # tensors the regexes were most of plan's layout time)
     head: str = ""
     tail: str = ""
+    needle: str = ""  # the longest literal piece between wildcards: in every match
 
 
 @dataclass(frozen=True)
@@ -103,7 +104,17 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
     placement = None if rule.tp is None else parse_placement(rule.tp, where=f"{label}.tp")
     regex = re.compile(fnmatch.translate(rule.match))
     head, tail = _literal_ends(rule.match)
-    return CompiledRule(rule, label, regex, placement, manifest, head, tail)
+    return CompiledRule(
+        rule, label, regex, placement, manifest, head, tail, _longest_literal(rule.match)
+    )
+
+
+def _longest_literal(pattern: str) -> str:
+    """The longest run of literal text in an fnmatch ``pattern`` (before any ``[...]`` class):
+    every name it matches contains it (``"model.layers.*.self_attn.q_proj.*"`` →
+    ``".self_attn.q_proj."``)."""
+    plain = pattern.split("[", 1)[0]
+    return max(re.split(r"[*?]", plain), key=len)
 
 
 def _literal_ends(pattern: str) -> tuple[str, str]:
@@ -141,7 +152,11 @@ class Matcher:
         placed: CompiledRule | None = None
         stage: str | None = None
         for i, cr in enumerate(self.rules):
-            if not (fqn.startswith(cr.head) and fqn.endswith(cr.tail)) or not cr.regex.match(fqn):
+            if (
+                cr.needle not in fqn
+                or not (fqn.startswith(cr.head) and fqn.endswith(cr.tail))
+                or not cr.regex.match(fqn)
+            ):
                 continue
             if cr.manifest:
                 self._used.add(i)
