@@ -89,9 +89,7 @@ def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
     return None
 
 
-def _slabs(
-    shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[int, ...]]]
-) -> bool:
+def _slabs(shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
     """The common case, decided without the pairwise check: boxes whole on every dim but one,
     along which they follow each other from 0 to its end (a tp split, or the whole tensor)."""
     if len(distinct) == 1:
