@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.types import ModelInfo, TensorInfo
 
 INSPECT_SCHEMA = "shardctl.inspect/1"
@@ -111,6 +112,7 @@ class InspectResult:
         return doc
 
 
+@gc_paused
 def inspect_path(path: Path) -> InspectResult:
     if not path.exists():
         raise InvalidInputError(

@@ -132,7 +132,9 @@ def read_header(path: Path, *, max_header_bytes: int | None = None) -> Safetenso
 
 def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader:
     """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
-    fast = fast_entries(raw, 8 + len(raw), file_size)
+    where = str(path)
+    pairs = decode_json(raw, where)
+    fast = fast_entries(pairs, 8 + len(raw), file_size)
     if fast is not None:
         new = object.__new__
         tensors = []
@@ -148,8 +150,6 @@ def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader
             metadata=fast[0],
             tensors=tuple(tensors),
         )
-    where = str(path)
-    pairs = decode_json(raw, where)
     metadata: dict[str, str] | None = None
     seen_metadata = False
     names: set[str] = set()

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
+from shardctl.gcpause import gc_paused
 from shardctl.layout.pipeline import assign_layers, stage_of_layers
 from shardctl.layout.resolve import ModelRules, TensorRule, model_rules
 from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
@@ -148,6 +149,7 @@ def staged_weight_bytes(
     }
 
 
+@gc_paused
 def resolve(
     model: ModelInfo,
     mesh: Mesh,

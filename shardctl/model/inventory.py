@@ -27,6 +27,7 @@ from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
 from shardctl.model.types import ModelInfo, TensorInfo, bytes_by_dtype
 
@@ -87,6 +88,7 @@ def from_config_file(path: Path, *, dtype: str | None = None) -> ModelInfo:
     return from_config(read_config(path), dtype=dtype, source="config", where=str(path))
 
 
+@gc_paused
 def from_checkpoint(
     root: Path, *, follow_external_symlinks: bool = False, opened: CheckpointFiles | None = None
 ) -> ModelInfo:
