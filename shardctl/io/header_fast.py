@@ -87,9 +87,11 @@ def fast_entries(
     # (a stable sort keeps them, ties included); otherwise sort, then check.
     if not (begins[:1] == [0] and begins[1:] == ends[:-1]):
         order = sorted(range(len(names)), key=lambda i: (begins[i], ends[i]))
-        names, dtypes, shapes_t, begins, ends = (
-            [seq[i] for i in order] for seq in (names, dtypes, shapes_t, begins, ends)
-        )
+        names = [names[i] for i in order]
+        dtypes = [dtypes[i] for i in order]
+        shapes_t = [shapes_t[i] for i in order]
+        begins = [begins[i] for i in order]
+        ends = [ends[i] for i in order]
         if begins and (begins[0] != 0 or begins[1:] != ends[:-1]):
             return None  # gap or overlap
     if data_offset + (ends[-1] if ends else 0) != file_size:

@@ -95,27 +95,40 @@ def _slabs(shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[i
     if len(distinct) == 1:
         offsets, sizes = distinct[0]
         return sizes == shape and not any(offsets)
-    split = None
-    for d, n in enumerate(shape):
-        if any(o[d] != 0 or z[d] != n for o, z in distinct):
-            if split is not None:
-                return False
-            split = d
-    if split is None:
+    split = -1
+    ndim = len(shape)
+    for o, z in distinct:
+        if len(o) != ndim or len(z) != ndim:
+            return False
+        for d in range(ndim):
+            if o[d] or z[d] != shape[d]:
+                if split == -1:
+                    split = d
+                elif split != d:
+                    return False
+    if split == -1:
         return False  # identical whole boxes: distinct has one entry, so not reached
     cursor = 0
-    for o, z in sorted(distinct, key=lambda b: b[0][split]):
-        if o[split] != cursor or z[split] == 0:
+    for start, size in sorted((o[split], z[split]) for o, z in distinct):
+        if start != cursor or size == 0:
             return False
-        cursor += z[split]
+        cursor += size
     return cursor == shape[split]
 
 
 def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) -> None:
     groups: dict[str, dict[tuple[int, int], list[Piece]]] = {}
     for rl in layout.ranks:
+        at = (rl.pp, rl.ep)
         for s in rl.shards:
-            groups.setdefault(s.fqn, {}).setdefault((rl.pp, rl.ep), []).extend(s.pieces)
+            held = groups.get(s.fqn)
+            if held is None:
+                held = groups[s.fqn] = {}
+            pieces = held.get(at)
+            if pieces is None:
+                held[at] = list(s.pieces)
+            else:
+                pieces.extend(s.pieces)
     mesh = layout.mesh
     for fqn, t in src.items():
         held = groups.get(fqn)
