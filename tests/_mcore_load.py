@@ -22,6 +22,14 @@ yet its router reads it (``NameError``); and ``moe_token_dispatcher_type="allgat
 because the default ``alltoall`` dispatcher creates a ``torch.cuda.Stream`` at construction;
 ``Tensor.cuda`` returns the tensor itself, because with tied embeddings and PP > 1 mcore's
 ``LanguageModule`` moves the last stage's copy of the embedding to CUDA before its all-reduce.
+MLA (DeepSeek-V3): ``multi_latent_attention.HAVE_TE`` is False, because without
+transformer-engine mcore's TE extension still imports (a ``MagicMock`` in TE's place) and MLA
+then calls ``isinstance`` with the mock; and the layer specs' ``core_attention`` is
+:class:`CpuCoreAttention` (causal ``softmax(q·kᵀ·scale)·v``, no parameters), because the local
+``DotProductAttention`` takes no ``k_channels``/``v_channels`` (MLA's q/k and v head dims
+differ). ``sharded_state_dict`` gets ``metadata={"dp_cp_group": ...}`` as Megatron-LM passes
+it (0.16.1 needs it to tie the embedding copy of an MTP stage). Mixed dense/MoE layers and MLA
+build with ``get_gpt_decoder_block_spec`` (local layers, ``moe_layer_freq`` a list).
 """
 
 from __future__ import annotations
@@ -31,6 +39,8 @@ import os
 import sys
 import warnings
 from pathlib import Path
+
+CpuCoreAttention = None  # built in main() (torch imported there)
 
 
 def main(argv: list[str]) -> None:
@@ -69,6 +79,11 @@ def main(argv: list[str]) -> None:
 
     if not hasattr(moe_utils, "te_general_gemm"):
         moe_utils.te_general_gemm = None  # see the docstring
+    import megatron.core.transformer.multi_latent_attention as mla
+
+    mla.HAVE_TE = False  # see the docstring
+    global CpuCoreAttention
+    CpuCoreAttention = _core_attention_class()
     for mg, hf in zip(argv[::2], argv[1::2], strict=True):
         pp = int(os.environ.get("MCORE_PP", "1"))
         row = check(Path(mg), Path(hf)) if pp == 1 else check_stage(Path(mg), Path(hf))
@@ -81,12 +96,21 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     import torch
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_config import TransformerConfig
+    from megatron.core.models.gpt.gpt_layer_specs import (
+        get_gpt_decoder_block_spec,
+        get_gpt_layer_local_spec,
+    )
+    from megatron.core.transformer.transformer_config import (
+        MLATransformerConfig,
+        TransformerConfig,
+    )
 
     moe = spec["experts"] > 0
-    cfg = TransformerConfig(
-        num_layers=spec["layers"],
+    mla = spec.get("kv_lora_rank", 0) > 0
+    layers = spec["layers"]
+    moe_layers = spec.get("moe_layers")
+    kw = dict(
+        num_layers=layers,
         tensor_model_parallel_size=parallel_state.get_tensor_model_parallel_world_size(),
         pipeline_model_parallel_size=parallel_state.get_pipeline_model_parallel_world_size(),
         expert_model_parallel_size=(
@@ -94,8 +118,6 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         ),
         hidden_size=spec["hidden"],
         num_attention_heads=spec["heads"],
-        num_query_groups=spec["groups"],
-        kv_channels=spec["head_dim"],
         ffn_hidden_size=spec["ffn"],
         normalization="RMSNorm",
         layernorm_epsilon=spec["eps"],
@@ -103,7 +125,7 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         activation_func=torch.nn.functional.silu,
         add_bias_linear=False,
         add_qkv_bias=spec["qkv_bias"],
-        qk_layernorm=spec["qk_norm"],
+        qk_layernorm=spec["qk_norm"] or mla,
         use_cpu_initialization=True,
         params_dtype=dtype,
         pipeline_dtype=dtype,
@@ -111,16 +133,62 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
         hidden_dropout=0.0,
         attention_dropout=0.0,
         num_moe_experts=spec["experts"] or None,
-        moe_ffn_hidden_size=spec["ffn"] if moe else None,
+        moe_ffn_hidden_size=(spec.get("moe_ffn") or spec["ffn"]) if moe else None,
         moe_router_topk=spec["topk"] or 2,
-        moe_router_pre_softmax=False,
+        moe_router_pre_softmax=spec.get("router_pre_softmax", False),
         moe_token_dispatcher_type="allgather",
         moe_aux_loss_coeff=0.0,
+        moe_layer_freq=([int(i in moe_layers) for i in range(layers)] if moe and moe_layers else 1),
+        moe_shared_expert_intermediate_size=spec.get("shared_ffn") or None,
+        moe_shared_expert_gate=spec.get("shared_gate", False),
+        moe_router_score_function=spec.get("router_score", "softmax"),
+        moe_router_enable_expert_bias=spec.get("router_bias", False),
+        moe_router_num_groups=spec.get("router_groups") or None,
+        moe_router_group_topk=spec.get("router_group_topk") or None,
+        moe_router_topk_scaling_factor=(
+            spec.get("router_scale") if spec.get("router_scale", 1.0) != 1.0 else None
+        ),
     )
-    layer_spec = get_gpt_layer_local_spec(
-        num_experts=spec["experts"] or None, moe_grouped_gemm=False, qk_layernorm=spec["qk_norm"]
-    )
+    if spec.get("mtp_layers"):
+        kw["mtp_num_layers"] = spec["mtp_layers"]
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    if layers % pp:  # Megatron-LM's --decoder-last-pipeline-num-layers (the sidecar's flags)
+        kw["num_layers_in_last_pipeline_stage"] = layers - -(-layers // pp) * (pp - 1)
+    if mla:
+        cfg = MLATransformerConfig(
+            **kw,
+            q_lora_rank=spec["q_lora_rank"],
+            kv_lora_rank=spec["kv_lora_rank"],
+            qk_head_dim=spec["qk_nope"],
+            qk_pos_emb_head_dim=spec["qk_rope"],
+            v_head_dim=spec["v_head_dim"],
+            rope_type="rope",
+            rotary_base=spec["rope_theta"],
+        )
+    else:
+        cfg = TransformerConfig(**kw, num_query_groups=spec["groups"], kv_channels=spec["head_dim"])
+    if moe_layers or mla:  # mixed dense/MoE layers (or MLA): mcore's per-layer block spec
+        layer_spec = get_gpt_decoder_block_spec(
+            cfg, use_transformer_engine=False, normalization="RMSNorm"
+        )
+        for ls in layer_spec.layer_specs:
+            if mla:  # see the module docstring: the local DotProductAttention lacks k/v dims
+                ls.submodules.self_attention.submodules.core_attention = CpuCoreAttention
+    else:
+        layer_spec = get_gpt_layer_local_spec(
+            num_experts=spec["experts"] or None,
+            moe_grouped_gemm=False,
+            qk_layernorm=spec["qk_norm"],
+        )
+    extra = {}
+    if spec.get("mtp_layers"):  # built like the last decoder layer, on the last stage
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_mtp_block_spec
+
+        extra["mtp_block_spec"] = get_gpt_mtp_block_spec(
+            cfg, layer_spec, use_transformer_engine=False
+        )
     model = GPTModel(
+        **extra,
         config=cfg,
         transformer_layer_spec=layer_spec,
         vocab_size=spec["padded_vocab"],
@@ -135,6 +203,29 @@ def build(spec: dict, dtype):  # type: ignore[no-untyped-def]
     return model.eval()
 
 
+def _core_attention_class():  # type: ignore[no-untyped-def]
+    import torch
+
+    class CpuCoreAttention(torch.nn.Module):
+        """softmax(q·kᵀ·scale, causal)·v on [s, b, heads, dim] tensors; q/k and v head dims
+        may differ (MLA). No parameters: the checkpoint's keys are unchanged."""
+
+        def __init__(self, config, layer_number, attn_mask_type, attention_type,  # type: ignore[no-untyped-def]
+                     softmax_scale=None, **_):  # fmt: skip
+            super().__init__()
+            self.scale = softmax_scale
+
+        def forward(self, q, k, v, attention_mask, **_):  # type: ignore[no-untyped-def]
+            q, k, v = (t.permute(1, 2, 0, 3).float() for t in (q, k, v))
+            s = (q @ k.transpose(-1, -2)) * (self.scale or q.shape[-1] ** -0.5)
+            n = s.shape[-1]
+            s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+            o = s.softmax(-1) @ v
+            return o.permute(2, 0, 1, 3).reshape(o.shape[2], o.shape[0], -1)
+
+    return CpuCoreAttention
+
+
 def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     import torch
     from megatron.core import dist_checkpointing, parallel_state
@@ -144,11 +235,13 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     side = json.loads((mg / "shardctl.megatron.json").read_text())
     spec = side["spec"]
     ref = AutoModelForCausalLM.from_pretrained(hf, dtype=torch.float32).eval()
-    model = build(spec, torch.float32)
+    # the MTP layers load strictly into model_bf; mcore 0.16.1's forward of an MTP model needs
+    # labels (it returns the loss), so the logits come from the same weights without them
+    model = build({**spec, "mtp_layers": 0}, torch.float32)
     # the checkpoint's dtype is bf16; mcore loads into the model's tensors: build in bf16, then
     # upcast for a float32 comparison with the float32 reference.
     model_bf = build(spec, torch.bfloat16)
-    sharded = model_bf.sharded_state_dict()
+    sharded = model_bf.sharded_state_dict(metadata=_metadata())
     loaded = dist_checkpointing.load(sharded, str(mg / "release"), strict=StrictHandling.RAISE_ALL)
     common = {k: loaded.pop(k) for k in ("checkpoint_version", "iteration")}
     model_bf.load_state_dict(loaded, strict=True)
@@ -156,6 +249,7 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         {
             k: v.float() if torch.is_tensor(v) and v.is_floating_point() else v
             for k, v in model_bf.state_dict().items()
+            if not k.startswith("mtp.")
         },
         strict=True,
     )
@@ -169,9 +263,10 @@ def check(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     return {
         "dir": str(mg),
         "common": common,
+        "mtp_tensors": sum(k.startswith("mtp.") and torch.is_tensor(v) for k, v in loaded.items()),
         "tp": parallel_state.get_tensor_model_parallel_world_size(),
         "ep": parallel_state.get_expert_model_parallel_world_size(),
-        "local_qkv_rows": int(model.decoder.layers[0].self_attention.linear_qkv.weight.shape[0]),
+        "local_qkv_rows": _local_rows(model.decoder.layers[0].self_attention),
         "max_abs": float((got - want).abs().max()),
         "ref_max": float(want.abs().max()),
         "argmax_equal": bool((got.argmax(-1) == want.argmax(-1)).all()),
@@ -191,29 +286,49 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
     spec = json.loads((mg / "shardctl.megatron.json").read_text())["spec"]
     model = build(spec, torch.bfloat16)
     loaded = dist_checkpointing.load(
-        model.sharded_state_dict(), str(mg / "release"), strict=StrictHandling.RAISE_ALL
+        model.sharded_state_dict(metadata=_metadata()),
+        str(mg / "release"),
+        strict=StrictHandling.RAISE_ALL,
     )
     for k in ("checkpoint_version", "iteration"):
         loaded.pop(k)
     model.load_state_dict(loaded, strict=True)
     stage = parallel_state.get_pipeline_model_parallel_rank()
-    per = spec["layers"] // parallel_state.get_pipeline_model_parallel_world_size()
+    per = -(-spec["layers"] // parallel_state.get_pipeline_model_parallel_world_size())
     ref = safe_open(str(hf / "model.safetensors"), framework="pt")
     equal = []
     for i, layer in enumerate(model.decoder.layers):
         g = stage * per + i
         want = ref.get_tensor(f"model.layers.{g}.self_attn.o_proj.weight")
         equal.append(torch.equal(layer.self_attention.linear_proj.weight.data, want))
-        if spec["experts"]:
-            moe = f"model.layers.{g}.block_sparse_moe."
+        if spec["experts"] and g in (spec.get("moe_layers") or range(spec["layers"])):
+            moe = f"model.layers.{g}.{spec.get('hf_moe', 'block_sparse_moe')}."
+            down = spec.get("hf_expert", ["w1", "w3", "w2"])[2]
             want = ref.get_tensor(moe + "gate.weight")
             equal.append(torch.equal(layer.mlp.router.weight.data, want))
             for e, expert in enumerate(layer.mlp.experts.local_experts):
-                want = ref.get_tensor(f"{moe}experts.{e}.w2.weight")
+                want = ref.get_tensor(f"{moe}experts.{e}.{down}.weight")
                 equal.append(torch.equal(expert.linear_fc2.weight.data, want))
+            if spec.get("shared_ffn"):
+                want = ref.get_tensor(f"{moe}{spec['hf_shared']}.down_proj.weight")
+                equal.append(torch.equal(layer.mlp.shared_experts.linear_fc2.weight.data, want))
         else:
             want = ref.get_tensor(f"model.layers.{g}.mlp.down_proj.weight")
             equal.append(torch.equal(layer.mlp.linear_fc2.weight.data, want))
+    if spec.get("mtp_layers") and parallel_state.is_pipeline_last_stage():
+        for k, mtp in enumerate(model.mtp.layers):
+            p = f"model.layers.{spec['layers'] + k}."
+            pairs = [
+                (mtp.eh_proj.weight, p + "eh_proj.weight"),
+                (mtp.enorm.weight, p + "enorm.weight"),
+                (mtp.final_layernorm.weight, p + "shared_head.norm.weight"),
+                (mtp.transformer_layer.self_attention.linear_kv_up_proj.weight,
+                 p + "self_attn.kv_b_proj.weight"),
+                (mtp.transformer_layer.mlp.router.expert_bias,
+                 p + "mlp.gate.e_score_correction_bias"),
+            ]  # fmt: skip
+            for got, name in pairs:
+                equal.append(torch.equal(got.data.float(), ref.get_tensor(name).float()))
     if parallel_state.is_pipeline_first_stage():
         emb = model.embedding.word_embeddings.weight.data[: spec["vocab"]]
         equal.append(torch.equal(emb, ref.get_tensor("model.embed_tokens.weight")))
@@ -227,6 +342,20 @@ def check_stage(mg: Path, hf: Path) -> dict:  # type: ignore[type-arg]
         rows, {"stage": stage, "layers": len(model.decoder.layers), "equal": equal}
     )
     return {"dir": str(mg), "stages": rows}
+
+
+def _metadata() -> dict:  # type: ignore[type-arg]
+    """What Megatron-LM passes to ``sharded_state_dict``: mcore 0.16.1 reads ``dp_cp_group``
+    to tie the embedding copy an MTP stage holds (it raises without one)."""
+    from megatron.core import parallel_state
+
+    return {"dp_cp_group": parallel_state.get_data_parallel_group(with_context_parallel=True)}
+
+
+def _local_rows(att) -> int:  # type: ignore[no-untyped-def]
+    """This TP rank's rows of the fused qkv (or, MLA, of linear_q_up_proj)."""
+    lin = att.linear_qkv if hasattr(att, "linear_qkv") else att.linear_q_up_proj
+    return int(lin.weight.shape[0])
 
 
 def _padding_is_zero(model, vocab: int) -> bool:  # type: ignore[no-untyped-def]

@@ -251,6 +251,23 @@ CONFIGS: dict[str, dict[str, Any]] = {
         num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False,
         max_position_embeddings=128,
     ),
+    # flagships: the multimodal Llama-4 (Llama4ForConditionalGeneration): llama4_text's model
+    # under language_model.* beside a vision tower and projector (make_checkpoint: a config
+    # with a vision_config is written by transformers' image-text-to-text class)
+    "llama4": dict(
+        model_type="llama4", tie_word_embeddings=False,
+        text_config=dict(
+            hidden_size=64, intermediate_size=48, intermediate_size_mlp=96, num_hidden_layers=4,
+            num_attention_heads=8, num_key_value_heads=2, head_dim=16, vocab_size=256,
+            num_local_experts=4, num_experts_per_tok=1, interleave_moe_layer_step=2,
+            max_position_embeddings=128, bos_token_id=1, eos_token_id=2, pad_token_id=None,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            image_size=56, patch_size=14, projector_input_dim=48, projector_output_dim=40,
+            vision_output_dim=24, pixel_shuffle_ratio=0.5,
+        ),
+    ),
 }
 # fmt: on
 
@@ -279,11 +296,12 @@ def make_checkpoint(
     ``max_shard_size`` (e.g. ``"20KB"``) makes transformers write several files and an index.
     """
     import torch
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     cfg = make_config(name, **overrides)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    auto = AutoModelForImageTextToText if "vision_config" in CONFIGS[name] else AutoModelForCausalLM
+    model = auto.from_config(cfg, dtype=getattr(torch, dtype))
     # Random non-trivial norms and biases too, so a swapped or dropped tensor cannot hide; but
     # matrices scaled by 1/sqrt(fan-in) so activations stay O(1) and the dtype's own noise is
     # small: a loose reference would let a wrong-but-plausible layout pass verify's forward.

@@ -21,6 +21,7 @@ import pytest
 
 from shardctl import inspect, reshard
 from shardctl.errors import InvalidInputError
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -209,16 +210,6 @@ def test_inspect_shows_optimizer_state_and_step(trained: dict[str, Path]) -> Non
     assert doc["dcp"]["optimizer_state"] == {"exp_avg": n, "exp_avg_sq": n, "step": n}
     assert doc["dcp"]["step"] == {"min": 2.0, "max": 2.0}
     assert doc["dcp"]["param_groups"][0]["betas"] == [0.9, 0.95]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
-    )
 
 
 def test_cli_reshard_and_inspect(trained: dict[str, Path]) -> None:

@@ -58,6 +58,8 @@ FAMILIES: dict[str, list[Mesh]] = {
     # fam-mla: MLA has no K/V heads to replicate; tp=4 = one head per rank
     "deepseek_v2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     "deepseek_v3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    # flagships: multimodal Llama-4; the vision tower on the first stage, split like vLLM's
+    "llama4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -10,13 +10,12 @@ counts; only depth, head_dim and widths are shrunk (they do not change the layou
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 REAL: dict[str, tuple[str, int, dict[str, Any]]] = {
@@ -51,12 +50,6 @@ REAL: dict[str, tuple[str, int, dict[str, Any]]] = {
         ),
     ),
 }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.mark.parametrize("name", list(REAL))

@@ -11,8 +11,6 @@ the published checkpoint's byte count.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +18,7 @@ import pytest
 
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -55,16 +54,6 @@ REAL: dict[str, tuple[str, int, dict[str, Any]]] = {
         ),
     ),
 }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
 
 
 @pytest.mark.parametrize("name", list(REAL))

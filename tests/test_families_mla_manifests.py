@@ -11,12 +11,13 @@ Published ``model.safetensors.index.json`` ``metadata.total_size`` (bf16 checkpo
   (as quoted in https://blog.youkuaiyun.com/gitblog_00601/article/details/151947352:
   "模型总大小达到471,482,869,760字节", 55 safetensors shards).
 
-DeepSeek-V3's hub checkpoint is FP8 (e4m3, a float32 ``weight_scale_inv`` per 128×128 block):
-its ``total_size`` is only reachable once quantized checkpoints (#18) are modeled, and no
-published bf16 ``total_size`` was found. What is tested for V3 are the README's published
-parameter counts (https://huggingface.co/deepseek-ai/DeepSeek-V3-Base/blob/main/README_WEIGHTS.md:
-main model 671B; the MTP module's decoder layer 11.5B), and that the bytes the plan prices per
-rank are the layout engine's.
+DeepSeek-V3's hub checkpoint is FP8 (e4m3, a float32 ``weight_scale_inv`` per 128×128 block);
+its bytes are matched in tests/test_flagships.py (from the FP8 manifest, against the tensor data
+summed from the 163 shard headers; the index's ``total_size`` there is 2 × elements, not bytes).
+What is tested here for the bf16 V3 manifests are the README's published parameter counts
+(https://huggingface.co/deepseek-ai/DeepSeek-V3-Base/blob/main/README_WEIGHTS.md: main model
+671B; the MTP module's decoder layer 11.5B), and that the bytes the plan prices per rank are the
+layout engine's.
 """
 
 from __future__ import annotations

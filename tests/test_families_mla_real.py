@@ -16,8 +16,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
@@ -29,6 +27,7 @@ from shardctl.layout.types import Mesh, RuleSpec
 from shardctl.model.inventory import from_checkpoint, from_config
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -54,16 +53,6 @@ V3_REAL = dict(
     n_group=8,
     topk_group=4,
 )
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
 
 
 def test_deepseek_v3_forward_at_real_vocabulary_and_heads_tp4_gloo(tmp_path: Path) -> None:

@@ -11,12 +11,11 @@ its packed, interleaved experts, on TP2 (each rank's gate/up columns must pair u
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 REAL = {
@@ -55,12 +54,6 @@ REAL = {
         2,
     ),
 }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.mark.parametrize("name", list(REAL))

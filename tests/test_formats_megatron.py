@@ -262,7 +262,7 @@ def test_verify_forward_with_megatron_dst(tmp_path: Path) -> None:
     ("name", "args", "needle"),
     [
         ("llama", ["--tp", "4"], "tp 4 does not divide num_key_value_heads 2"),
-        ("llama", ["--pp", "3"], "pp 3 does not divide num_hidden_layers 4"),
+        ("llama", ["--pp", "3"], "pp 3 cannot split num_hidden_layers 4"),
         ("llama", ["--ep", "2"], "ep 2 needs a number of experts"),
         ("gpt2", [], "model_type 'gpt2' is not supported"),
         ("llama-bias-headdim", [], "attention_bias/mlp_bias"),

@@ -20,6 +20,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import shardctl
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -222,16 +223,6 @@ def test_vllm_to_ranks_and_verify_levels(tmp_path: Path) -> None:
     assert_matches_vllm(hf, dst2, 2)
     forward = shardctl.verify(hf, dst2, level="forward")
     assert forward.ok, forward
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        capture_output=True,
-        text=True,
-        cwd=ROOT,
-        check=False,
-    )
 
 
 def test_verify_catches_a_changed_byte_and_a_wrong_layout(tmp_path: Path) -> None:

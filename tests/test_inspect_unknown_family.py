@@ -8,24 +8,14 @@ the bitwise level (the forward level cannot run it: exit 5, "could not verify", 
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
 
+from tests._cli import run_cli as _cli
+
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=ROOT,
-    )
 
 
 @pytest.fixture(scope="module")

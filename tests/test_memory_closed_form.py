@@ -14,18 +14,14 @@ from shardctl.model.inventory import from_config
 from shardctl.plan.memory.shapes import shape_from_model, split_layers, stage_counts
 from tests._models import CONFIGS
 
-# fam-moe: the closed form prices uniform MoE layers; Qwen2-MoE / Llama-4 (shared experts, dense
-# layers) and gpt-oss (expert biases, sinks, router bias) are not uniform. Their plan weights come
-# from the layout engine (exact); the closed form only prices their quantized / training states,
-# approximately (a known gap, see CHANGELOG).
-NON_UNIFORM = ("qwen2_moe", "llama4_text", "gpt_oss")
-# fam-mla: families whose file opts out of the closed form (Family.closed_form = False, DeepSeek's
-# MLA) are counted from the engine itself: tests/test_families_mla_manifests.py.
+# Families whose file opts out of the closed form (Family.closed_form = False: DeepSeek's MLA,
+# Qwen2-MoE / Llama-4 shared experts and dense layers, gpt-oss' biases and sinks, the multimodal
+# Llama-4) are counted from the engine itself (tests/test_families_mla_manifests.py,
+# tests/test_flagships.py); without tensors the plan labels the closed form approximate.
 PRESET_ARCHS = [
     n
     for n in CONFIGS
-    if not n.startswith(("gemma2", "qwen3", *NON_UNIFORM))
-    and family_for(CONFIGS[n]["model_type"]).closed_form
+    if not n.startswith(("gemma2", "qwen3")) and family_for(CONFIGS[n]["model_type"]).closed_form
 ]
 
 

@@ -82,13 +82,23 @@ def test_fp8_kv_halves_the_cache() -> None:
 
 def test_vllm_max_concurrency_counts_windows() -> None:
     model = _model("mistral", MISTRAL, sliding_window=4096)
-    w = Workload(sequence_length=32768, engine="vllm")
+    # vLLM V1 (kv_cache_interface SlidingWindowSpec.max_memory_usage_bytes): a sliding layer
+    # reserves cdiv(min(window − 1 + max_num_batched_tokens, max_model_len), 16) + 1 blocks:
+    # with 2,048-token chunks, 385 blocks = 6,160 tokens of a 32k sequence per layer, 5.32× the
+    # sequences a full-attention count says (the bare window, 4,096, would say 8×).
+    w = Workload(sequence_length=32768, engine="vllm", profile_tokens=2048)
     plan = estimate(model, Mesh(), split_layers(32, 1), hardware=HardwareSpec.preset("h100-sxm"),
                     workload=w)  # fmt: skip
     assert plan.kv is not None and plan.kv.capacity is not None
     c = plan.kv.capacity
-    # One 32k sequence holds 4,096 tokens per layer: 8× the sequences a full-attention count says.
-    assert round(c.max_concurrency / (c.tokens / 32768), 6) == 8.0
+    assert round(c.max_concurrency / (c.tokens / 32768), 4) == round(32768 / 6160, 4)
+    # without chunked prefill (V0's max_num_batched_tokens = max_model_len) a chunk is the
+    # whole prompt: the window saves nothing at the peak
+    plan = estimate(model, Mesh(), split_layers(32, 1), hardware=HardwareSpec.preset("h100-sxm"),
+                    workload=Workload(sequence_length=32768, engine="vllm"))  # fmt: skip
+    assert plan.kv is not None and plan.kv.capacity is not None
+    c = plan.kv.capacity
+    assert round(c.max_concurrency / (c.tokens / 32768), 4) == round(2048 / 2049, 4)
 
 
 MANIFEST = """\

@@ -5,17 +5,10 @@ transformers cannot run (pp, ep) is named as such."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def test_plan_engine_hf(tmp_path: Path) -> None:

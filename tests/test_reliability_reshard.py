@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -320,22 +321,26 @@ def test_signal_cleans_up(llama: Path, tmp_path: Path, sig: int, code: int) -> N
 
 
 def test_second_run_is_locked_out(llama: Path, tmp_path: Path) -> None:
+    # B runs from A's fault hook, while A holds the lock after writing its first shard: no race
+    # with the machine's load (a sleep-and-poll version lost it when B's start-up outlasted
+    # the sleep).
     other = make_checkpoint("llama", tmp_path / "other", seed=1)
-    dst, log = tmp_path / "out", tmp_path / "reached"
-    cmd = [sys.executable, "-m", "shardctl", "reshard", str(llama), str(dst), "--tp", "2"]
+    dst, b_err, b_rc, a_pid = (tmp_path / n for n in ("out", "b.err", "b.rc", "a.pid"))
+    b_cmd = " ".join(
+        shlex.quote(a) for a in (sys.executable, "-m", "shardctl", "reshard", str(other), str(dst))
+    )
     env = {
         **os.environ,
-        "SHARDCTL_FAULT": "shard_written:1:sleep:4",
-        "SHARDCTL_FAULT_LOG": str(log),
+        "SHARDCTL_FAULT": "shard_written:1:hook",
+        "SHARDCTL_FAULT_HOOK": f"env -u SHARDCTL_FAULT -u SHARDCTL_FAULT_HOOK {b_cmd} --tp 2 "
+        f"2>{shlex.quote(str(b_err))}; echo $? >{shlex.quote(str(b_rc))}; "
+        f"echo $PPID >{shlex.quote(str(a_pid))}",  # the hook's shell is A's child
     }
-    a = subprocess.Popen(cmd, cwd=REPO, env=env, stderr=subprocess.PIPE, text=True)
-    deadline = time.monotonic() + 60
-    while not (log.exists() and log.read_text()) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    b = run(str(other), str(dst), "--tp", "2")
-    assert a.wait(timeout=60) == 0, a.stderr.read() if a.stderr else ""
-    assert b.returncode == 4
-    assert f"output locked by pid {a.pid}" in one_line_error(b)
+    a = run(str(llama), str(dst), "--tp", "2", env=env, timeout=600)
+    assert a.returncode == 0, a.stderr
+    assert b_rc.read_text().strip() == "4"
+    b = subprocess.CompletedProcess([], 4, "", b_err.read_text())
+    assert f"output locked by pid {a_pid.read_text().strip()}" in one_line_error(b)
     raw = complete(dst)  # A's output, from A's source
     assert raw["source"]["path"] == str(llama)
     reshard(dst, tmp_path / "merged")

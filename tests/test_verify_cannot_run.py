@@ -11,11 +11,11 @@ it still cannot run.
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import torch
+
+from tests._cli import run_cli as _cli
 
 RULES = """\
 model:
@@ -50,12 +50,6 @@ def _save_exaone4(out: Path) -> None:
     )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(out)
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args], capture_output=True, text=True, timeout=300
-    )
 
 
 def test_forward_level_it_cannot_run_exits_5(tmp_path: Path) -> None:

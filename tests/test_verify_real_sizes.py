@@ -11,12 +11,11 @@ logic): hidden 256 keeps 32 query heads and 8 KV heads of head_dim 8.
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
+from tests._cli import run_cli as _cli
 from tests._models import make_checkpoint
 
 # (family, vocab, overrides): Llama-3's vocabulary and head counts; Qwen2's 151,936 vocabulary
@@ -45,12 +44,6 @@ REAL = {
         ),
     ),
 }
-
-
-def _cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "shardctl", *args], capture_output=True, text=True, timeout=600
-    )
 
 
 @pytest.mark.parametrize(

@@ -29,6 +29,7 @@ from shardctl.archs import (
     gpt_oss,
     granite,
     llama,
+    llama4,
     llama4_text,
     mistral,
     mixtral,
@@ -88,6 +89,8 @@ _MODULES: tuple[ModuleType, ...] = (
     # fam-mla
     deepseek_v2,
     deepseek_v3,
+    # flagships
+    llama4,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -110,7 +113,7 @@ def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:
     """The known ``model_type`` nearest to an unknown one: by how many of its tensor names a
     family's rules place (when names are given), else by spelling.
 
-    >>> closest_family("llama4")
+    >>> closest_family("llama5")
     'llama'
     """
     templates = sorted({_LAYER_INDEX.sub(".*.", n) for n in fqns})

@@ -26,6 +26,7 @@ from shardctl.archs._family import (
     Family,
     ForwardSpec,
     Localize,
+    MegatronDecl,  # megatron-moe
     MemoryFlags,
     Shapes,
     divide,
@@ -219,6 +220,7 @@ def decoder_family(
     config_keys: tuple[str, ...] = DECODER_OTHER,
     sliding_layers: str = "none",
     quantizable: tuple[str, ...] = LINEAR_PROJECTIONS,
+    megatron: MegatronDecl | None = None,  # megatron-moe: how Megatron-Core holds it
 ) -> Family:
     """A Llama-like family. ``qkv_bias`` / ``o_bias`` / ``mlp_bias``: ``None`` follows the
     config's ``attention_bias`` / ``mlp_bias``; a bool fixes it. ``layer`` replaces the whole
@@ -269,4 +271,5 @@ def decoder_family(
         config_keys=config_keys,
         sliding_layers=sliding_layers,
         quantizable=quantizable,
+        megatron=megatron,
     )

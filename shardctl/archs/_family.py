@@ -111,6 +111,9 @@ class ForwardSpec:
     arch: str = ""  # filled in by the registry: the model_type asked for
     renames: tuple[tuple[str, str], ...] = ()
     recomputed: tuple[str, ...] = ()
+    # a multimodal config's section the forward level runs (Llama-4: "text_config"): its keys
+    # are lifted to the top of the config verify reads, model_type kept (verify/adapters.py)
+    sub_config: str = ""
 
     def param(self, fqn: str) -> str:
         """The in-memory name of an on-disk ``fqn``."""
@@ -122,6 +125,26 @@ class ForwardSpec:
     @property
     def layer_re(self) -> re.Pattern[str]:
         return re.compile(rf"^{re.escape(self.layer_prefix)}\.(\d+)\.(.+)$")
+
+
+@dataclass(frozen=True)
+class MegatronDecl:
+    """How Megatron-Core's ``GPTModel`` holds this family (read by shardctl/formats/megatron):
+    the HF module names only; every size, bias and norm is derived from the family's inventory.
+
+    ``moe``: the MoE block's module under ``model.layers.N`` (``""``: a dense family);
+    ``expert``: a routed expert's (gate, up, down) projection names; ``shared``: the shared
+    expert(s) module under the MoE block; ``shared_gate``: its sigmoid gate ``[1, H]``;
+    ``router``: ``"softmax"`` (top-k renormalized iff the config's ``norm_topk_prob``, default
+    false), ``"softmax_topk"`` (always renormalized: Mixtral), ``"sigmoid_bias"`` (DeepSeek-V3:
+    sigmoid scores, ``e_score_correction_bias``, group-limited top-k); ``mla``: DeepSeek MLA."""
+
+    moe: str = ""
+    expert: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+    shared: str = ""
+    shared_gate: str = ""
+    router: str = "softmax"
+    mla: bool = False
 
 
 @dataclass(frozen=True)
@@ -155,6 +178,12 @@ class Family:
     # the decoder layers' linear projections (attention, MLP, per-expert ones, MLA's
     # kv_a_proj_with_mqa); routers, norms, embeddings and the head stay 16-bit.
     quantizable: tuple[str, ...] = LINEAR_PROJECTIONS
+    # (fqn glob, dtype): tensors a quantized checkpoint (config with quantization_config) stores
+    # in another dtype than the model's 16-bit one, as the published files do (DeepSeek-V3's FP8
+    # release keeps mlp.gate.e_score_correction_bias in F32; save_pretrained writes it BF16).
+    quantized_dtypes: tuple[tuple[str, str], ...] = ()
+    # ---- megatron-moe: Megatron-Core torch_dist (None: --format megatron refuses the family)
+    megatron: MegatronDecl | None = None
 
 
 # ---- config readers ----------------------------------------------------------------------

@@ -49,6 +49,7 @@ from shardctl.archs._family import (
     ExpertSpec,
     Family,
     ForwardSpec,
+    MegatronDecl,  # megatron-moe
     MemoryFlags,
     Shapes,
     get_bool,
@@ -352,6 +353,7 @@ def mla_family(
     route_weights: Any,
     defaults: Config,
     follows: str = FOLLOWS,
+    megatron: MegatronDecl | None = None,  # megatron-moe: how Megatron-Core holds it
 ) -> Family:
     """A DeepSeek MLA + MoE family. ``router_bias``: V3's ``e_score_correction_bias``;
     ``mlp_bias``: the MLPs follow the config's ``mlp_bias`` (V2) or never have one (V3);
@@ -393,6 +395,7 @@ def mla_family(
         shape_keys=SHAPE_KEYS,
         config_keys=CONFIG_KEYS,
         closed_form=False,
+        megatron=megatron,
     )
 
 

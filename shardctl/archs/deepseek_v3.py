@@ -8,16 +8,32 @@
   ``deepseek_mtp.py``): placed on the last pipeline stage, counted by the inventory from a
   config only with ``include_mtp_layers: true``.
 
-The published DeepSeek-V3 weights are FP8 (``weight_scale_inv`` per 128×128 block); this file
-describes the BF16 tensors (``save_pretrained``, the community BF16 conversions).
+The BF16 tensors are what ``save_pretrained`` writes. The published DeepSeek-V3 / R1 files are
+FP8: a config with their ``quantization_config`` (``quant_method: fp8``, ``weight_block_size
+[128, 128]``) inventories them as stored (shardctl/quant/expand.py)::
+
+    every q_a / q_b / kv_a_proj_with_mqa / kv_b / o projection and every dense, shared and routed
+    expert gate / up / down projection:  weight F8_E4M3 + weight_scale_inv F32 [⌈out/128⌉, ⌈in/128⌉]
+    mlp.gate.e_score_correction_bias     F32 (transformers keeps it fp32; save_pretrained from a
+                                         bf16 model writes BF16)
+    MTP eh_proj [H, 2H]                  BF16, no scale (vLLM deepseek_mtp.py builds it as a plain
+                                         nn.Linear); embeddings, head, norms, router weight BF16
+
+That inventory equals the published checkpoint tensor for tensor: 91,991 tensors; elements BF16
+3,918,786,560 / F8_E4M3 680,571,043,840 / F32 41,555,600 (the Hub's per-dtype safetensors counts);
+688,574,839,360 bytes of tensor data (tests/test_flagships.py cites the sources).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
-from shardctl.archs._family import Config
-from shardctl.archs.deepseek_v2 import mla_family
+from shardctl.archs._family import (
+    Config,
+    MegatronDecl,  # megatron-moe
+)
+from shardctl.archs.deepseek_v2 import CONFIG_KEYS, mla_family
 
 
 def _sigmoid_weights(logits: Any, indices: Any, config: Config) -> Any:
@@ -45,4 +61,18 @@ FAMILY = mla_family(
     mlp_bias=False,
     route_weights=_sigmoid_weights,
     defaults=V3_DEFAULTS,
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(moe="mlp", shared="shared_experts", router="sigmoid_bias", mla=True),
+)
+
+# flagships: the published FP8 checkpoint's storage (see the module docstring)
+FAMILY = dataclasses.replace(
+    FAMILY,
+    config_keys=(*CONFIG_KEYS, "quantization_config"),
+    quantizable=(
+        "model.layers.*.self_attn.*_proj.weight",
+        "model.layers.*.self_attn.*_proj_with_mqa.weight",
+        "model.layers.*.mlp.*_proj.weight",  # dense, shared_experts.* and experts.{e}.*
+    ),
+    quantized_dtypes=(("model.layers.*.mlp.gate.e_score_correction_bias", "F32"),),
 )

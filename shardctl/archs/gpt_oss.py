@@ -18,14 +18,17 @@ by head). Layers alternate sliding-window / full attention (``layer_types``).
 
 Quantized checkpoints: the published gpt-oss files store the experts in MXFP4
 (``gate_up_proj_blocks [E, 2I, H/32, 16]`` U8, ``gate_up_proj_scales [E, 2I, H/32]`` U8, and the
-same for ``down_proj``). Those names and their block/scale geometry are issue #18's to add; this
-family reads the bf16 layout only (a MXFP4 checkpoint's ``*_blocks`` tensors match no rule and
-are refused, naming them).
+same for ``down_proj``; attention, router, embeddings and head BF16). A config with the published
+``quantization_config`` (``quant_method: mxfp4``) inventories exactly those
+(shardctl/quant/expand.py): gpt-oss-120b's 65,248,815,744 bytes, its index's ``total_size``
+(tests/test_flagships.py). Tensor parallelism splits the blocks' in-features by whole 32-value
+blocks only (tp 1 or 2 for gpt-oss' 2880).
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 from typing import Any
 
 from shardctl.archs._decoder import (
@@ -117,3 +120,6 @@ FAMILY = decoder_family(
     ),
     sliding_layers="even",
 )
+# flagships: sinks, router and expert biases are not the closed form's uniform MoE layer; plan
+# counts by kind from the layout engine (exact).
+FAMILY = dataclasses.replace(FAMILY, closed_form=False)

@@ -6,6 +6,7 @@ Placement follows vLLM ``llama.py`` (``LlamaForCausalLM``) and Megatron-Core ``G
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 
 FAMILY = decoder_family(
@@ -13,4 +14,6 @@ FAMILY = decoder_family(
     mlp_bias=None,
     shape_keys=(*DECODER_SHAPES, "attention_bias", "mlp_bias"),
     config_keys=(*DECODER_OTHER, "pretraining_tp"),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(),
 )

@@ -21,9 +21,8 @@ the same names and shapes in memory)::
 The published Llama-4-Scout/Maverick repositories are the multimodal
 ``Llama4ForConditionalGeneration`` (``model_type: llama4``): the same text tensors under
 ``language_model.model.*`` / ``language_model.lm_head.weight`` plus ``vision_model.*`` and
-``multi_modal_projector.*``. shardctl reads the text model only: such a checkpoint is refused as
-``llama4`` (no family file); its ``text_config`` (``model_type: llama4_text``) plans the text
-weights, and a text-only checkpoint (``Llama4ForCausalLM.save_pretrained``) reshards.
+``multi_modal_projector.*``: family ``llama4`` (:mod:`shardctl.archs.llama4`), which places these
+text tensors with this file's rules under ``language_model.``.
 """
 
 from __future__ import annotations
@@ -195,3 +194,6 @@ FAMILY = decoder_family(
         "for_llm_compressor",
     ),
 )
+# flagships: shared expert, dense layers of intermediate_size_mlp: not the closed form's uniform
+# MoE layer; plan counts by kind from the layout engine (exact).
+FAMILY = dataclasses.replace(FAMILY, closed_form=False)

@@ -6,10 +6,13 @@ Placement follows vLLM ``llama.py`` (Mistral is served by ``LlamaForCausalLM``) 
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
 FAMILY = decoder_family(
     "mistral",
     config_keys=(*DECODER_OTHER, *SLIDING),
     sliding_layers="all",  # Mistral-7B-v0.1: every layer, window 4096
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(),
 )

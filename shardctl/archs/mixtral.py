@@ -26,7 +26,12 @@ from shardctl.archs._decoder import (
     decoder_forward,
     norms,
 )
-from shardctl.archs._family import Config, ExpertSpec, Shapes
+from shardctl.archs._family import (
+    Config,
+    ExpertSpec,
+    MegatronDecl,  # megatron-moe
+    Shapes,
+)
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -102,4 +107,6 @@ FAMILY = decoder_family(
         "router_aux_loss_coef",
         "router_jitter_noise",
     ),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(moe="block_sparse_moe", expert=("w1", "w3", "w2"), router="softmax_topk"),
 )

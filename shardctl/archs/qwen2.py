@@ -6,6 +6,7 @@ Placement follows vLLM ``qwen2.py`` (``Qwen2ForCausalLM``: biases split with the
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
 FAMILY = decoder_family(
@@ -14,4 +15,6 @@ FAMILY = decoder_family(
     o_bias=False,
     follows="vLLM qwen2.py",
     config_keys=(*DECODER_OTHER, *SLIDING),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(),
 )

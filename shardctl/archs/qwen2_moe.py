@@ -31,7 +31,12 @@ from shardctl.archs._decoder import (
     gated_mlp,
     norms,
 )
-from shardctl.archs._family import Config, Shapes, get_int
+from shardctl.archs._family import (
+    Config,
+    MegatronDecl,  # megatron-moe
+    Shapes,
+    get_int,
+)
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -91,6 +96,8 @@ _BASE = decoder_family(
     follows="vLLM qwen2_moe.py (Qwen2MoeForCausalLM, FusedMoE) / Megatron-Core MoE",
     shape_keys=(*DECODER_SHAPES, *moe.MOE_SHAPES, "shared_expert_intermediate_size"),
     config_keys=(*DECODER_OTHER, *SLIDING, *moe.MOE_OTHER, "qkv_bias"),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(moe="mlp", shared="shared_expert", shared_gate="shared_expert_gate"),
 )
 
 
@@ -99,3 +106,6 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
 
 
 FAMILY = moe.with_moe(_BASE, _dims)
+# flagships: shared expert + its gate, dense layers off decoder_sparse_step: not the closed
+# form's uniform MoE layer; plan counts by kind from the layout engine (exact).
+FAMILY = dataclasses.replace(FAMILY, closed_form=False)

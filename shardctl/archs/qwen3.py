@@ -7,6 +7,7 @@ vLLM ``qwen3.py`` (``Qwen3ForCausalLM``).
 from __future__ import annotations
 
 from shardctl.archs._decoder import decoder_family
+from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 
 FAMILY = decoder_family(
@@ -15,4 +16,6 @@ FAMILY = decoder_family(
     follows="vLLM qwen3.py",
     shape_keys=(*DECODER_SHAPES, "attention_bias"),
     config_keys=(*DECODER_OTHER, *SLIDING),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(),
 )

@@ -25,7 +25,13 @@ from shardctl.archs._decoder import (
     gated_mlp,
     norms,
 )
-from shardctl.archs._family import Config, Shapes, get_bool, get_int
+from shardctl.archs._family import (
+    Config,
+    MegatronDecl,  # megatron-moe
+    Shapes,
+    get_bool,
+    get_int,
+)
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES, SLIDING
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -69,6 +75,8 @@ _BASE = decoder_family(
     follows="vLLM qwen3_moe.py (Qwen3MoeForCausalLM, FusedMoE) / Megatron-Core MoE",
     shape_keys=(*DECODER_SHAPES, *moe.MOE_SHAPES, "attention_bias"),
     config_keys=(*DECODER_OTHER, *SLIDING, *moe.MOE_OTHER),
+    # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
+    megatron=MegatronDecl(moe="mlp"),
 )
 
 

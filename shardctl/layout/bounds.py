@@ -55,13 +55,18 @@ def check_mesh(model: ModelInfo, mesh: Mesh) -> None:
         )
 
 
+# A multimodal model's own encoders (Llama-4's vision_model.*) have their own config section:
+# the decoder's heads and hidden size say nothing about their tensors.
+_ENCODERS = ("vision_model.", "vision_tower.", "visual.", "audio_tower.")
+
+
 def check_config(model: ModelInfo) -> None:
     """The config's heads, vocabulary and hidden size agree with the tensors (exit 3)."""
     dims = model.dims
     if dims is None:
         return
     for t in model.tensors:
-        if len(t.shape) != 2:
+        if len(t.shape) != 2 or t.fqn.startswith(_ENCODERS):
             continue
         rows, cols = t.shape
         if t.fqn.endswith(_EMBED) and "position" not in t.fqn:

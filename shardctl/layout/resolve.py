@@ -106,6 +106,10 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             continue
         cr = match.rule
         assert cr.placement is not None
+        if layer is not None and cr.rule.stage is not None:
+            # a rule that pins a stage places a layer-numbered tensor outside the decoder
+            # stack (Llama-4's vision_model.model.layers.{i}: the first stage's encoder)
+            layer = None
         # The same rule on the same shape resolves the same (90,000 experts, a few shapes):
         # computed once per (rule, shape); a failure raises on the first tensor that has it.
         key = (id(cr), logical.shape)
@@ -132,7 +136,7 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
                 hint=f"drop parts from {cr.label}, or use S(0)",
             )
         expert = _expert_index(info.fqn) if cr.rule.expert else None
-        stage = "last" if trailing else match.stage
+        stage = "last" if trailing else (match.stage or cr.rule.stage)
         packed = cr.rule.expert and expert is None
         if packed and dim == 0:
             raise LayoutError(

@@ -193,7 +193,9 @@ class RuleSpec:
     ``parts`` names fused sections along the sharded dim (sizes in elements, or ``"q"``,
     ``"kv"``, ``"intermediate"`` resolved from the config). ``heads`` says the dim is made of
     heads (``"q"`` or ``"kv"``), so ``tp > kv heads`` replicates whole heads instead of failing.
-    ``stage`` pins a non-layer tensor to ``"first"``, ``"last"`` or ``"all"`` stages.
+    ``stage`` pins a non-layer tensor to ``"first"``, ``"last"`` or ``"all"`` stages; a rule
+    whose own ``tp`` and ``stage`` match a layer-numbered name takes it out of the decoder stack
+    (a multimodal encoder's ``vision_model.model.layers.{i}``).
     ``groups`` (``"q"`` or ``"kv"``) says the ``parts`` are interleaved: the dim is one group of
     parts per q head (GPT-NeoX ``query_key_value``: per head ``[q; k; v]``) or per kv head
     (Falcon: per kv group ``[its q heads; k; v]``); named parts are then sizes per group.

@@ -252,8 +252,9 @@ def _workload_section() -> dict[str, Any]:
             "flash_attention": _bool("Flash attention (default true)."),
             "engine": _enum(
                 m.ENGINES,
-                "Memory profile: generic (default) or vllm (vLLM's start-up accounting; "
-                "sequence_length is then max_model_len). megatron: plan also prints the "
+                "Memory profile: generic (default), vllm (vLLM's start-up accounting; "
+                "sequence_length is then max_model_len), sglang (SGLang's token pool), "
+                "trtllm (TensorRT-LLM's paged KV cache). megatron: plan also prints the "
                 "shardctl reshard command writing the layout as a torch_dist checkpoint.",
             ),
             "max_num_seqs": _int("vLLM max_num_seqs: sequences in the profile (256)."),
@@ -264,6 +265,24 @@ def _workload_section() -> dict[str, Any]:
             "block_size": _int("vLLM KV block size in tokens (default 16)."),
             "non_torch_memory": _size("vLLM non-torch memory per rank (default: measured)."),
             "cuda_graph_memory": _size("CUDA graph memory charged before the KV cache (0)."),
+            "mem_fraction_static": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": 1,
+                "description": "SGLang mem_fraction_static (default: SGLang's by tp).",
+            },
+            "sglang_version": {
+                "enum": ["0.4", "0.5", 0.4, 0.5],
+                "description": "SGLang default mem_fraction_static: 0.4 by tp (default), 0.5 by "
+                "GPU memory (>= 0.5.3).",
+            },
+            "free_gpu_memory_fraction": {
+                "type": "number",
+                "exclusiveMinimum": 0,
+                "maximum": 1,
+                "description": "TensorRT-LLM KV cache share of free memory (default 0.9).",
+            },
+            "tokens_per_block": _int("TensorRT-LLM KV block size in tokens (default 32)."),
             "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
             "gradient_accumulation_steps": _int("Default 1."),
         },

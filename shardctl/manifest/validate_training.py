@@ -74,6 +74,10 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         profile_tokens=get(section, "max_num_batched_tokens", path, read_positive, None),
         non_torch_memory=get(section, "non_torch_memory", path, read_size, None),
         cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, 0),
+        mem_fraction_static=get(section, "mem_fraction_static", path, _fraction, None),
+        sglang_version=get(section, "sglang_version", path, enum(("0.4", "0.5")), "0.4"),
+        free_gpu_memory_fraction=get(section, "free_gpu_memory_fraction", path, _fraction, 0.9),
+        tokens_per_block=get(section, "tokens_per_block", path, read_positive, 32),
         only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
@@ -84,6 +88,10 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         batch_given="batch_size" in section.entries,
         steps_given="gradient_accumulation_steps" in section.entries,
     )
+
+
+def _fraction(node: Node, path: str) -> float:
+    return read_float(node, path, minimum=0.0, maximum=1.0, exclusive_minimum=True)
 
 
 def _kvread_dtype(node: Node, path: str) -> str | None:

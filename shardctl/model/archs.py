@@ -16,6 +16,7 @@ family, biases off).
 
 from __future__ import annotations
 
+import fnmatch
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,4 +62,21 @@ def tensors_from_config(
     tensors = tuple(TensorInfo(fqn, shape, dtype) for fqn, shape in sorted(shapes))
     if config.get("quantization_config") is not None:  # the quantized checkpoint's tensors
         tensors = expand(tensors, config, family.quantizable, where=where)
+        tensors = _stored_dtypes(tensors, family.quantized_dtypes)
     return tensors
+
+
+def _stored_dtypes(
+    tensors: tuple[TensorInfo, ...], dtypes: tuple[tuple[str, str], ...]
+) -> tuple[TensorInfo, ...]:
+    """A quantized release's non-16-bit unquantized tensors (``Family.quantized_dtypes``)."""
+    if not dtypes:
+        return tensors
+
+    def dtype_of(t: TensorInfo) -> str:
+        for glob, dtype in dtypes:
+            if fnmatch.fnmatchcase(t.fqn, glob):
+                return dtype
+        return t.dtype
+
+    return tuple(TensorInfo(t.fqn, t.shape, dtype_of(t)) for t in tensors)

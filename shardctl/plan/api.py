@@ -38,7 +38,8 @@ def load_model(manifest: Manifest) -> ModelInfo:
         return _not_requantized(manifest, info)
     if spec.parameters is not None:
         return inventory.from_parameters(spec.parameters, spec.dtype or "BF16")
-    return inventory.from_config(dict(spec.inline_config), dtype=spec.dtype, source="inline")
+    info = inventory.from_config(dict(spec.inline_config), dtype=spec.dtype, source="inline")
+    return _not_requantized(manifest, info)  # an inline quantization_config too
 
 
 def _not_requantized(manifest: Manifest, info: ModelInfo) -> ModelInfo:

@@ -138,7 +138,12 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
         verdict += " (weights only)"
     share = result.memory.inputs.get("gpu_memory_utilization")
     of = fmt_in(budget, unit)
-    if result.memory.mode == "inference" and share is not None:
+    fraction = result.memory.inputs.get("mem_fraction_static") or result.memory.inputs.get(
+        "free_gpu_memory_fraction"
+    )
+    if fraction is not None:  # SGLang / TensorRT-LLM: the reserve is an overhead item
+        of += f" (device memory; engine fraction {fraction} priced as overhead)"
+    elif result.memory.mode == "inference" and share is not None:
         of += f" (gpu_memory_utilization {share} × {fmt_in(result.device_memory or 0, unit)})"
     console.print(
         f"{verdict}: largest rank {worst.rank} needs {fmt_in(worst.total, unit)} of the "
@@ -147,10 +152,22 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
     kv = result.memory.kv
     if kv is not None and kv.capacity is not None and kv.sequence_length:
         c = kv.capacity
+        if c.engine in ("sglang", "trtllm"):  # the engine's own log line
+            name = (
+                "max_total_num_tokens"
+                if c.engine == "sglang"
+                else f"max tokens in paged KV cache (blocks of {c.block_size})"
+            )
+            console.print(
+                f"KV cache per rank: {fmt_in(c.kv_bytes, unit)}, {name} = {c.tokens:,}; max "
+                f"concurrency at {kv.sequence_length:,} tokens: {c.max_concurrency:.2f}x"
+            )
+            return
         # vLLM's own units: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency".
+        groups = f" shared by {c.groups} KV cache groups" if c.groups > 1 else ""
         console.print(
             f"KV cache per rank: {fmt_in(c.kv_bytes, unit)} = {c.blocks:,} blocks of "
-            f"{c.block_size} tokens = {c.tokens:,} tokens; max concurrency at "
+            f"{c.block_size} tokens{groups} = {c.tokens:,} tokens; max concurrency at "
             f"{kv.sequence_length:,} tokens: {c.max_concurrency:.2f}x"
         )
 

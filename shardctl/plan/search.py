@@ -36,8 +36,8 @@ from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import DIVISIBLE_ONLY
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.budget import fits as fits_budget
-from shardctl.plan.memory.budget import memory_budget
 from shardctl.plan.memory.context import Context
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
@@ -125,7 +125,11 @@ def search(
         budget=memory_budget(
             hw.device_memory,
             training=training is not None,
-            gpu_memory_utilization=workload.gpu_memory_utilization,
+            gpu_memory_utilization=(
+                workload.gpu_memory_utilization
+                if training
+                else engine_utilization(workload.engine, workload.gpu_memory_utilization)
+            ),
         ),
         objective=options.objective,
         candidates=tuple(fits),

@@ -85,7 +85,8 @@ def read_quant(config: Mapping[str, Any], *, where: str = "config") -> QuantConf
         block = raw.get("weight_block_size")
         if block is None:
             return QuantConfig("fp8", bits=8, ignore=ignore)
-        if not isinstance(block, list) or len(block) != 2 or not all(_positive(b) for b in block):
+        pair = isinstance(block, (list, tuple)) and len(block) == 2  # inline manifests: tuples
+        if not pair or not all(_positive(b) for b in block):
             raise InvalidInputError(
                 f"weight_block_size: expected [rows, cols] of positive integers, got {block!r}",
                 where=w,
@@ -158,7 +159,7 @@ def _positive(v: object) -> bool:
 
 
 def _names(value: object, where: str) -> tuple[str, ...]:
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise InvalidInputError(
             f"modules_to_not_convert / ignore: expected a list of names, got {value!r}",
             where=where,

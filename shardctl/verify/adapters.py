@@ -15,6 +15,7 @@ rank holding ``[Q_r; K_r; V_r]`` computes correctly, a rank holding a plain chun
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from typing import Any
 
 from shardctl.archs import FAMILIES, ForwardSpec, find
@@ -37,6 +38,17 @@ def adapter_for(arch: str) -> Adapter:
             hint=f"supported: {', '.join(SUPPORTED)}; use --level bitwise",
         )
     return dataclasses.replace(family.forward, arch=arch)
+
+
+def forward_config(cfg: dict[str, Any]) -> dict[str, Any]:
+    """The config the forward level reads: a multimodal family's text section lifted to the
+    top (``ForwardSpec.sub_config``), its own ``model_type`` kept; others unchanged."""
+    family = find(str(cfg.get("model_type")))
+    section = family.forward.sub_config if family is not None and family.forward else ""
+    sub = cfg.get(section) if section else None
+    if not isinstance(sub, Mapping):
+        return cfg
+    return {**cfg, **dict(sub), "model_type": cfg["model_type"]}
 
 
 def dims_of(cfg: dict[str, Any]) -> Dims:

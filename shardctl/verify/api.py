@@ -197,9 +197,12 @@ def _forward_sides(
 
 def sharded_view(dest: Destination) -> ShardedCheckpoint:
     """What the forward level runs: DST's layout and rank files (an HF DST is one rank)."""
+    from shardctl.verify.adapters import forward_config
+
+    config = forward_config(dest.config)
     layout = dest.layout
     if layout is None:
-        layers = dest.config.get("num_hidden_layers") or dest.config.get("n_layer") or 1
+        layers = config.get("num_hidden_layers") or config.get("n_layer") or 1
         layout = Layout(
             architecture=str(dest.config.get("model_type", "unknown")),
             mesh=Mesh(),
@@ -207,4 +210,4 @@ def sharded_view(dest: Destination) -> ShardedCheckpoint:
             stages=(Stage(0, (0, int(layers) - 1)),),
             ranks=(RankLayout(0, 0, 0, ()),),
         )
-    return ShardedCheckpoint(dest.root, dest.config, layout, dest.rank_files())
+    return ShardedCheckpoint(dest.root, config, layout, dest.rank_files())

@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint import save as dcp_save
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.filesystem import SerializationFormat
 from torch.distributed.checkpoint.metadata import (
@@ -43,7 +44,7 @@ from torch.distributed.checkpoint.planner import (
     WriteItemType,
 )
 
-from shardctl.errors import InvalidInputError
+from shardctl.errors import InvalidInputError, ShardctlError
 
 
 @dataclass(frozen=True)
@@ -74,6 +75,7 @@ class _LazyPlanner(DefaultSavePlanner):
         self._chunks = {(c.fqn, c.offsets): c for c in chunks}
         self._blobs = {b.fqn: b for b in blobs}
         self._last: torch.Tensor | None = None
+        self.error: ShardctlError | None = None  # raised by a chunk's make(): DCP wraps it
 
     def create_local_plan(self) -> SavePlan:
         items = [
@@ -106,7 +108,11 @@ class _LazyPlanner(DefaultSavePlanner):
             # this one): free its bytes, which DCP's writer would otherwise hold to the end
             self._last.untyped_storage().resize_(0)
             self._last = None
-        t = c.make()
+        try:
+            t = c.make()
+        except ShardctlError as exc:
+            self.error = exc
+            raise
         assert tuple(t.shape) == c.sizes and t.dtype == c.dtype, (c.fqn, t.shape, t.dtype)
         if t.untyped_storage().nbytes() != t.nbytes or not t.untyped_storage().resizable():
             t = t.clone()  # a storage of its own, exactly its bytes (DCP would clone it anyway)
@@ -126,7 +132,24 @@ def write(path: Path, chunks: Sequence[Chunk], blobs: Sequence[Blob]) -> None:
     )
     with warnings.catch_warnings():  # "torch.distributed is disabled ...": one process is meant
         warnings.simplefilter("ignore", UserWarning)
-        dcp_save({}, storage_writer=writer, planner=_LazyPlanner(chunks, blobs), no_dist=True)
+        planner = _LazyPlanner(chunks, blobs)
+        try:
+            dcp_save({}, storage_writer=writer, planner=planner, no_dist=True)
+        except CheckpointException as exc:  # a BaseException, not an Exception
+            error = planner.error or _refusal_in(exc)
+            if error is not None:  # a refusal while building a chunk: its one line
+                raise error from None
+            raise
+
+
+def _refusal_in(exc: BaseException) -> ShardctlError | None:
+    """The ShardctlError a chunk's make() raised, out of DCP's CheckpointException (whose
+    ``failures`` map a rank to ``(exception, traceback)``)."""
+    for failure in (getattr(exc, "failures", None) or getattr(exc, "_failures", {})).values():
+        inner = failure[0] if isinstance(failure, tuple) else failure
+        if isinstance(inner, ShardctlError):
+            return inner
+    return None
 
 
 # DCP's ``.metadata`` is a pickle: only these classes may be named in it (what torch's

@@ -55,8 +55,7 @@ class MegatronCheckpoint:
             )
         if side is not None:
             self.spec, self.hf = _from_sidecar(side, self.root / layout.SIDECAR)
-            qkv = tensors.get("decoder.layers.self_attention.linear_qkv.weight")
-            layers = None if qkv is None else int(qkv.size[0])
+            layers = _layers_held(tensors)
             if layers != self.spec.layers:  # before anything is sized from the sidecar
                 raise InvalidInputError(
                     f"sidecar says {self.spec.layers} layers, the checkpoint holds {layers}",
@@ -67,6 +66,8 @@ class MegatronCheckpoint:
         else:
             cfg = layout.read_config(self.root, self.ckpt)
             cfg = {**cfg, "tie_word_embeddings": "output_layer.weight" not in tensors}
+            if any(k.startswith("mtp.layers.") for k in tensors):
+                cfg["include_mtp_layers"] = True  # shardctl's key: count the MTP layers
             spec = spec_from_config(cfg, where=str(self.root / "config.json"))
             self.spec = replace(spec, padded_vocab=int(emb.size[0]))
             self.hf = self._derive_tensors(tensors)
@@ -109,7 +110,7 @@ class MegatronCheckpoint:
             raise InvalidInputError(
                 f"torch_dist tensors shardctl cannot map to HF: {extra[:3]}",
                 where=str(self.ckpt),
-                hint="only model weights of the Llama-like/Mixtral GPT specs are supported",
+                hint="only model weights of the GPT specs shardctl writes are supported",
             )
 
     def carried(self) -> list[Path]:
@@ -132,19 +133,44 @@ class MegatronCheckpoint:
             yield u, names.unpack(u, self.spec, self.reader.read_box(u.key, u.index))
 
 
+def _layers_held(tensors: dict[str, Any]) -> int | None:
+    """How many decoder layers the checkpoint holds: the leading axis of a stacked
+    ``decoder.layers.X``, or one more than the highest ``decoder.layers.{i}.``."""
+    most = -1
+    for key, meta in tensors.items():
+        if not key.startswith("decoder.layers."):
+            continue
+        head = key.split(".")[2]
+        if head.isdigit():
+            most = max(most, int(head))
+        elif meta.size:
+            return int(meta.size[0])
+    return most + 1 if most >= 0 else None
+
+
 _INT_FIELDS = ("layers", "hidden", "heads", "groups", "head_dim", "ffn", "vocab", "padded_vocab")
 
 
 def _from_sidecar(side: dict[str, Any], where: Path) -> tuple[MegatronSpec, list[TensorInfo]]:
     """The spec and HF tensor list a sidecar records, validated (hostile input: exit 3)."""
     try:
-        spec = MegatronSpec(**dict(side["spec"]))
-        ints = [getattr(spec, f) for f in _INT_FIELDS] + [spec.experts, spec.topk]
+        fields = dict(side["spec"])
+        for key in ("moe_layers", "hf_expert"):
+            if isinstance(fields.get(key), list):
+                fields[key] = tuple(fields[key])
+        spec = MegatronSpec(**fields)
+        extra = [spec.experts, spec.topk, spec.moe_ffn, spec.shared_ffn, spec.q_lora_rank]
+        extra += [spec.kv_lora_rank, spec.qk_nope, spec.qk_rope, spec.v_head_dim, spec.mtp_layers]
+        ints = [getattr(spec, f) for f in _INT_FIELDS] + list(extra)
         if any(not isinstance(v, int) or isinstance(v, bool) or v < 0 for v in ints) or not all(
             ints[: len(_INT_FIELDS)]
         ):
             raise ValueError("dimensions must be positive integers")
-        if spec.heads % spec.groups or spec.experts > 2**16:
+        if any(not isinstance(i, int) or not 0 <= i < spec.layers for i in spec.moe_layers or ()):
+            raise ValueError("moe_layers must be layer indices")
+        if len(spec.hf_expert) != 3 or not all(isinstance(x, str) for x in spec.hf_expert):
+            raise ValueError("hf_expert must be three names")
+        if spec.heads % spec.groups or spec.experts > 2**16 or spec.mtp_layers > 64:
             raise ValueError("inconsistent heads/groups/experts")
         hf = [
             TensorInfo(str(f), tuple(int(x) for x in shape), str(d))

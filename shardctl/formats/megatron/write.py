@@ -42,6 +42,9 @@ def hf_spec(source: Source, *, tp: int, pp: int, ep: int) -> MegatronSpec:
         raise InvalidInputError("config.json is not a JSON object", where=str(cfg_path))
     present = {t.fqn for t in source.model.tensors}
     cfg = {**cfg, "tie_word_embeddings": "lm_head.weight" not in present}
+    layers = cfg.get("num_hidden_layers")
+    if isinstance(layers, int) and any(n.startswith(f"model.layers.{layers}.") for n in present):
+        cfg["include_mtp_layers"] = True  # shardctl's key: the inventory counts MTP layers
     spec = spec_from_config(cfg, tp=tp, pp=pp, ep=ep, where=str(cfg_path))
     needed = {n for u in names.units(spec) for n in u.hf}
     extra = sorted(present - needed)

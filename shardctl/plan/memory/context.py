@@ -10,7 +10,7 @@ from __future__ import annotations
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
-from shardctl.plan.memory.budget import memory_budget
+from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
@@ -18,10 +18,16 @@ from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
+from shardctl.plan.memory.sglang import (
+    default_mem_fraction_static,
+    default_mem_fraction_static_v05,
+    sglang_overhead,
+)
 from shardctl.plan.memory.shapes import Counts, ModelShape, stage_counts
 from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
 from shardctl.plan.memory.terms import inference_terms, training_terms
+from shardctl.plan.memory.trtllm import TrtllmOverhead, kv_reserve_bytes
 from shardctl.plan.memory.vllm import VllmOverhead, non_torch_bytes
 
 
@@ -53,6 +59,26 @@ class Context:
         self.engine = engine_profile(workload.engine, training=training is not None)
         self.cp = training.context_parallel if training is not None else 1
         self.vllm = training is None and workload.engine == "vllm"
+        self.sglang = training is None and workload.engine == "sglang"
+        self.trtllm = training is None and workload.engine == "trtllm"
+        self.mem_fraction_static = (
+            workload.mem_fraction_static
+            if workload.mem_fraction_static is not None
+            else default_mem_fraction_static_v05(
+                hardware.device_memory, tp=mesh.tp * mesh.ep, pp=mesh.pp
+            )
+            if workload.sglang_version == "0.5" and hardware.device_memory is not None
+            else default_mem_fraction_static(mesh.tp * mesh.pp * mesh.ep)
+        )
+        # tokens per KV block in the engine's own units (SGLang: page size 1)
+        self.block_size = (
+            workload.block_size if self.vllm else workload.tokens_per_block if self.trtllm else 1
+        )
+        self.utilization = (
+            engine_utilization(workload.engine, workload.gpu_memory_utilization)
+            if training is None
+            else workload.gpu_memory_utilization
+        )
         n_layers = shape.dims.num_layers if shape is not None else 0
         self.windows = layer_windows(model.architecture, model.config, n_layers)
         self.mla_width = mla_latent_width(model.config)
@@ -61,7 +87,7 @@ class Context:
         self.budget = memory_budget(
             hardware.device_memory,
             training=training is not None,
-            gpu_memory_utilization=workload.gpu_memory_utilization,
+            gpu_memory_utilization=self.utilization,
         )
         # Per stage index; the search shares them between meshes that agree on what they key.
         self._cache: dict[int, tuple[int, int, dict[str, int]]] = {}
@@ -127,6 +153,16 @@ class Context:
         frag_base = tensors - kv if self.training is None else tensors
         if self.vllm:
             items = self.vllm_overhead().items()
+        elif self.sglang:
+            items = sglang_overhead(
+                self.hw.device_memory,
+                gpu=self.hw.gpu,
+                ranks=self.mesh.tp * self.mesh.pp * self.mesh.ep,
+                fraction=self.mem_fraction_static,
+                init=self.workload.non_torch_memory,
+            ).items()
+        elif self.trtllm:
+            items = self.trtllm_overhead(weights + acts).items()
         else:
             items = overhead_bytes(
                 self.ovh,
@@ -143,6 +179,16 @@ class Context:
         measured = non_torch_bytes(self.hw.gpu, self.mesh.tp)
         non_torch = measured if w.non_torch_memory is None else w.non_torch_memory
         return VllmOverhead(non_torch=non_torch, cuda_graphs=w.cuda_graph_memory)
+
+    def trtllm_overhead(self, used: int) -> TrtllmOverhead:
+        """TensorRT-LLM's non-torch memory, CUDA graphs, and the ``1 − fraction`` of what the
+        profile left free (``used`` = weights + activation peak)."""
+        vo = self.vllm_overhead()
+        rest = used + vo.non_torch + vo.cuda_graphs
+        reserve = kv_reserve_bytes(
+            self.hw.device_memory, rest, self.workload.free_gpu_memory_fraction
+        )
+        return TrtllmOverhead(vo.non_torch, vo.cuda_graphs, reserve)
 
     def _stage_terms(self, st: Stage) -> tuple[int, int, dict[str, int]]:
         """KV cache and activations of one rank of ``st`` (same for every tp/ep rank)."""

@@ -6,6 +6,9 @@ profiles"):
 - ``generic``: the model of docs/memory-model.md (training activations after Korthikanti et al.
   2022, 16-bit gradients, states after ZeRO) — the default, for inference and training.
 - ``vllm``: inference only, vLLM's start-up profile (:mod:`shardctl.plan.memory.vllm`).
+- ``sglang``: inference only, SGLang's token-pool sizing (:mod:`shardctl.plan.memory.sglang`).
+- ``trtllm``: inference only, TensorRT-LLM's paged KV cache sizing
+  (:mod:`shardctl.plan.memory.trtllm`).
 - ``megatron``: training only; Megatron-LM's fused kernels save what Korthikanti et al. count,
   and its gradients accumulate in an fp32 ``main_grad`` (``--accumulate-allreduce-grads-in-fp32``,
   the default with bf16): 2 + 4 + 12 = 18 bytes per parameter, the figure of Megatron-LM's
@@ -42,6 +45,10 @@ PROFILES: dict[str, EngineProfile] = {
     for p in (
         EngineProfile("generic", ("inference", "training"), source="docs/memory-model.md"),
         EngineProfile("vllm", ("inference",), source="vLLM start-up profile"),
+        EngineProfile("sglang", ("inference",), source="SGLang ModelRunner.profile_max_num_token"),
+        EngineProfile(
+            "trtllm", ("inference",), source="TensorRT-LLM KvCacheCreator.estimate_max_tokens"
+        ),
         EngineProfile(
             "megatron",
             ("training",),

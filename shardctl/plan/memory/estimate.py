@@ -8,6 +8,7 @@ once (``dp`` replicas hold the same sizes; ZeRO shards round up) and returns a
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from typing import Any
 
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
@@ -88,5 +89,17 @@ def estimate(
         moe=moe_params(shape, model.tensors)
         if shape is not None and shape.dims.num_experts
         else None,
-        inputs=plan_inputs(ctx),
+        inputs=_inputs(ctx, model),
     )
+
+
+def _inputs(ctx: Context, model: ModelInfo) -> dict[str, Any]:
+    """:func:`plan_inputs`, plus ``approximate`` when the closed form priced a family it does
+    not describe (a model given without tensors; ``MemoryPlan.warnings`` says so)."""
+    from shardctl.plan.memory.layout_counts import closed_form_caveat
+
+    out = dict(plan_inputs(ctx))
+    caveat = closed_form_caveat(model)
+    if caveat is not None:
+        out["approximate"] = caveat
+    return out

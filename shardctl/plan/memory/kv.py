@@ -58,6 +58,28 @@ class KvCapacity:
     block_size: int = VLLM_BLOCK_SIZE
     kv_bytes: int = 0
     max_concurrency: float = 0.0
+    engine: str = "generic"
+    groups: int = 1  # vLLM V1 hybrid KV cache groups sharing the blocks
+
+    def engine_units(self) -> dict[str, int | float]:
+        """The capacity as the engine's own start-up log states it."""
+        if self.engine == "sglang":  # "max_total_num_tokens=N", "KV Cache is allocated. #tokens"
+            return {"max_total_num_tokens": self.tokens}
+        if self.engine == "trtllm":  # "Allocated X GiB for max tokens in paged KV cache (N)"
+            return {
+                "max_tokens_in_paged_kv_cache": self.tokens,
+                "tokens_per_block": self.block_size,
+                "blocks": self.blocks,
+            }
+        # vLLM: "# GPU blocks", "GPU KV cache size: N tokens", "Maximum concurrency …: 1.56x"
+        out: dict[str, int | float] = {
+            "num_gpu_blocks": self.blocks,
+            "gpu_kv_cache_tokens": self.tokens,
+            "max_concurrency": round(self.max_concurrency, 2),
+        }
+        if self.groups > 1:
+            out["kv_cache_groups"] = self.groups
+        return out
 
 
 def kv_capacity(
@@ -70,6 +92,9 @@ def kv_capacity(
     sequence_length: int,
     block_size: int = VLLM_BLOCK_SIZE,
     sequence_bytes: int | None = None,
+    engine: str = "generic",
+    round_up: bool = False,
+    groups: int = 1,
 ) -> KvCapacity:
     """Tokens of KV one rank can hold under ``utilization`` (vLLM ``gpu_memory_utilization``).
 
@@ -81,9 +106,15 @@ def kv_capacity(
     assert budget is not None
     available = budget - non_kv_bytes
     if per_token <= 0:
-        return KvCapacity(budget, available, 0, 0, 0)
-    blocks = max(available, 0) // (per_token * block_size)
-    tokens = blocks * block_size
+        return KvCapacity(budget, available, 0, 0, 0, engine=engine)
+    if round_up:  # TensorRT-LLM: whole tokens, then up to whole blocks
+        blocks = -(-(max(available, 0) // per_token) // block_size)
+    else:
+        blocks = max(available, 0) // (per_token * block_size)
+    # vLLM V1 hybrid models: ``per_token`` is one token slot of a whole group of layers and
+    # each of the ``groups`` takes its blocks from the same pool ("GPU KV cache size" =
+    # num_blocks // groups × block_size).
+    tokens = blocks // groups * block_size
     kv_bytes = blocks * block_size * per_token
     if sequence_bytes is None:
         sequence_bytes = per_token * sequence_length
@@ -98,4 +129,6 @@ def kv_capacity(
         block_size=block_size,
         kv_bytes=kv_bytes,
         max_concurrency=concurrency,
+        engine=engine,
+        groups=groups,
     )

@@ -96,3 +96,66 @@ def sequence_kv_bytes(
         tokens = length if w is None else min(w, length)
         total += -(-tokens // block_size) * block_size
     return per_layer * total
+
+
+def hybrid_groups(windows: Sequence[int | None]) -> tuple[int, tuple[tuple[int | None, int], ...]]:
+    """vLLM V1's KV cache groups for layers of several attention kinds (``kv_cache_utils.
+    _get_kv_cache_config_uniform_page_size``): the layers are sorted by kind (full, or each
+    sliding window); ``group_size`` is the fewest layers of any kind, and each kind is split
+    into groups of ``group_size`` layers, its last group padded with empty layers. Returns
+    ``(group_size, ((window, layers incl. padding), ...))``; one kind: ``(layers, ((w, n),))``.
+
+    >>> hybrid_groups([1024] * 5 + [None] + [1024] * 5 + [None])  # Gemma-3's 5:1
+    (2, ((1024, 10), (None, 2)))
+    >>> hybrid_groups([1024] * 52 + [None] * 10)  # 62 layers of Gemma-3-27B: 8 padding layers
+    (10, ((1024, 60), (None, 10)))
+    """
+    counts: dict[int | None, int] = {}
+    for w in windows:
+        counts[w] = counts.get(w, 0) + 1
+    if not counts:
+        return 0, ()
+    size = min(counts.values())
+    return size, tuple((w, -(-n // size) * size) for w, n in counts.items())
+
+
+def vllm_layer_tokens(
+    window: int | None, length: int, *, block_size: int, batched_tokens: int
+) -> int:
+    """Token slots (whole blocks) one layer reserves for one sequence of ``length`` tokens in
+    vLLM V1 (``kv_cache_interface``, ``max_memory_usage_bytes``): a full-attention layer
+    ``cdiv(length, block)`` blocks; a sliding-window layer ``cdiv(min(window − 1 +
+    max_num_batched_tokens, length), block) + 1`` — a prefill chunk attends to the window
+    before it, and the window need not start at a block boundary.
+
+    >>> vllm_layer_tokens(4096, 32768, block_size=16, batched_tokens=2048)
+    6160
+    """
+    if window is None:
+        return -(-length // block_size) * block_size
+    tokens = min(window - 1 + batched_tokens, length)
+    return (-(-tokens // block_size) + 1) * block_size
+
+
+def vllm_sequence_kv_bytes(
+    per_layer: int,
+    windows: Sequence[int | None],
+    length: int,
+    *,
+    block_size: int,
+    batched_tokens: int,
+) -> int:
+    """KV bytes vLLM V1 reserves for one sequence over ``windows`` (one entry per layer): each
+    layer's :func:`vllm_layer_tokens`; with layers of several kinds, the padding layers of
+    :func:`hybrid_groups` too (their blocks are allocated with their group's)."""
+    kinds = set(windows)
+    if len(kinds) > 1:
+        _size, groups = hybrid_groups(windows)
+        pairs: Sequence[tuple[int | None, int]] = groups
+    else:
+        pairs = [(w, 1) for w in windows]
+    slots = sum(
+        n * vllm_layer_tokens(w, length, block_size=block_size, batched_tokens=batched_tokens)
+        for w, n in pairs
+    )
+    return per_layer * slots

@@ -19,6 +19,7 @@ from __future__ import annotations
 from shardctl.archs import find
 from shardctl.layout.engine import resolve
 from shardctl.layout.pipeline import layer_index
+from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import split
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
@@ -29,6 +30,24 @@ def uses_layout_counts(model: ModelInfo) -> bool:
     """True for a per-tensor inventory of a family whose file opts out of the closed form."""
     family = find(model.architecture)
     return bool(model.tensors) and family is not None and not family.closed_form
+
+
+def closed_form_caveat(model: ModelInfo) -> str | None:
+    """Why the closed form is approximate for ``model``, or None when it is exact.
+
+    The closed form describes uniform Llama / Mixtral layers only. A family whose file opts out
+    (DeepSeek's MLA, MoE with shared experts or dense layers, gpt-oss' biases and sinks,
+    Llama-4's vision tower) is counted from its tensors by the layout engine, exactly; given by
+    its dims alone (no tensors: a library caller's ``ModelInfo``) the closed form is all there
+    is, and the plan says it is approximate (``MemoryPlan.warnings``)."""
+    family = find(model.architecture)
+    if family is None or family.closed_form or model.tensors:
+        return None
+    return (
+        f"{model.architecture}: weights, gradients and optimizer states are the closed form's "
+        "uniform-layer counts, approximate for this family (non-uniform layers); give its "
+        "config or checkpoint for exact counts"
+    )
 
 
 def layout_counts(
@@ -67,9 +86,17 @@ def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:
     FSDP gathers at once); MTP layers included, they are layers too."""
     options = LayoutOptions(vocab_padding=vocab_padding)
     res = resolve(model, Mesh(ep=mesh.ep, tp=mesh.tp), options=options)
+    # the resolution's own decoder-layer numbers (cached), plus the MTP layers it pins to the
+    # last stage: a multimodal encoder's layers (vision_model.model.layers.{i}) are not layers
+    decoder = {t.info.fqn: t.layer for t in model_rules(model, ()).tensors}
+    dims = model.dims
+    first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
     per_layer: dict[int, int] = {}
     for t in res.tensors:
-        layer = layer_index(t.info.fqn)
+        layer = decoder.get(t.info.fqn)
+        if layer is None and first_mtp is not None:
+            index = layer_index(t.info.fqn)
+            layer = index if index is not None and index >= first_mtp else None
         if layer is None or t.ep_rank not in (None, 0):
             continue
         local = split(t.split, mesh.tp)[0][1]

@@ -75,6 +75,8 @@ class KvSummary:
             "block_size": None if c is None else c.block_size,
             "blocks_per_rank": None if c is None else c.blocks,
             "max_concurrency": None if c is None else round(c.max_concurrency, 2),
+            # the same capacity in the engine's own log units (workload.engine)
+            "engine_units": None if c is None else c.engine_units(),
         }
 
 
@@ -136,6 +138,8 @@ class MemoryPlan:
                     f"({p / 2**30:.2f} GiB vs {mean / 2**30:.2f} GiB); consider "
                     "pipeline.layers_per_stage to move layers off it"
                 )
+        if self.inputs.get("approximate"):
+            out.append(str(self.inputs["approximate"]))
         if self.kv is not None and self.kv.capacity is not None and self.fits is False:
             out.append("KV cache does not fit at this batch and length; see kv_cache.max_batch")
         return out

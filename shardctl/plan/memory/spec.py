@@ -62,6 +62,13 @@ class Workload:
     and its sampler over ``max_num_seqs`` sequences, ``cuda_graph_memory`` (0: captured after
     the KV cache, as V0 does, or ``enforce_eager``), KV in blocks of ``block_size`` tokens.
     ``sequence_length`` is then vLLM's ``max_model_len``.
+
+    ``engine`` ``"sglang"`` (:mod:`shardctl.plan.memory.sglang`): ``mem_fraction_static``
+    (``None``: SGLang's default, by tp for ``sglang_version`` "0.4", by GPU memory for "0.5");
+    ``non_torch_memory`` overrides the memory used before the weights load. ``engine``
+    ``"trtllm"`` (:mod:`shardctl.plan.memory.trtllm`): ``free_gpu_memory_fraction``,
+    ``tokens_per_block``, and ``profile_tokens`` (default 8192) for the dummy run;
+    ``non_torch_memory`` and ``cuda_graph_memory`` as for vLLM.
     """
 
     batch_size: int = 1
@@ -79,6 +86,10 @@ class Workload:
     profile_tokens: int | None = None
     non_torch_memory: int | None = None
     cuda_graph_memory: int = 0
+    mem_fraction_static: float | None = None
+    sglang_version: str = "0.4"
+    free_gpu_memory_fraction: float = 0.9
+    tokens_per_block: int = 32
 
     def __post_init__(self) -> None:
         from shardctl.plan.memory.engines import ENGINES
@@ -92,6 +103,19 @@ class Workload:
             )
         _positive(self.max_num_seqs, "workload.max_num_seqs")
         _positive(self.block_size, "workload.block_size")
+        _positive(self.tokens_per_block, "workload.tokens_per_block")
+        if self.sglang_version not in ("0.4", "0.5"):
+            raise InvalidInputError(
+                f"expected '0.4' or '0.5', got {self.sglang_version!r}",
+                where="workload.sglang_version",
+                hint="0.4: the default mem_fraction_static by tp; 0.5: by GPU memory (>= 0.5.3)",
+            )
+        for key in ("mem_fraction_static", "free_gpu_memory_fraction"):
+            v = getattr(self, key)
+            if v is not None and (isinstance(v, bool) or not 0 < v <= 1):
+                raise InvalidInputError(
+                    f"expected 0 < value <= 1, got {v!r}", where=f"workload.{key}"
+                )
         if self.profile_tokens is not None:
             _positive(self.profile_tokens, "workload.max_num_batched_tokens")
         for key in ("non_torch_memory", "cuda_graph_memory"):

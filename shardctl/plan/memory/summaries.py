@@ -65,18 +65,33 @@ def kv_summary(ctx: Context, coords: Mapping[Coord, RankMemory]) -> KvSummary | 
 
     per_stage = tuple(stage_kv_per_token(ctx, s) for s in ctx.stages)
     per_sequence = tuple(stage_sequence_kv(ctx, s, w.sequence_length) for s in ctx.stages)
+    # vLLM V1 with several attention kinds in a stage: blocks hold one group of layers
+    slot, groups = list(per_stage), [1] * len(ctx.stages)
+    if ctx.vllm:
+        from shardctl.plan.memory.kv_layers import hybrid_groups
+        from shardctl.plan.memory.terms import stage_windows
+
+        for i, s in enumerate(ctx.stages):
+            windows = stage_windows(ctx, s)
+            if len(set(windows)) > 1:
+                size, kinds = hybrid_groups(windows)
+                slot[i] = per_stage[i] // s.num_layers * size
+                groups[i] = sum(n for _w, n in kinds) // size
     capacity = None
     if ctx.hw.device_memory is not None:
         caps = [
             kv_capacity(
                 device_memory=ctx.hw.device_memory,
-                utilization=w.gpu_memory_utilization,
+                utilization=ctx.utilization,
                 non_kv_bytes=r.total - r.kv_cache,
-                per_token=per_stage[p],
+                per_token=slot[p],
+                groups=groups[p],
                 batch=ctx.batch,
                 sequence_length=w.sequence_length,
-                block_size=w.block_size,
+                block_size=ctx.block_size if ctx.sglang or ctx.trtllm else w.block_size,
                 sequence_bytes=per_sequence[p],
+                engine=w.engine,
+                round_up=ctx.trtllm,
             )
             for (p, _e, _t), r in coords.items()
             if per_stage[p]
@@ -107,9 +122,19 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
             kv_cache_dtype=ctx.kv_dtype,
             flash_attention=w.flash_attention,
             max_num_batched_tokens=w.max_num_batched_tokens,
-            gpu_memory_utilization=w.gpu_memory_utilization,
+            gpu_memory_utilization=ctx.utilization,
             engine=w.engine,
         )
+        if ctx.sglang:
+            out.update(mem_fraction_static=ctx.mem_fraction_static, page_size=1)
+        if ctx.trtllm:
+            from shardctl.plan.memory.trtllm import MAX_NUM_TOKENS
+
+            out.update(
+                free_gpu_memory_fraction=w.free_gpu_memory_fraction,
+                tokens_per_block=w.tokens_per_block,
+                max_num_tokens=w.profile_tokens or MAX_NUM_TOKENS,
+            )
         if ctx.vllm:
             from shardctl.plan.memory.vllm import profile_tokens
 

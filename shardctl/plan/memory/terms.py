@@ -7,9 +7,13 @@ from typing import TYPE_CHECKING
 
 from shardctl.layout.types import Stage
 from shardctl.plan.memory import activations as act
-from shardctl.plan.memory import vllm
+from shardctl.plan.memory import trtllm, vllm
 from shardctl.plan.memory.kv import kv_bytes_per_token
-from shardctl.plan.memory.kv_layers import layer_bytes_per_token, sequence_kv_bytes
+from shardctl.plan.memory.kv_layers import (
+    layer_bytes_per_token,
+    sequence_kv_bytes,
+    vllm_sequence_kv_bytes,
+)
 from shardctl.plan.memory.shapes import vocab_rows_per_rank
 
 if TYPE_CHECKING:
@@ -40,14 +44,27 @@ def stage_sequence_kv(ctx: Context, st: Stage, length: int) -> int:
     per_layer = layer_bytes_per_token(
         ctx.shape.dims, ctx.kv_dtype, tp=ctx.mesh.tp, mla_width=ctx.mla_width
     )
-    block = ctx.workload.block_size if ctx.vllm else 1
-    return sequence_kv_bytes(per_layer, stage_windows(ctx, st), length, block_size=block)
+    windows = stage_windows(ctx, st)
+    if ctx.vllm:  # V1's per-layer reservation and hybrid groups (kv_layers.py)
+        batched = vllm.profile_tokens(ctx.workload.sequence_length, ctx.workload.profile_tokens)
+        return vllm_sequence_kv_bytes(
+            per_layer, windows, length, block_size=ctx.block_size, batched_tokens=batched
+        )
+    if ctx.sglang or ctx.trtllm:
+        # SGLang 0.4's token pool and TensorRT-LLM's cell size count every layer for every
+        # token (``profile_max_num_token``, ``_get_cache_size_per_token``): no window savings.
+        windows = (None,) * len(windows)
+    return sequence_kv_bytes(per_layer, windows, length, block_size=ctx.block_size)
 
 
 def inference_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     assert ctx.shape is not None
     if ctx.vllm:
         return vllm_terms(ctx, st)
+    if ctx.sglang:
+        return sglang_terms(ctx, st)
+    if ctx.trtllm:
+        return trtllm_terms(ctx, st)
     d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
     per_token = stage_kv_per_token(ctx, st)
     kv = stage_sequence_kv(ctx, st, w.sequence_length) * ctx.batch
@@ -91,6 +108,30 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             max_num_seqs=w.max_num_seqs,
             last_stage=st.index == m.pp - 1,
         )
+    detail = {
+        "activations.profile_peak": peak,
+        "activations.profile_tokens": tokens,
+        "kv_cache.bytes_per_token": stage_kv_per_token(ctx, st),
+    }
+    return kv, peak, detail
+
+
+def sglang_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
+    """KV cache as SGLang's token pool holds it; activations live in the reserve
+    (``overhead.reserve``), not in the static pool (:mod:`.sglang`)."""
+    kv = stage_sequence_kv(ctx, st, ctx.workload.sequence_length) * ctx.batch
+    return kv, 0, {"kv_cache.bytes_per_token": stage_kv_per_token(ctx, st)}
+
+
+def trtllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
+    """KV cache in TensorRT-LLM's blocks and the dummy run's activation peak (:mod:`.trtllm`)."""
+    assert ctx.shape is not None
+    d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
+    kv = stage_sequence_kv(ctx, st, w.sequence_length) * ctx.batch
+    tokens = w.profile_tokens or trtllm.MAX_NUM_TOKENS
+    peak = 0
+    if st.num_layers:
+        peak = vllm.forward_peak_bytes(d, tokens=tokens, tp=m.tp, act_bytes=ctx.nb)
     detail = {
         "activations.profile_peak": peak,
         "activations.profile_tokens": tokens,
