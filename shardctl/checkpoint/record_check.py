@@ -25,7 +25,7 @@ from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import InvalidInputError
-from shardctl.manifest.fields import MAX_AXIS  # the manifest's cap on a mesh degree
+from shardctl.manifest.limits import MAX_AXIS  # the manifest's cap on a mesh degree
 
 MAX_DIM = 2**40  # one dimension of a tensor
 MAX_NUMEL = 2**62  # elements of one tensor

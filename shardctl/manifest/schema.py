@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardctl.manifest import model as m
-from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, MAX_DIM, SECTION_KEYS
+from shardctl.manifest.fields import INLINE_POSITIVE_INTS, SECTION_KEYS
+from shardctl.manifest.limits import MAX_AXIS, MAX_DIM
 from shardctl.plan.memory.hardware import gpu_names
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
