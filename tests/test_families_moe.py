@@ -127,10 +127,11 @@ def test_ep_ranks_hold_each_expert_once_and_the_rest_whole() -> None:
 def test_plan_runs_for_the_packed_flagships() -> None:
     """gpt-oss-120b (bf16 layout) and Llama-4-Scout (text): their published total_size counts
     other bytes (MXFP4 experts; the multimodal model's vision tower), so no byte figure is
-    compared here (tests/test_flagships.py matches the MXFP4 and multimodal manifests). gpt-oss-120b's parameter count is its model card's 116.83B; Scout's text model
-    must stay under the card's 109B multimodal total. Active parameters count what the MoE layers
-    really hold (shared experts, expert biases): gpt-oss-120b's card says 5.13B active without
-    the 0.58B embedding table; Scout is "17B" active."""
+    compared here (tests/test_flagships.py matches the MXFP4 and multimodal manifests).
+    gpt-oss-120b's parameter count is its model card's 116.83B; Scout's text model must stay
+    under the card's 109B multimodal total. Active parameters count what the MoE layers really
+    hold (shared experts, expert biases): gpt-oss-120b's card says 5.13B active without the
+    0.58B embedding table; Scout is "17B" active."""
     oss = _plan("manifests/gpt-oss-120b-tp8.yaml")
     assert round(oss["model"]["parameters"] / 1e9, 2) == 116.83
     assert oss["moe"]["parameters_total"] == oss["model"]["parameters"]

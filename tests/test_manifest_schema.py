@@ -38,11 +38,14 @@ def test_schema_sections_match_the_validator() -> None:
     for section, keys in SECTION_KEYS.items():
         if section in ("", "model"):
             continue
-        node = (
-            schema["properties"]["rules"]["items"]
-            if section == "rules[]"
-            else (schema["properties"][section])
-        )
+        if section == "quantization.overrides[]":
+            node = schema["properties"]["quantization"]["properties"]["overrides"]["items"]
+        else:
+            node = (
+                schema["properties"]["rules"]["items"]
+                if section == "rules[]"
+                else (schema["properties"][section])
+            )
         assert tuple(node["properties"]) == keys, section
         assert node["additionalProperties"] is False
 

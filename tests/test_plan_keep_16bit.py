@@ -1,6 +1,6 @@
 """``quantization.keep_16bit`` globs are checked against the model's tensor names: a glob that
-matches nothing, or matches decoder matrices the weight model would not price in 16-bit, is
-refused (exit 3) instead of silently ignored."""
+matches nothing is refused (exit 3) instead of silently ignored. Globs over decoder matrices
+are priced in 16-bit (tests/test_plan_precision.py)."""
 
 from __future__ import annotations
 
@@ -34,15 +34,24 @@ def _plan(path: Path) -> subprocess.CompletedProcess[str]:
 @pytest.mark.parametrize(
     ("keep", "needle"),
     [
-        ('["*.self_attn.*"]', "model.layers.0.self_attn.k_proj.weight [1024, 4096]"),
         ('["*embed_tokens.*", "*.no_such_module.*"]', "matches no tensor"),
     ],
 )
-def test_unpriced_or_unmatched_globs_exit_3(tmp_path: Path, keep: str, needle: str) -> None:
+def test_unmatched_globs_exit_3(tmp_path: Path, keep: str, needle: str) -> None:
     proc = _plan(_manifest(tmp_path, keep))
     assert proc.returncode == 3, proc.stdout + proc.stderr
     assert needle in proc.stderr and "quantization.keep_16bit" in proc.stderr
     assert "Traceback" not in proc.stderr and len(proc.stderr.strip().splitlines()) == 1
+
+
+def test_keeping_attention_is_priced(tmp_path: Path) -> None:
+    proc = _plan(_manifest(tmp_path, '["*embed_tokens.*", "lm_head.*", "*norm*", "*.self_attn.*"]'))
+    assert proc.returncode in (0, 1), proc.stderr
+    default = shardctl.plan(_manifest(tmp_path, '["*embed_tokens.*", "lm_head.*", "*norm*"]'))
+    kept = shardctl.plan(
+        _manifest(tmp_path, '["*embed_tokens.*", "lm_head.*", "*norm*", "*.self_attn.*"]')
+    )
+    assert kept.quantized_weight_bytes() > default.quantized_weight_bytes()
 
 
 def test_keeping_less_quantizes_the_head(tmp_path: Path) -> None:

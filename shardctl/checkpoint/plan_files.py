@@ -14,19 +14,21 @@ from __future__ import annotations
 import json
 import math
 import zlib
-from collections.abc import Callable, Sequence
+from array import array
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from typing import overload
 
-from shardctl.checkpoint.record import SCHEMA
-from shardctl.checkpoint.record_write import shard_json
+from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
 from shardctl.dtypes import nbytes
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
 
-# Tensors per output file, at most: each costs ~460 header bytes in a rank file (its
-# safetensors entry, its record row and DCP offsets repeated in ``__metadata__``), and readers
-# refuse headers over 16 MiB (RELIABILITY A5) — 45,000 shards in one rank file made 20 MB.
+# Tensors per output file, at most: each costs ~200 header bytes in a rank file (its
+# safetensors entry and its DCP offsets in ``__metadata__``), and readers refuse headers over
+# 16 MiB (RELIABILITY A5) — 45,000 shards in one rank file made 20 MB when ``__metadata__``
+# also repeated the record's rows.
 MAX_TENSORS_PER_FILE = 16384
 DCP_KEY = "DCP_SHARDING_INFO"  # torch.distributed.checkpoint._hf_utils.CUSTOM_METADATA_KEY
 SHARDCTL_KEY = "shardctl"
@@ -35,12 +37,12 @@ SHARDCTL_KEY = "shardctl"
 @dataclass(frozen=True)
 class OutputFile:
     """One output file. Its header is kept deflated (``header`` inflates it): at 90,000
-    tensors the headers of all files are ~80 MB raw, a third of the memory budget, and ~10 MB
-    deflated; making them again instead costs ~0.5 s per 16k-tensor file."""
+    tensors the headers of all files are tens of MB raw and a few MB deflated; making them
+    again instead costs ~0.5 s per 16k-tensor file. Its ``tensors`` are made when read."""
 
     name: str
     header_size: int
-    tensors: tuple[LocalTensor, ...]
+    tensors: Sequence[LocalTensor]  # a FileTensors: made when read
     size: int
     rank: int | None = None
     header_z: bytes = field(default=b"", repr=False)
@@ -52,35 +54,81 @@ class OutputFile:
         return data
 
 
+class FileTensors(Sequence[LocalTensor]):
+    """A file's local tensors, each made when read from the layout's own ``Shard`` (or the
+    model's ``TensorInfo``) and its begin: a ``LocalTensor`` kept per target costs ~100 bytes,
+    ~20 MB at 180,000 targets, while the layout holds everything but the begins already."""
+
+    __slots__ = ("begins", "objs", "pieces")
+
+    def __init__(
+        self,
+        objs: Sequence[Shard | TensorInfo],
+        begins: array[int],
+        pieces: Sequence[tuple[Piece, ...]] | None,
+    ) -> None:
+        self.objs, self.begins, self.pieces = objs, begins, pieces
+
+    def __len__(self) -> int:
+        return len(self.objs)
+
+    @overload
+    def __getitem__(self, i: int) -> LocalTensor: ...
+
+    @overload
+    def __getitem__(self, i: slice) -> Sequence[LocalTensor]: ...
+
+    def __getitem__(self, i: int | slice) -> LocalTensor | Sequence[LocalTensor]:
+        if isinstance(i, slice):
+            return [self[k] for k in range(*i.indices(len(self)))]
+        o = self.objs[i]
+        if isinstance(o, Shard):
+            shape, pieces = o.local_shape, o.pieces
+        else:
+            shape, pieces = o.shape, (Piece((0,) * len(o.shape), o.shape, (0,) * len(o.shape)),)
+        if self.pieces is not None:
+            pieces = self.pieces[i]
+        return LocalTensor(o.fqn, o.dtype, shape, pieces, self.begins[i])
+
+    def __iter__(self) -> Iterator[LocalTensor]:
+        for i in range(len(self.objs)):
+            yield self[i]
+
+
 def _file(
     name: str,
     items: Sequence[tuple[Shard | TensorInfo, tuple[Piece, ...]]],
     metadata: Callable[[], dict[str, str]] | dict[str, str],
     rank: int | None,
 ) -> OutputFile:
+    """A file of ``items`` (each object's local tensor, made of the given pieces)."""
+    return _file_of(name, [o for o, _ in items], metadata, rank, [p for _, p in items])
+
+
+def _file_of(
+    name: str,
+    objs: Sequence[Shard | TensorInfo],
+    metadata: Callable[[], dict[str, str]] | dict[str, str],
+    rank: int | None,
+    pieces: Sequence[tuple[Piece, ...]] | None = None,
+) -> OutputFile:
+    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``."""
     meta = metadata if callable(metadata) else (lambda: metadata)
-
-    def entries() -> list[HeaderEntry]:
-        out: list[HeaderEntry] = []
-        cursor = 0
-        for obj, _ in items:
-            shape = obj.local_shape if isinstance(obj, Shard) else obj.shape
-            n = nbytes(obj.dtype, math.prod(shape))
-            out.append(HeaderEntry(obj.fqn, obj.dtype, tuple(shape), cursor, cursor + n))
-            cursor += n
-        return out
-
-    def make() -> bytes:
-        return header_bytes(entries(), meta())
-
-    header = make()
+    entries: list[HeaderEntry] = []
+    cursor = 0
+    for obj in objs:
+        shape = obj.local_shape if isinstance(obj, Shard) else obj.shape
+        n = nbytes(obj.dtype, math.prod(shape))
+        entries.append(HeaderEntry(obj.fqn, obj.dtype, tuple(shape), cursor, cursor + n))
+        cursor += n
+    header = header_bytes(entries, meta())
     base = len(header)
-    tensors = tuple(
-        LocalTensor(e.name, e.dtype, e.shape, pieces, base + e.begin)
-        for e, (_, pieces) in zip(entries(), items, strict=True)
+    begins = array("q", (base + e.begin for e in entries))
+    end = base + cursor
+    del entries
+    return OutputFile(
+        name, base, FileTensors(objs, begins, pieces), end, rank, zlib.compress(header, 1)
     )
-    end = tensors[-1].begin + tensors[-1].nbytes if tensors else base
-    return OutputFile(name, base, tensors, end, rank, zlib.compress(header, 1))
 
 
 def _parts(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
@@ -100,7 +148,10 @@ def _parts(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
 def _rank_meta(
     layout: Layout, i: int, name: str, part: Sequence[Shard]
 ) -> Callable[[], dict[str, str]]:
-    """The ``__metadata__`` of rank ``i``'s file ``name`` (made on demand: see OutputFile)."""
+    """The ``__metadata__`` of rank ``i``'s file ``name``: which rank it is and where its
+    layout is (the record, ``shardctl.layout.json``, beside it). The shards' pieces are in the
+    record only: repeated here they were ~8 MB of JSON per 16k-tensor file (one-piece shards
+    are still described to torch DCP by ``DCP_SHARDING_INFO``)."""
 
     def make() -> dict[str, str]:
         rl = layout.ranks[i]
@@ -112,7 +163,8 @@ def _rank_meta(
                     "rank": i,
                     "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
                     "mesh": layout.mesh.as_dict(),
-                    "shards": [shard_json(s, name) for s in part],
+                    "record": RECORD_NAME,
+                    "tensors": len(part),
                 },
                 separators=(",", ":"),
             ),
@@ -143,9 +195,7 @@ def rank_files(
             if len(runs) > 1:
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
             part = shards[a:b]
-            files.append(
-                _file(name, [(s, s.pieces) for s in part], _rank_meta(layout, i, name, part), i)
-            )
+            files.append(_file_of(name, part, _rank_meta(layout, i, name, part), i))
             for s in part:
                 where[(i, s.fqn)] = name
     return files, where
@@ -163,10 +213,7 @@ def hf_files(
             if len(runs) == 1
             else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
         )
-        items = [
-            (t, (Piece((0,) * len(t.shape), t.shape, (0,) * len(t.shape)),)) for t in tensors[a:b]
-        ]
-        files.append(_file(name, items, lambda: {"format": "pt"}, None))
+        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None))
     if len(files) == 1:
         return files, None
     index = {

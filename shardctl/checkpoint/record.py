@@ -40,9 +40,11 @@ output needs only this record, never the rules that made it. Schema ``"shardctl.
 - ``files[].digest`` hashes the whole file (header included) as written; for ``format: hf``
   ``ranks`` is empty and ``files`` lists the HF files (the index included).
 - dp replicas are not written: a rank with ``dp > 0`` loads the file of its ``(pp, ep, tp)``.
-- Each rank file's safetensors ``__metadata__`` repeats its part of this record under
-  ``"shardctl"`` (JSON), and carries torch DCP's ``DCP_SHARDING_INFO`` (``saved_offsets``) when
-  every shard in the file is rectangular; fused or padded shards, which DCP offsets cannot
+- Each rank file's safetensors ``__metadata__`` names its rank under ``"shardctl"`` (JSON:
+  ``schema``, ``rank``, ``coord``, ``mesh``, ``record`` — the record's file name — and
+  ``tensors``, its count; files written before issue #14 also repeated their ``shards`` rows
+  there, nothing reads them), and carries torch DCP's ``DCP_SHARDING_INFO`` (``saved_offsets``)
+  when every shard in the file is rectangular; fused or padded shards, which DCP offsets cannot
   express, leave it out (DCP then refuses the directory instead of loading wrong values).
 
 This module reads and validates the record; ``record_write`` builds and writes it.

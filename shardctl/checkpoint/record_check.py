@@ -25,7 +25,7 @@ from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import InvalidInputError
-from shardctl.manifest.fields import MAX_AXIS  # the manifest's cap on a mesh degree
+from shardctl.manifest.limits import MAX_AXIS  # the manifest's cap on a mesh degree
 
 MAX_DIM = 2**40  # one dimension of a tensor
 MAX_NUMEL = 2**62  # elements of one tensor
@@ -242,6 +242,8 @@ def _ranks(
                     where,
                 )
         for j, s in enumerate(_list(r.get("shards"), f"{w}.shards", where)):
+            if _shard_ok(s, fqns, files):
+                continue  # the checks below would all pass; they run to name what fails
             ws = f"{w}.shards[{j}]"
             s = _obj(s, ws, where)
             fqn = _text(s.get("fqn"), f"{ws}.fqn", where, name=True)
@@ -258,6 +260,52 @@ def _ranks(
                 p = _obj(p, wp, where)
                 for key in ("offsets", "sizes", "local_offsets"):
                     _shape(p.get(key), f"{wp}.{key}", where)
+
+
+def _shape_ok(v: Any) -> bool:
+    """What :func:`_shape` accepts, without building a field name per dim (180,000 shards)."""
+    if type(v) is not list or len(v) > MAX_DIMS:
+        return False
+    n = 1
+    for d in v:
+        if type(d) is not int or not 0 <= d <= MAX_DIM:
+            return False
+        n *= d
+    return n <= MAX_NUMEL
+
+
+def _shard_ok(s: Any, fqns: set[str], files: set[str]) -> bool:
+    """True when every check of a shard row in :func:`_ranks` passes (``fqns``/``files`` hold
+    names already validated); False sends the row through them to name the failure."""
+    if type(s) is not dict:
+        return False
+    fqn, file = s.get("fqn"), s.get("file")
+    if type(fqn) is not str or fqn not in fqns or type(file) is not str or file not in files:
+        return False
+    if "placement" in s:
+        pl = s["placement"]
+        if type(pl) is not str or len(pl) > MAX_NAME:
+            return False
+        if not pl.isascii():  # "E·S(1)"; a lone surrogate cannot be encoded
+            try:
+                pl.encode("utf-8")
+            except UnicodeEncodeError:
+                return False
+    if not _shape_ok(s.get("local_shape")):
+        return False
+    pieces = s.get("pieces")
+    if type(pieces) is not list or len(pieces) > MAX_PIECES:
+        return False
+    for p in pieces:
+        if type(p) is not dict:
+            return False
+        if not (
+            _shape_ok(p.get("offsets"))
+            and _shape_ok(p.get("sizes"))
+            and _shape_ok(p.get("local_offsets"))
+        ):
+            return False
+    return True
 
 
 # ---- exact tiling ------------------------------------------------------------------------

@@ -59,11 +59,13 @@ def read_json_strict(path: Path, *, max_bytes: int, what: str) -> Any:
 
 
 def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for key, value in pairs:
-        if key in out:
-            raise ValueError(f"duplicate key {key!r}")
-        out[key] = value
+    out = dict(pairs)  # one C call; a record has ~450,000 objects at 90k tensors
+    if len(out) != len(pairs):
+        seen: set[str] = set()
+        for key, _ in pairs:
+            if key in seen:
+                raise ValueError(f"duplicate key {key!r}")
+            seen.add(key)
     return out
 
 

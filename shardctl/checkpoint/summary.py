@@ -6,12 +6,14 @@ a single ``*.safetensors`` file, or a ``config.json``. No tensor data is read.
 
 from __future__ import annotations
 
+import os
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.types import ModelInfo, TensorInfo
 
 INSPECT_SCHEMA = "shardctl.inspect/1"
@@ -52,10 +54,7 @@ class InspectResult:
     @property
     def dtypes(self) -> dict[str, int]:
         """Parameters per dtype, largest first."""
-        counts: Counter[str] = Counter()
-        for t in self.model.tensors:
-            counts[t.dtype] += t.numel
-        return dict(counts.most_common())
+        return dict(Counter(self.model.numel_by_dtype).most_common())
 
     @property
     def quantization(self) -> dict[str, Any] | None:
@@ -113,6 +112,7 @@ class InspectResult:
         return doc
 
 
+@gc_paused
 def inspect_path(path: Path) -> InspectResult:
     if not path.exists():
         raise InvalidInputError(
@@ -147,7 +147,9 @@ def _inspect_hf(root: Path) -> InspectResult:
     from shardctl.model.inventory import from_checkpoint
 
     files = open_checkpoint(root, ignore_layout_record=True)
-    model = from_checkpoint(root)
+    # headers parsed once; beside a record (a dangling link, say) from_checkpoint decides
+    bare = not os.path.lexists(root / "shardctl.layout.json")
+    model = from_checkpoint(root, opened=files if bare else None)
     return InspectResult(
         suggested=suggestion_for(model),
         path=root,

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from shardctl.manifest.fields import MAX_AXIS
+from shardctl.manifest.limits import MAX_AXIS
 
 # Bounds on sizes from flags, checked by typer before any work (exit 2): a mesh degree has the
 # manifest's cap (MAX_AXIS); writer threads beyond a few hundred only cost memory.

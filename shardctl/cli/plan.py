@@ -11,7 +11,7 @@ import typer
 
 from shardctl.cli._common import MAX_AXIS, MAX_TOP, emit_json
 from shardctl.errors import EXIT_NEGATIVE, UsageError
-from shardctl.manifest.fields import MAX_DIM
+from shardctl.manifest.limits import MAX_DIM
 
 if TYPE_CHECKING:
     from shardctl.manifest import Manifest

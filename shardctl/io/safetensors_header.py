@@ -45,6 +45,7 @@ from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import InvalidInputError
+from shardctl.io.header_fast import fast_entries
 from shardctl.io.header_raw import JsonObject, decode_json, json_type, read_raw, short
 
 DEFAULT_MAX_HEADER_BYTES = 16 * 2**20
@@ -133,6 +134,22 @@ def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader
     """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
     where = str(path)
     pairs = decode_json(raw, where)
+    fast = fast_entries(pairs, 8 + len(raw), file_size)
+    if fast is not None:
+        new = object.__new__
+        tensors = []
+        for name, dtype, shape, begin, end in fast[1]:
+            e = new(HeaderEntry)  # checked already: skip the frozen __init__'s setattr calls
+            e.__dict__.update(name=name, dtype=dtype, shape=shape, begin=begin, end=end)
+            tensors.append(e)
+        return SafetensorsHeader(
+            path=path,
+            header_len=len(raw),
+            data_offset=8 + len(raw),
+            file_size=file_size,
+            metadata=fast[0],
+            tensors=tuple(tensors),
+        )
     metadata: dict[str, str] | None = None
     seen_metadata = False
     names: set[str] = set()

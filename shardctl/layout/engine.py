@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
+from shardctl.gcpause import gc_paused
 from shardctl.layout.pipeline import assign_layers, stage_of_layers
 from shardctl.layout.resolve import ModelRules, TensorRule, model_rules
 from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
@@ -125,9 +126,15 @@ def staged_weight_bytes(
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     totals = [0] * mesh.model_parallel
+    by_split: dict[tuple[int, str, bool], list[int]] = {}  # specs are shared across tensors
     for t in res.tensors:
-        share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
-        sizes = [nbytes(t.info.dtype, n // share) for n in local_numels(t.split, tp)]
+        key = (id(t.split), t.info.dtype, t.packed)
+        sizes = by_split.get(key)
+        if sizes is None:
+            share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
+            sizes = by_split[key] = [
+                nbytes(t.info.dtype, n // share) for n in local_numels(t.split, tp)
+            ]
         eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
         for p in t.stages:
             for e in eps:
@@ -142,6 +149,7 @@ def staged_weight_bytes(
     }
 
 
+@gc_paused
 def resolve(
     model: ModelInfo,
     mesh: Mesh,
@@ -161,6 +169,7 @@ def resolve(
     specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
     plans: list[TensorPlan] = []
     padded: dict[str, tuple[int, ...]] = {}
+    labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
     for t in static.tensors:
         key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab, t.quant)
         hit = specs.get(key)
@@ -185,7 +194,10 @@ def resolve(
         elif t.expert is not None:
             # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
             ep_rank = t.expert // experts_per_rank if mesh.ep > 1 else 0
-            placement = f"E{ep_rank}/{mesh.ep}·{placement}"
+            label = labels.get((ep_rank, placement))
+            if label is None:
+                label = labels[ep_rank, placement] = f"E{ep_rank}/{mesh.ep}·{placement}"
+            placement = label
         plans.append(TensorPlan(t.info, spec, placement, on, ep_rank, t.packed))
     return Resolution(stages, tuple(plans), padded)
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from shardctl.errors import LayoutError
 from shardctl.layout.pipeline import layer_index
-from shardctl.layout.placement import resolve_placement
+from shardctl.layout.placement import Resolved, resolve_placement
 from shardctl.layout.presets import conv1d as is_conv1d
 from shardctl.layout.presets import preset
 from shardctl.layout.rules import Matcher, compile_rules
@@ -87,6 +87,9 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     matcher = Matcher(compile_rules(tuple(rules), preset(arch), arch), arch, names)
     out: list[TensorRule] = []
     unplaced: list[str] = []
+    resolved_by_shape: dict[
+        tuple[int, tuple[int, ...]], tuple[Resolved, int, tuple[Part, ...]]
+    ] = {}
     # Layers after the decoder stack (MTP) are not decoder layers: pinned to the last stage.
     first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
     for info in model.tensors:
@@ -107,15 +110,25 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             # a rule that pins a stage places a layer-numbered tensor outside the decoder
             # stack (Llama-4's vision_model.model.layers.{i}: the first stage's encoder)
             layer = None
-        resolved = resolve_placement(cr.placement, logical.shape, conv1d=conv1d, fqn=logical.fqn)
+        # The same rule on the same shape resolves the same (90,000 experts, a few shapes):
+        # computed once per (rule, shape); a failure raises on the first tensor that has it.
+        key = (id(cr), logical.shape)
+        known = resolved_by_shape.get(key)
+        if known is None:
+            resolved = resolve_placement(
+                cr.placement, logical.shape, conv1d=conv1d, fqn=logical.fqn
+            )
+            dim = resolved.placement.dim
+            groups = 1
+            if dim is None:
+                parts: tuple[Part, ...] = ()
+            elif cr.rule.groups:
+                groups, parts = _grouped_parts(logical, dim, cr.rule, dims, cr.label)
+            else:
+                parts = _parts(logical, dim, cr.rule, dims, cr.label)
+            known = resolved_by_shape[key] = (resolved, groups, parts)
+        resolved, groups, parts = known
         dim = resolved.placement.dim
-        groups = 1
-        if dim is None:
-            parts: tuple[Part, ...] = ()
-        elif cr.rule.groups:
-            groups, parts = _grouped_parts(logical, dim, cr.rule, dims, cr.label)
-        else:
-            parts = _parts(logical, dim, cr.rule, dims, cr.label)
         if resolved.vocab and (len(parts) > 1 or groups > 1):
             raise LayoutError(
                 "a vocab placement cannot have fused parts",

@@ -35,6 +35,11 @@ class CompiledRule:
     regex: re.Pattern[str]
     placement: PlacementSpec | None
     manifest: bool
+    # literal text every match starts / ends with: a C-speed test before the regex (at 90,000
+    # tensors the regexes were most of plan's layout time)
+    head: str = ""
+    tail: str = ""
+    needle: str = ""  # the longest literal piece between wildcards: in every match
 
 
 @dataclass(frozen=True)
@@ -98,7 +103,31 @@ def _compile(rule: RuleSpec, label: str, *, manifest: bool) -> CompiledRule:
             raise LayoutError(f"part size {p} is negative", where=f"{label}.parts")
     placement = None if rule.tp is None else parse_placement(rule.tp, where=f"{label}.tp")
     regex = re.compile(fnmatch.translate(rule.match))
-    return CompiledRule(rule, label, regex, placement, manifest)
+    head, tail = _literal_ends(rule.match)
+    return CompiledRule(
+        rule, label, regex, placement, manifest, head, tail, _longest_literal(rule.match)
+    )
+
+
+def _longest_literal(pattern: str) -> str:
+    """The longest run of literal text in an fnmatch ``pattern`` (before any ``[...]`` class):
+    every name it matches contains it (``"model.layers.*.self_attn.q_proj.*"`` →
+    ``".self_attn.q_proj."``)."""
+    plain = pattern.split("[", 1)[0]
+    return max(re.split(r"[*?]", plain), key=len)
+
+
+def _literal_ends(pattern: str) -> tuple[str, str]:
+    """The literal prefix and suffix of an fnmatch ``pattern``: what any name it matches must
+    start and end with (``"model.layers.*.w1.weight"`` → ``("model.layers.", ".w1.weight")``).
+    A ``[...]`` class ends the prefix and leaves no suffix (its ``]`` may be literal)."""
+    special = [i for i, c in enumerate(pattern) if c in "*?["]
+    if not special:
+        return pattern, pattern
+    head = pattern[: special[0]]
+    if "[" in pattern:
+        return head, ""
+    return head, pattern[special[-1] + 1 :]
 
 
 class Matcher:
@@ -123,7 +152,11 @@ class Matcher:
         placed: CompiledRule | None = None
         stage: str | None = None
         for i, cr in enumerate(self.rules):
-            if not cr.regex.match(fqn):
+            if (
+                cr.needle not in fqn
+                or not (fqn.startswith(cr.head) and fqn.endswith(cr.tail))
+                or not cr.regex.match(fqn)
+            ):
                 continue
             if cr.manifest:
                 self._used.add(i)

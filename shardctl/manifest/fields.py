@@ -9,14 +9,13 @@ from typing import TypeVar
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError, ManifestError
 from shardctl.manifest import model as m
+from shardctl.manifest.limits import MAX_AXIS
 from shardctl.manifest.values import Invalid, describe, did_you_mean, read_enum, read_int, read_str
 from shardctl.manifest.yamlstrict import Map, Node, Scalar
 
 T = TypeVar("T")
 
 MAX_REPORTED = 6
-MAX_AXIS = 2**20
-MAX_DIM = 2**32
 FLOAT_DTYPES = ("F64", "F32", "F16", "BF16", "F8_E4M3", "F8_E5M2")
 
 # The keys of every section: the validator's and the JSON Schema's single list.
@@ -83,7 +82,15 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "lora_rank",
         "lora_targets",
     ),
-    "quantization": ("method", "group_size", "double_quant", "fp8_scaling", "keep_16bit"),
+    "quantization": (
+        "method",
+        "group_size",
+        "double_quant",
+        "fp8_scaling",
+        "keep_16bit",
+        "overrides",
+    ),
+    "quantization.overrides[]": ("match", "method", "dtype", "group_size", "fp8_scaling"),
     "overhead": (*m.OVERHEAD_SIZES, *m.OVERHEAD_FRACTIONS),
 }
 

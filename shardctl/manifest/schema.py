@@ -11,7 +11,8 @@ from __future__ import annotations
 from typing import Any
 
 from shardctl.manifest import model as m
-from shardctl.manifest.fields import INLINE_POSITIVE_INTS, MAX_AXIS, MAX_DIM, SECTION_KEYS
+from shardctl.manifest.fields import INLINE_POSITIVE_INTS, SECTION_KEYS
+from shardctl.manifest.limits import MAX_AXIS, MAX_DIM
 from shardctl.plan.memory.hardware import gpu_names
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
@@ -349,13 +350,41 @@ def _quantization_section() -> dict[str, Any]:
                 ),
                 "double_quant": _bool("nf4 double quantization (default false)."),
                 "fp8_scaling": _enum(
-                    m.FP8_SCALING, "fp8 scales per tensor (default) or 128x128 block."
+                    m.FP8_SCALING,
+                    "fp8 scales per tensor (default), per output row (channel: FBGEMM) "
+                    "or 128x128 block.",
                 ),
                 "keep_16bit": {
                     "type": "array",
                     "items": {"type": "string", "minLength": 1},
-                    "description": "fqn globs left in 16-bit; default: "
+                    "description": "fqn globs (fnmatch on full tensor names, any tensor) left "
+                    "in 16-bit; a glob that matches nothing is refused; default: "
                     + ", ".join(m.DEFAULT_KEEP_16BIT),
+                },
+                "overrides": {
+                    "type": "array",
+                    "description": "Per-tensor formats, first match wins (before keep_16bit "
+                    "and method): e.g. {match: '*.self_attn.*', dtype: bf16}, {match: "
+                    "'model.layers.0.*', method: none}, {match: '*.mlp.experts.*', method: "
+                    "mxfp4}. A match that names no tensor is refused.",
+                    "items": {
+                        "type": "object",
+                        "additionalProperties": False,
+                        "required": ["match"],
+                        "properties": {
+                            "match": {"type": "string", "minLength": 1},
+                            "method": _enum(
+                                m.QUANT_METHODS, "Weight format (none: as stored, 16-bit)."
+                            ),
+                            "dtype": _enum(
+                                ("bfloat16", "bf16", "float16", "fp16", "float32", "fp32"),
+                                "Dense dtype.",
+                            ),
+                            "group_size": _int("Elements per scale group.", 0),
+                            "fp8_scaling": _enum(m.FP8_SCALING, "fp8 scale granularity."),
+                        },
+                        "oneOf": [{"required": ["method"]}, {"required": ["dtype"]}],
+                    },
                 },
             },
             "Quantized weights.",

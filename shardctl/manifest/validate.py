@@ -17,8 +17,6 @@ from shardctl.layout.types import AXES, LayoutOptions, Mesh
 from shardctl.manifest import model as m
 from shardctl.manifest.fields import (
     INLINE_POSITIVE_INTS,
-    MAX_AXIS,
-    MAX_DIM,
     NULLS,
     SECTION_KEYS,
     Problems,
@@ -28,6 +26,7 @@ from shardctl.manifest.fields import (
     section_map,
     unknown,
 )
+from shardctl.manifest.limits import MAX_AXIS, MAX_DIM
 from shardctl.manifest.model_keys import known_keys, unknown_key_hint
 from shardctl.manifest.validate_rules import read_rules
 from shardctl.manifest.validate_training import (

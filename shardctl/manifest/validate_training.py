@@ -295,15 +295,17 @@ def read_quantization(section: Map | None, problems: Problems) -> QuantSpec | No
         )
         return None
     method = get(section, "method", path, enum(m.QUANT_METHODS), "none")
+    overrides = read_overrides(section.entries.get("overrides"), problems)
     if method == "none":
         for key in section.entries:
-            if key != "method":
+            if key not in ("method", "overrides"):
                 problems.add(
                     Invalid(
                         f"{path}.{key}", "has no effect with method: none", section.key_lines[key]
                     )
                 )
-        return None
+        # method none with overrides: a 16-bit model with some tensors in another format.
+        return QuantSpec(method="none", overrides=overrides) if overrides else None
     default_group = m.DEFAULT_GROUP_SIZE[method]
     group = get(
         section,
@@ -339,8 +341,104 @@ def read_quantization(section: Map | None, problems: Problems) -> QuantSpec | No
         group = m.FP8_BLOCK
     keep = get(section, "keep_16bit", path, _globs, m.DEFAULT_KEEP_16BIT)
     return QuantSpec(
-        method=method, group_size=group, double_quant=double, fp8_scaling=scaling, keep_16bit=keep
+        method=method,
+        group_size=group,
+        double_quant=double,
+        fp8_scaling=scaling,
+        keep_16bit=keep,
+        overrides=overrides,
     )
+
+
+OVERRIDE_DTYPES = ("F32", "F16", "BF16")
+
+
+def read_overrides(node: Node | None, problems: Problems) -> tuple[m.QuantOverride, ...]:
+    """``quantization.overrides``: a list of ``{match, method | dtype[, group_size,
+    fp8_scaling]}``; the first entry whose glob matches a tensor's full name wins."""
+    path = "quantization.overrides"
+    if node is None:
+        return ()
+    if not isinstance(node, Seq):
+        problems.add(
+            Invalid(
+                path,
+                f"expected a list of {{match, method | dtype}}, got {describe(node)}",
+                node.line,
+            )
+        )
+        return ()
+    out: list[m.QuantOverride] = []
+    for i, item in enumerate(node.items):
+        where = f"{path}[{i}]"
+        if not isinstance(item, Map):
+            problems.add(Invalid(where, f"expected a mapping, got {describe(item)}", item.line))
+            continue
+        problems.keys(item, where, "quantization.overrides[]")
+        get, lines = problems.get, item.key_lines
+        if "match" not in item.entries:
+            problems.add(
+                Invalid(where, "missing required key 'match'", item.line, 'e.g. "*.self_attn.*"')
+            )
+            continue
+        glob = get(item, "match", where, read_str, "")
+        has = [k for k in ("method", "dtype") if k in item.entries]
+        if len(has) != 1:
+            problems.add(
+                Invalid(
+                    where,
+                    "expected exactly one of 'method' or 'dtype'"
+                    + (", got both" if has else ", got neither"),
+                    item.line,
+                    "method: fp8 (a weight format, or none: as stored) or dtype: bf16",
+                )
+            )
+            continue
+        method = get(item, "method", where, enum(m.QUANT_METHODS), None)
+        dtype = get(item, "dtype", where, read_dtype, None)
+        if dtype is not None and dtype not in OVERRIDE_DTYPES:
+            problems.add(
+                Invalid(
+                    f"{where}.dtype",
+                    f"expected a dense dtype (bfloat16, float16, float32), got {dtype}",
+                    lines["dtype"],
+                    "for fp8 use method: fp8 (it stores the scales fp8 needs)",
+                )
+            )
+            continue
+        group = get(
+            item,
+            "group_size",
+            where,
+            lambda n, p: read_int(n, p, minimum=0, maximum=2**20),
+            None,
+        )
+        scaling = get(item, "fp8_scaling", where, enum(m.FP8_SCALING), "tensor")
+        for key in ("group_size", "fp8_scaling"):
+            if key in item.entries and (method is None or method == "none"):
+                problems.add(
+                    Invalid(f"{where}.{key}", "applies to a quantizing method only", lines[key])
+                )
+        if "fp8_scaling" in item.entries and method not in (None, "none", "fp8"):
+            problems.add(
+                Invalid(
+                    f"{where}.fp8_scaling",
+                    f"applies to fp8 only, not {method}",
+                    lines["fp8_scaling"],
+                )
+            )
+        if method in ("mxfp4", "nvfp4") and group not in (None, m.DEFAULT_GROUP_SIZE[method]):
+            problems.add(
+                Invalid(
+                    f"{where}.group_size",
+                    f"{method} blocks are {m.DEFAULT_GROUP_SIZE[method]} elements by "
+                    f"definition, got {group}",
+                    lines["group_size"],
+                )
+            )
+        if glob:
+            out.append(m.QuantOverride(glob, method, dtype, group, scaling))
+    return tuple(out)
 
 
 def _globs(node: Node, path: str) -> tuple[str, ...]:

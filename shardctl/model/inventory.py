@@ -18,18 +18,18 @@ holds the most bytes.
 from __future__ import annotations
 
 import math
-from collections import Counter
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
 
-from shardctl.checkpoint.hf import open_checkpoint
+from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
-from shardctl.model.types import ModelInfo, TensorInfo
+from shardctl.model.types import ModelInfo, TensorInfo, bytes_by_dtype
 
 DEFAULT_DTYPE = "BF16"
 MAX_CONFIG_BYTES = 10 * 2**20
@@ -88,7 +88,10 @@ def from_config_file(path: Path, *, dtype: str | None = None) -> ModelInfo:
     return from_config(read_config(path), dtype=dtype, source="config", where=str(path))
 
 
-def from_checkpoint(root: Path, *, follow_external_symlinks: bool = False) -> ModelInfo:
+@gc_paused
+def from_checkpoint(
+    root: Path, *, follow_external_symlinks: bool = False, opened: CheckpointFiles | None = None
+) -> ModelInfo:
     """Inventory from a checkpoint's headers, in file order (index file order, then offset).
 
     A shardctl per-rank layout is refused here (its record, read by shardctl.reshard, gives
@@ -97,9 +100,15 @@ def from_checkpoint(root: Path, *, follow_external_symlinks: bool = False) -> Mo
     ``config.json`` (beside the weights) gives ``architecture`` (its ``model_type``) and ``dims``;
     an architecture shardctl has no shapes for still inventories, with ``dims=None``; without a
     config the architecture is ``"unknown"``.
+
+    ``opened``: the HF checkpoint ``root`` already opened by the caller (its headers are not
+    read again: at 90,000 tensors a header parse is most of ``inspect``).
     """
     root = Path(root)
-    ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
+    if opened is not None and opened.kind == "hf":
+        ck = opened
+    else:
+        ck = open_checkpoint(root, follow_external_symlinks=follow_external_symlinks)
     if ck.kind == "shardctl" and any(
         (root / n).exists() for n in ("model.safetensors", "model.safetensors.index.json")
     ):
@@ -131,11 +140,13 @@ def from_tensors(
         architecture = model_type
     architecture = architecture or "unknown"
     dims = dims_from_config(config, where=str(config_path)) if architecture in SUPPORTED else None
+    by_bytes = bytes_by_dtype(tensors)
+    dominant = min(by_bytes, key=lambda d: (-by_bytes[d], d)) if by_bytes else None
     return ModelInfo(
         architecture=architecture,
         dims=dims,
         tensors=tensors,
-        dtype=_dominant_dtype(tensors) or config_dtype(config) or DEFAULT_DTYPE,
+        dtype=dominant or config_dtype(config) or DEFAULT_DTYPE,
         source="checkpoint",
         config=MappingProxyType(config),
     )
@@ -158,12 +169,3 @@ def from_parameters(n: int, dtype: str) -> ModelInfo:
         source="parameters",
         parameter_count=value,
     )
-
-
-def _dominant_dtype(tensors: tuple[TensorInfo, ...]) -> str | None:
-    by_bytes: Counter[str] = Counter()
-    for t in tensors:
-        by_bytes[t.dtype] += t.nbytes
-    if not by_bytes:
-        return None
-    return min(by_bytes, key=lambda d: (-by_bytes[d], d))

@@ -204,6 +204,8 @@ class PlanResult:
         return {
             "quantization": {
                 "method": q.method,
+                **({"fp8_scaling": q.fp8_scaling} if q.method == "fp8" else {}),
+                **({"overrides": [_override_json(o) for o in q.overrides]} if q.overrides else {}),
                 "weight_bytes": stored,
                 "bytes_per_parameter": stored / self.model.parameters,
             }
@@ -260,6 +262,20 @@ def with_weights_only(manifest: Manifest, only_weights: bool) -> Manifest:
     return replace(manifest, workload=replace(manifest.workload, only_weights=True))
 
 
+def _override_json(o: Any) -> dict[str, Any]:
+    """One ``quantization.overrides`` entry as given (first match wins)."""
+    out: dict[str, Any] = {"match": o.match}
+    if o.dtype is not None:
+        out["dtype"] = o.dtype
+    else:
+        out["method"] = o.method
+        if o.group_size is not None:
+            out["group_size"] = o.group_size
+        if o.method == "fp8":
+            out["fp8_scaling"] = o.fp8_scaling
+    return out
+
+
 def _cp(manifest: Manifest) -> int:
     """Context-parallel ranks per replica (``mesh.cp``; 1 for inference)."""
     return manifest.training.context_parallel if manifest.training is not None else 1
@@ -298,7 +314,11 @@ def plan_manifest(
     else:
         warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, weights = weights_per_coord(
-            model, mesh, rules=manifest.rules, options=manifest.layout
+            model,
+            mesh,
+            rules=manifest.rules,
+            options=manifest.layout,
+            quant=manifest.quantization,
         )
     memory = plan_memory(manifest, model, mesh, stages, weights)
     ranks = tuple(

@@ -18,7 +18,7 @@ from __future__ import annotations
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
 from shardctl.model.archs import SUPPORTED
-from shardctl.model.types import ModelInfo
+from shardctl.model.types import ModelInfo, TensorInfo
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.spec import DEFAULT_KEEP_16BIT, QuantSpec, TrainingSpec, Workload
 
@@ -83,42 +83,75 @@ def check_mesh(mesh: Mesh, hardware: HardwareSpec, cp: int = 1) -> tuple[str, ..
 
 
 def check_keep_16bit(model: ModelInfo, quant: QuantSpec | None) -> None:
-    """Each ``quantization.keep_16bit`` glob must match a tensor of the model, and only what
-    the weight model prices in 16-bit under a quantized format: embeddings, the head, norms,
-    biases (1-D). A glob that matches nothing, or matches decoder matrices (whose 16-bit bytes
-    the plan would not count), is refused rather than silently ignored."""
-    if quant is None or quant.method == "none" or quant.keep_16bit == DEFAULT_KEEP_16BIT:
+    """``quantization.keep_16bit`` globs and ``overrides`` apply to any tensor (fnmatch on full
+    tensor names; :mod:`shardctl.plan.memory.precision`), and each must change something:
+    a glob that matches no tensor, an override every tensor of which an earlier one already
+    takes (first match wins), or a quantizing override that matches only tensors no format
+    quantizes (norms, biases, routers) is refused (exit 3), never silently ignored."""
+    if quant is None:
+        return
+    keeps = () if quant.keep_16bit == DEFAULT_KEEP_16BIT else quant.keep_16bit
+    if not keeps and not quant.overrides:
         return
     from fnmatch import fnmatchcase
 
+    from shardctl.plan.memory.precision import first_match, is_matrix
+
+    where = "quantization.overrides" if quant.overrides else "quantization.keep_16bit"
     if not model.tensors:
         raise InvalidInputError(
-            "keep_16bit globs need the model's tensor names; a bare parameter count has none",
-            where="quantization.keep_16bit",
-            hint="give model.config or model.checkpoint, or drop keep_16bit",
+            "keep_16bit and overrides globs need the model's tensor names; a bare parameter "
+            "count has none",
+            where=where,
+            hint="give model.config or model.checkpoint, or drop them",
         )
-    vocab = model.dims.vocab_size if model.dims else -1
-    for glob in quant.keep_16bit:
-        hits = [t for t in model.tensors if fnmatchcase(t.fqn, glob)]
-        if not hits:
-            example = next((t.fqn for t in model.tensors if ".1." in t.fqn), model.tensors[0].fqn)
+    names = [t.fqn for t in model.tensors]
+    example = next((n for n in names if ".1." in n), names[0])
+    for glob in keeps:
+        if not any(fnmatchcase(n, glob) for n in names):
+            raise _unmatched(glob, model, example, "quantization.keep_16bit")
+    experts = model.dims.num_experts if model.dims is not None else 0
+    first = first_match(tuple(o.match for o in quant.overrides))
+    won: dict[int, list[TensorInfo]] = {}  # override index -> the tensors it is first for
+    for t in model.tensors:
+        i = first(t.fqn)
+        if i is not None:
+            won.setdefault(i, []).append(t)
+    taken = {t.fqn for ts in won.values() for t in ts}
+    for i, o in enumerate(quant.overrides):
+        at = f"quantization.overrides[{i}]"
+        fresh = won.get(i, [])
+        if not fresh:
+            hits = [t for t in model.tensors if fnmatchcase(t.fqn, o.match)]
+            if not hits:
+                raise _unmatched(o.match, model, example, f"{at}.match")
             raise InvalidInputError(
-                f"glob {glob!r} matches no tensor of this {model.architecture} model "
-                f"({len(model.tensors):,} tensors, e.g. {example})",
-                where="quantization.keep_16bit",
-                hint="fix the glob (fnmatch on full tensor names), or drop it",
+                f"{o.match!r} never applies: all {len(hits)} tensors it matches (e.g. "
+                f"{hits[0].fqn}) are taken by an earlier override (first match wins)",
+                where=f"{at}.match",
+                hint="move it before the broader override, or drop it",
             )
-        beyond = [
-            t
-            for t in hits
-            if len(t.shape) >= 2 and t.shape[0] != vocab and not t.fqn.endswith("wpe.weight")
-        ]
-        if beyond:
+        if o.quantizes and not any(is_matrix(t, experts) for t in fresh):
             raise InvalidInputError(
-                f"glob {glob!r} keeps {beyond[0].fqn} {list(beyond[0].shape)} (and "
-                f"{len(beyond) - 1} more matrices) in 16-bit: the weight model prices only "
-                "embeddings, the head, norms and biases in 16-bit under a quantized format",
-                where="quantization.keep_16bit",
-                hint="plan the mixed-precision checkpoint itself (model.checkpoint), whose "
-                "stored bytes are exact, or keep only embeddings/head/norms",
+                f"{o.match!r} matches only norms, biases or routers (e.g. {fresh[0].fqn} "
+                f"{list(fresh[0].shape)}), which {o.method} does not quantize",
+                where=f"{at}.method",
+                hint="match weight matrices (e.g. '*.mlp.*'), or drop the override",
             )
+    for glob in keeps:
+        if taken and all(n in taken for n in names if fnmatchcase(n, glob)):
+            raise InvalidInputError(
+                f"keep_16bit glob {glob!r} never applies: every tensor it matches is taken by "
+                "an override (overrides come first)",
+                where="quantization.keep_16bit",
+                hint="drop the glob, or move its tensors into an override",
+            )
+
+
+def _unmatched(glob: str, model: ModelInfo, example: str, where: str) -> InvalidInputError:
+    return InvalidInputError(
+        f"glob {glob!r} matches no tensor of this {model.architecture} model "
+        f"({len(model.tensors):,} tensors, e.g. {example})",
+        where=where,
+        hint="fix the glob (fnmatch on full tensor names), or drop it",
+    )

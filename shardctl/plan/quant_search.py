@@ -143,6 +143,13 @@ def _with_format(manifest: Manifest, fmt: str) -> Manifest:
     from shardctl.plan.memory.spec import QuantSpec
 
     method = FORMATS[fmt]
+    given = manifest.quantization
+    if given is not None:
+        # The manifest's keep_16bit and per-tensor overrides (bf16 attention, ...) stay part
+        # of the priced model; the searched format replaces only the base method.
+        spec = QuantSpec(method=method, keep_16bit=given.keep_16bit, overrides=given.overrides)
+        keep = spec.method != "none" or bool(spec.overrides)
+        return replace(manifest, quantization=spec if keep else None)
     return replace(manifest, quantization=None if method == "none" else QuantSpec(method=method))
 
 
@@ -153,7 +160,9 @@ def _weights(manifest: Manifest, model: ModelInfo, cand: Candidate) -> int:
 
     mesh = Mesh(pp=cand.mesh.pp, dp=cand.mesh.dp, ep=cand.mesh.ep, tp=cand.mesh.tp)
     options = options_for(manifest.layout, mesh.pp)
-    stages, weights = weights_per_coord(model, mesh, rules=manifest.rules, options=options)
+    stages, weights = weights_per_coord(
+        model, mesh, rules=manifest.rules, options=options, quant=manifest.quantization
+    )
     memory = plan_memory(manifest, model, mesh, stages, weights)
     return max(m.weights for m in memory.coords.values())
 

@@ -53,8 +53,9 @@ def render_plan(
     q = result.manifest.quantization
     if q is not None:
         stored = result.quantized_weight_bytes()
+        mixed = f" + {len(q.overrides)} overrides" if q.overrides else ""
         console.print(
-            f"  quantized {q.method}: {fmt_in(stored, unit)} ({stored:,} B, "
+            f"  quantized {q.method}{mixed}: {fmt_in(stored, unit)} ({stored:,} B, "
             f"{stored / model.parameters:.4f} B/parameter incl. scales)"
         )
     if result.weights_only:

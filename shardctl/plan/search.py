@@ -94,7 +94,8 @@ def search(
     term_cache: dict[Any, Any] = {}
     count_cache: dict[Any, Any] = {}
 
-    for tp, pp, ep, stages, per_stage in _model_parallel(model, n, hw, options, base, rules, rej):
+    meshes = _model_parallel(model, n, hw, options, base, rules, rej, quant)
+    for tp, pp, ep, stages, per_stage in meshes:
         for dp in range(1, n // (tp * pp * ep) + 1):
             reason = _dp_reason(dp, workload, training)
             if reason:
@@ -149,6 +150,7 @@ def _model_parallel(
     layout: LayoutOptions,
     rules: Sequence[RuleSpec],
     rej: Counter[str],
+    quant: QuantSpec | None = None,
 ) -> Iterator[tuple[int, int, int, tuple[Stage, ...], list[tuple[int | None, ...]]]]:
     """Every valid ``(tp, pp, ep)`` on ``n`` GPUs with its stages and weights; the invalid
     ones are counted in ``rej`` once for every mesh (every ``dp``, every smaller axis) they
@@ -170,7 +172,7 @@ def _model_parallel(
                     continue
                 try:
                     stages, per_stage = _stage_weights(
-                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, layout
+                        model, Mesh(pp=pp, ep=ep, tp=tp), rules, layout, quant
                     )
                 except LayoutError:
                     rej["layout_refused"] += n // (tp * pp * ep)
@@ -179,12 +181,16 @@ def _model_parallel(
 
 
 def _stage_weights(
-    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], layout: LayoutOptions
+    model: ModelInfo,
+    mesh: Mesh,
+    rules: Sequence[RuleSpec],
+    layout: LayoutOptions,
+    quant: QuantSpec | None = None,
 ) -> tuple[tuple[Stage, ...], list[tuple[int | None, ...]]]:
     """The stages of ``mesh`` and, per stage, the distinct weight bytes of its ranks (from the
     layout engine, as ``plan`` has them); ``(None,)`` where the closed form prices weights."""
     stages, weights = weights_per_coord(
-        model, mesh, rules=rules, options=options_for(layout, mesh.pp)
+        model, mesh, rules=rules, options=options_for(layout, mesh.pp), quant=quant
     )
     if weights is None:
         return stages, [(None,)] * len(stages)

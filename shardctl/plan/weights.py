@@ -3,6 +3,11 @@
 Both ask the layout engine (:func:`shardctl.layout.engine.staged_weight_bytes`), so manifest
 ``rules:``, vocab padding and fused parts count the same way in both, and equal the bytes
 ``reshard`` writes per rank.
+
+Under ``quantization:`` (a method, ``keep_16bit``, ``overrides``) each tensor's local piece on
+each rank (its shape from the same resolution) is priced in that tensor's own format
+(:mod:`shardctl.plan.memory.precision`, :func:`shardctl.plan.memory.quant.tensor_bytes`): a
+mixed-precision checkpoint is priced tensor by tensor, rank by rank.
 """
 
 from __future__ import annotations
@@ -11,8 +16,11 @@ from collections.abc import Sequence
 from dataclasses import replace
 
 from shardctl.layout.pipeline import assign_layers
+from shardctl.layout.split import SplitSpec
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.precision import Format
+from shardctl.plan.memory.spec import QuantSpec
 
 Coord = tuple[int, int, int]  # (pp, ep, tp)
 
@@ -26,18 +34,26 @@ def options_for(options: LayoutOptions, pp: int) -> LayoutOptions:
 
 
 def weights_per_coord(
-    model: ModelInfo, mesh: Mesh, *, rules: Sequence[RuleSpec], options: LayoutOptions
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    rules: Sequence[RuleSpec],
+    options: LayoutOptions,
+    quant: QuantSpec | None,
 ) -> tuple[tuple[Stage, ...], dict[Coord, int] | None]:
     """The stages and the exact weight bytes per ``(pp, ep, tp)`` (``options`` as given:
-    the search passes :func:`options_for` its ``pp``).
+    the search passes :func:`options_for` its ``pp``), each tensor in its ``quant`` format.
 
     Weights are ``None`` for a model known only by its dimensions (no tensor inventory): the
     memory model's closed form prices those. A bare parameter count splits evenly over the
     model-parallel ranks (ZeRO-paper style).
     """
     from shardctl.layout.engine import staged_weight_bytes
+    from shardctl.plan.memory.precision import priced_per_tensor
 
     o = options
+    if model.tensors and quant is not None and priced_per_tensor(quant):
+        return priced_weight_bytes(model, mesh, rules=rules, options=o, quant=quant)
     if model.tensors:
         return staged_weight_bytes(model, mesh, rules=rules, options=o)
     if model.dims is not None:
@@ -47,3 +63,109 @@ def weights_per_coord(
     stages = assign_layers(mesh.pp, mesh.pp, "even", None)
     coords = range(mesh.pp), range(mesh.ep), range(mesh.tp)
     return stages, {(p, e, t): per for p in coords[0] for e in coords[1] for t in coords[2]}
+
+
+def priced_weight_bytes(
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    rules: Sequence[RuleSpec],
+    options: LayoutOptions,
+    quant: QuantSpec,
+) -> tuple[tuple[Stage, ...], dict[Coord, int]]:
+    """:func:`~shardctl.layout.engine.staged_weight_bytes`, each local piece priced in its
+    tensor's format: the layout engine's placement (tp split with parts, heads and vocab
+    padding, stages, ep ranks) and the format's bytes of each rank's local shape.
+
+    Layers repeat a handful of (split, format) pairs: each is priced once per mesh.
+    """
+    from shardctl.dtypes import nbytes
+    from shardctl.layout.engine import resolve
+    from shardctl.layout.split import split
+    from shardctl.plan.memory.precision import tensor_formats
+    from shardctl.plan.memory.quant import tensor_bytes
+
+    formats = tensor_formats(model, quant)
+    res = resolve(model, mesh, rules=rules, options=options)
+    tp, ep = mesh.tp, mesh.ep
+    totals = [0] * mesh.model_parallel
+    priced: dict[tuple[object, ...], list[int]] = {}
+    for t in res.tensors:
+        fmt = formats[t.info.fqn]
+        key = (t.split, t.packed, t.info.dtype, fmt)
+        sizes = priced.get(key)
+        if sizes is None:
+            if fmt.formula is not None and tp > 1:
+                _check_groups(t.info.fqn, t.split, fmt, tp)
+            sizes = []
+            for _pieces, local in split(t.split, tp):
+                if t.packed:  # packed experts: each ep rank holds E/ep of dim 0
+                    local = (local[0] // ep, *local[1:])
+                if fmt.formula is None:
+                    n = 1
+                    for d in local:
+                        n *= d
+                    sizes.append(nbytes(fmt.dtype or t.info.dtype, n))
+                else:
+                    sizes.append(
+                        tensor_bytes(
+                            fmt.formula,
+                            local,
+                            group_size=fmt.group_size,
+                            double_quant=fmt.double_quant,
+                            transposed=fmt.transposed,
+                        )
+                    )
+            priced[key] = sizes
+        eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
+        for p in t.stages:
+            for e in eps:
+                base = (p * ep + e) * tp
+                for r in range(tp):
+                    totals[base + r] += sizes[r]
+    return res.stages, {
+        (p, e, r): totals[(p * ep + e) * tp + r]
+        for p in range(mesh.pp)
+        for e in range(ep)
+        for r in range(tp)
+    }
+
+
+# Formats whose scales cover groups of in-features (and, for fp8 blocks, of out-features): a
+# tp split must keep whole groups, as reshard does for a stored checkpoint
+# (shardctl/quant/groups.py) and vLLM does when it loads one.
+_IN_GROUPS = ("gptq", "int4", "awq", "mxfp4", "nvfp4", "fp8-block")
+
+
+def _check_groups(fqn: str, spec: SplitSpec, fmt: Format, tp: int) -> None:
+    """Refuse a tp split that would cut the format's groups of a matrix ``[out, in]``
+    (``[in, out]`` for a ``Conv1D``) or packed experts ``[E, out, in]`` (MXFP4's
+    ``[E, in, out]``, as gpt-oss stores them): each rank's local length along the split dim
+    must be whole groups (exit 3)."""
+    from shardctl.errors import LayoutError
+    from shardctl.layout.split import split
+
+    g, nd, dim = fmt.group_size, len(spec.shape), spec.dim
+    if fmt.formula not in _IN_GROUPS or nd < 2 or g <= 1 or dim is None:
+        return
+    if nd == 2:
+        in_dim, out_dim = (0, 1) if fmt.transposed else (1, 0)
+    elif fmt.formula == "mxfp4":
+        in_dim, out_dim = nd - 2, nd - 1
+    else:
+        in_dim, out_dim = nd - 1, nd - 2
+    # fp8 blocks are 2-D tiles: out-features too; the other formats group in-features only
+    if dim != in_dim and not (fmt.formula == "fp8-block" and dim == out_dim):
+        return
+    locals_ = [local[dim] for _pieces, local in split(spec, tp)]
+    bad = next((n for n in locals_ if n % g), None)
+    if bad is None:
+        return
+    side = "in-features" if dim == in_dim else "out-features"
+    raise LayoutError(
+        f"{fmt.formula} group_size {g} along {side} {spec.shape[dim]} with tp {tp}: "
+        f"{bad} per rank cuts a group",
+        where=fqn,
+        hint="pick a tp that keeps whole groups, a smaller group_size, or keep this tensor "
+        "in 16-bit (quantization.overrides / keep_16bit)",
+    )

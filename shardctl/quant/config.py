@@ -13,6 +13,8 @@ The methods shardctl reads, with the fields each one's on-disk layout depends on
 ``compressed-tensors`` ``format`` (``pack-quantized``, ``nvfp4-pack-quantized``,
                      ``float-quantized``), ``config_groups.*.weights`` (num_bits, group_size)
 ``mxfp4``            none (gpt-oss: ``*_blocks`` / ``*_scales``, 32 values per scale)
+``fbgemm_fp8``       none (Meta's Llama-3.1-405B-FP8: ``weight`` F8_E4M3, ``weight_scale`` F32
+                     ``[out, 1]`` per row; ``modules_to_not_convert`` stay bf16)
 ==================== ========================================================================
 
 ``modules_to_not_convert`` (transformers) and ``ignore`` (compressed-tensors) name modules kept
@@ -28,7 +30,7 @@ from typing import Any
 
 from shardctl.errors import InvalidInputError
 
-METHODS: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4")
+METHODS: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4", "fbgemm_fp8")
 CT_FORMATS: tuple[str, ...] = ("pack-quantized", "nvfp4-pack-quantized", "float-quantized")
 
 
@@ -50,9 +52,12 @@ class QuantConfig:
     input_scales: bool = False  # compressed-tensors: static activation scales are stored
     symmetric: bool = True  # compressed-tensors pack-quantized: no weight_zero_point
     ignore: tuple[str, ...] = ()
+    channel: bool = False  # fp8: one F32 scale per output row (FBGEMM ``fbgemm_fp8``)
 
     def describe(self) -> str:
         if self.method == "fp8":
+            if self.channel:
+                return "fp8 e4m3 per-row (fbgemm_fp8)"
             if self.block:
                 return f"fp8 e4m3 block {self.block[0]}x{self.block[1]}"
             return "fp8 e4m3 per-tensor/channel"
@@ -81,6 +86,8 @@ def read_quant(config: Mapping[str, Any], *, where: str = "config") -> QuantConf
             hint=f"shardctl reads quant_method {', '.join(METHODS)}",
         )
     ignore = _names(raw.get("modules_to_not_convert") or raw.get("ignore") or [], w)
+    if method == "fbgemm_fp8":
+        return QuantConfig("fp8", bits=8, ignore=ignore, channel=True)
     if method == "fp8":
         block = raw.get("weight_block_size")
         if block is None:

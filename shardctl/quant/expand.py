@@ -80,6 +80,8 @@ def members(t: TensorInfo, qc: QuantConfig) -> list[TensorInfo]:
         if qc.block:
             bo, bi = qc.block
             scale = TensorInfo(f"{base}.weight_scale_inv", (-(-out_f // bo), -(-in_f // bi)), "F32")
+        elif qc.channel:  # FBGEMM: an F32 scale per output row
+            scale = TensorInfo(f"{base}.weight_scale", (out_f, 1), "F32")
         else:
             scale = TensorInfo(f"{base}.weight_scale", (), "F32")
         return [TensorInfo(t.fqn, t.shape, "F8_E4M3"), scale]

@@ -1,29 +1,189 @@
 """Small tensors, many to a buffer: a file's tensors of at most one block each are appended to
-one pending buffer that is hashed and written with one ``pwrite``."""
+one pending buffer that is hashed and written with one ``pwrite``.
+
+The common small tensor (one target piece filling its local tensor, read from rectangular
+source shards: an HF tensor split ``S(d)``, or ``tp`` shards merged back) takes a short path
+(:meth:`Batching._fast`): its boxes are worked out inline and its bytes copied out of a source
+window (:mod:`shardctl.reshard.window`), so no ``Box`` object, no ``pread`` and no block
+planning per tensor. Anything else (fused parts, padding, scalars, replicas cut differently)
+goes the general way through :func:`~shardctl.reshard.boxes.plan_boxes`, which also reports
+inconsistent sources."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable
 
-from shardctl.blocks import scalar_shape
+import numpy as np
+
+from shardctl.blocks import flat_index, is_contiguous, scalar_shape
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.layout.types import LocalTensor
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import Gather
+from shardctl.reshard.window import Windows
 from shardctl.reshard.writer import OutFile
 
+# One copy of the short path: (source shard, source-local start, target-local start, sizes).
+_Part = tuple[SourceShard, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
-class Batching(Gather):
+
+class Batching(Gather, Windows):
     """The small-tensor half of :class:`~shardctl.reshard.copy.Executor` (which sets these)."""
 
     block: int
     sources: dict[str, tuple[SourceShard, ...]]
+    held_key: str | None = None
+    held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     progress: Callable[[int], None] | None
 
     def _buffer(self, asking: OutFile | None = None) -> bytearray:
         raise NotImplementedError  # the executor's buffer pool
+
+    def _fast(self, out: OutFile, t: LocalTensor) -> bool:
+        """Append ``t`` to ``out``'s pending buffer by the short path; False (nothing done)
+        when ``t`` is not a case it handles."""
+        n = t.nbytes
+        if not 0 < n <= self.block:
+            return False
+        parts = self._parts(t)
+        if parts is None:
+            return False
+        s = itemsize(t.dtype)
+        shape = t.local_shape
+        win = self.window_size()
+        spans = []
+        for sh, src_lo, _dst_lo, sizes in parts:
+            ls = sh.local_shape
+            row = math.prod(ls[1:]) * s  # bytes of one index of dim 0, all later dims whole
+            length = sizes[0] * row
+            if length > win:
+                return False
+            spans.append((sh.begin + src_lo[0] * row, length))
+        if out.pend is not None and (
+            out.pend_len + n > self.block or t.begin != out.pend_at + out.pend_len
+        ):
+            self._flush(out)
+        if out.pend is None:
+            out.pend = self._buffer(out)
+            out.pend_at, out.pend_len = t.begin, 0
+        self._issue(out)  # reads queued by the general path go first (input checksums)
+        at = out.pend_len
+        buf = out.pend
+        for (sh, src_lo, dst_lo, sizes), (where, length) in zip(parts, spans, strict=True):
+            ls = sh.local_shape
+            src = self._window(sh.file, where, length)
+            if len(parts) == 1 and sizes == shape:
+                if sizes[1:] == ls[1:]:  # whole rows (an S(0) split, a whole tensor)
+                    buf[at : at + n] = src[:n]
+                    continue
+                if is_contiguous(sizes, ls):
+                    skip = flat_index((0, *src_lo[1:]), ls) * s
+                    buf[at : at + n] = src[skip : skip + n]
+                    continue
+            dst = np.frombuffer(buf, dtype=np.uint8, count=n, offset=at)
+            if len(ls) == 1:
+                dst[dst_lo[0] * s : (dst_lo[0] + sizes[0]) * s] = np.frombuffer(src, np.uint8)
+                continue
+            # Raw bytes as [rows, ..., last·itemsize]: an element is itemsize byte columns.
+            src_rows = np.frombuffer(src, np.uint8).reshape(sizes[0], *ls[1:-1], ls[-1] * s)
+            dst_rows = dst.reshape(*shape[:-1], shape[-1] * s)
+            src_box = [slice(0, sizes[0])]
+            src_box += [slice(src_lo[k], src_lo[k] + sizes[k]) for k in range(1, len(ls) - 1)]
+            src_box.append(slice(src_lo[-1] * s, (src_lo[-1] + sizes[-1]) * s))
+            dst_box = [slice(dst_lo[k], dst_lo[k] + sizes[k]) for k in range(len(ls) - 1)]
+            dst_box.append(slice(dst_lo[-1] * s, (dst_lo[-1] + sizes[-1]) * s))
+            dst_rows[tuple(dst_box)] = src_rows[tuple(src_box)]
+        out.pend_len += n
+        return True
+
+    def _parts(self, t: LocalTensor) -> list[_Part] | None:
+        """The copies that fill ``t`` when it is one piece filling its local tensor and its
+        sources are single-piece rectangular shards that tile that piece along one dim (the
+        first holder of a replicated piece wins, as in ``plan_boxes``); None otherwise."""
+        if len(t.pieces) != 1:
+            return None
+        p = t.pieces[0]
+        shape = t.local_shape
+        nd = len(shape)
+        if nd == 0 or p.sizes != shape or any(p.local_offsets):
+            return None
+        srcs = self.sources[t.fqn]
+        if len(srcs) == 1 and len(srcs[0].pieces) == 1:
+            sh = srcs[0]
+            q = sh.pieces[0]
+            if len(q.sizes) != nd or len(sh.local_shape) != nd:
+                return None
+            inside = []
+            rows = zip(p.offsets, p.sizes, q.offsets, q.sizes, q.local_offsets, strict=True)
+            for a, n, b, m, c in rows:
+                if a < b or a + n > b + m:
+                    return None
+                inside.append(a - b + c)
+            return [(sh, tuple(inside), (0,) * nd, shape)]
+        held = self._held(t.fqn, srcs, nd)
+        if held is None:
+            return None
+        parts: list[_Part] = []
+        cut = -1  # the one dim the sources split
+        po, ps = p.offsets, p.sizes
+        for sh, qo, qs in held:
+            lo, sizes, src_lo = [], [], []
+            short = -1  # the dim this part does not span
+            for d in range(nd):
+                a, b = po[d], qo[d]
+                x = a if a > b else b
+                m = min(a + ps[d], b + qs[d]) - x
+                if m <= 0:
+                    break
+                if m != ps[d]:
+                    if short != -1:
+                        return None
+                    short = d
+                lo.append(x - a)
+                sizes.append(m)
+                src_lo.append(x - b)
+            else:
+                if short != -1:
+                    if cut not in (-1, short):
+                        return None
+                    cut = short
+                parts.append((sh, tuple(src_lo), tuple(lo), tuple(sizes)))
+        # Every part spans all of the piece but along ``cut``: they tile it when their runs
+        # along ``cut`` follow each other from 0 to its end (else the general path reports).
+        d = max(cut, 0)
+        parts.sort(key=lambda x: x[2][d])
+        at = 0
+        for part in parts:
+            if part[2][d] != at:
+                return None
+            at += part[3][d]
+        if at != p.sizes[d] or (cut == -1 and len(parts) != 1):
+            return None
+        return parts
+
+    def _held(
+        self, fqn: str, srcs: tuple[SourceShard, ...], nd: int
+    ) -> list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None:
+        """``fqn``'s distinct source pieces as ``(shard, offsets, sizes)`` (replicas: the first
+        holder), when every source is one rectangular piece of ``nd`` dims; else None. One
+        entry cached: an fqn's targets are written one after another."""
+        if self.held_key == fqn:
+            return self.held
+        held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] = []
+        seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
+        ok = True
+        for sh in srcs:
+            q = sh.pieces[0] if len(sh.pieces) == 1 else None
+            if q is None or len(q.sizes) != nd or q.sizes != sh.local_shape or any(q.local_offsets):
+                ok = False
+                break
+            if (q.offsets, q.sizes) not in seen:
+                seen.add((q.offsets, q.sizes))
+                held.append((sh, q.offsets, q.sizes))
+        self.held_key, self.held = fqn, (held if ok else None)
+        return self.held
 
     def _small_boxes(self, t: LocalTensor) -> list[Box] | None:
         """``t``'s boxes when it can be batched: it fits a block, and so does every source

@@ -139,10 +139,15 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     # name -> entry per file: a linear search per shard was quadratic (200 s at 90k tensors)
     entries = {name: {e.name: e for e in h.tensors} for name, h in headers.items()}
     seen: dict[str, set[str]] = {}
+    paths = {name: root / name for name in headers}  # one Path per file, not per shard
+    shard_files = record.shard_files
     for i, rl in enumerate(layout.ranks):
         for s in rl.shards:
-            name = record.shard_files[(i, s.fqn)]
-            seen.setdefault(name, set()).add(s.fqn)
+            name = shard_files[(i, s.fqn)]
+            names = seen.get(name)
+            if names is None:
+                names = seen[name] = set()
+            names.add(s.fqn)
             header = headers.get(name)
             if header is None:
                 continue
@@ -161,14 +166,17 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
                     )
                 )
                 continue
-            dest.shards.setdefault(s.fqn, []).append(
+            held = dest.shards.get(s.fqn)
+            if held is None:
+                held = dest.shards[s.fqn] = []
+            held.append(
                 DstShard(
                     s.fqn,
                     s.dtype,
                     s.local_shape,
                     s.pieces,
                     header.data_offset + entry.begin,
-                    path=root / name,
+                    path=paths[name],
                     rank=i,
                 )
             )

@@ -74,6 +74,8 @@ def _names(level: LevelResult, src: dict[str, TensorInfo], dst: Destination) -> 
 def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
     """None when the distinct boxes are disjoint and cover ``shape``; else what is wrong."""
     distinct = list({(p.offsets, p.sizes) for p in boxes})
+    if _slabs(shape, distinct):
+        return None
     total = math.prod(shape)
     covered = sum(math.prod(s) for _, s in distinct)
     for i, (oa, sa) in enumerate(distinct):
@@ -87,11 +89,46 @@ def _boxes_tile(shape: tuple[int, ...], boxes: list[Piece]) -> str | None:
     return None
 
 
+def _slabs(shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> bool:
+    """The common case, decided without the pairwise check: boxes whole on every dim but one,
+    along which they follow each other from 0 to its end (a tp split, or the whole tensor)."""
+    if len(distinct) == 1:
+        offsets, sizes = distinct[0]
+        return sizes == shape and not any(offsets)
+    split = -1
+    ndim = len(shape)
+    for o, z in distinct:
+        if len(o) != ndim or len(z) != ndim:
+            return False
+        for d in range(ndim):
+            if o[d] or z[d] != shape[d]:
+                if split == -1:
+                    split = d
+                elif split != d:
+                    return False
+    if split == -1:
+        return False  # identical whole boxes: distinct has one entry, so not reached
+    cursor = 0
+    for start, size in sorted((o[split], z[split]) for o, z in distinct):
+        if start != cursor or size == 0:
+            return False
+        cursor += size
+    return cursor == shape[split]
+
+
 def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) -> None:
     groups: dict[str, dict[tuple[int, int], list[Piece]]] = {}
     for rl in layout.ranks:
+        at = (rl.pp, rl.ep)
         for s in rl.shards:
-            groups.setdefault(s.fqn, {}).setdefault((rl.pp, rl.ep), []).extend(s.pieces)
+            held = groups.get(s.fqn)
+            if held is None:
+                held = groups[s.fqn] = {}
+            pieces = held.get(at)
+            if pieces is None:
+                held[at] = list(s.pieces)
+            else:
+                pieces.extend(s.pieces)
     mesh = layout.mesh
     for fqn, t in src.items():
         held = groups.get(fqn)

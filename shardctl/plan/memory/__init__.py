@@ -7,7 +7,13 @@ No torch here: everything is closed-form arithmetic on the model's dimensions.
 from shardctl.plan.memory.estimate import COMPONENTS, MemoryPlan, RankMemory, estimate
 from shardctl.plan.memory.hardware import GPUS, LINKS, HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
-from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload, zero_stage
+from shardctl.plan.memory.spec import (
+    QuantOverride,
+    QuantSpec,
+    TrainingSpec,
+    Workload,
+    zero_stage,
+)
 
 __all__ = [
     "COMPONENTS",
@@ -16,6 +22,7 @@ __all__ = [
     "HardwareSpec",
     "MemoryPlan",
     "OverheadSpec",
+    "QuantOverride",
     "QuantSpec",
     "RankMemory",
     "TrainingSpec",

@@ -112,7 +112,7 @@ def search_layouts(
     sequences, so ``dp`` must divide it (reason ``batch_not_divisible``).
     """
     from shardctl.errors import ManifestError
-    from shardctl.manifest.fields import MAX_AXIS
+    from shardctl.manifest.limits import MAX_AXIS
     from shardctl.plan.search import search
 
     n = gpus or manifest.hardware.gpus

@@ -16,6 +16,7 @@ from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.kv_layers import layer_windows, mla_latent_width
 from shardctl.plan.memory.layout_counts import layout_counts, uses_layout_counts
 from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
+from shardctl.plan.memory.precision import priced_per_tensor
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
 from shardctl.plan.memory.sglang import (
@@ -112,6 +113,9 @@ class Context:
 
     def weight_bytes(self, c: Counts, given: int | None) -> int:
         q = self.quant
+        if given is not None and self.model.tensors and priced_per_tensor(q):
+            # The layout engine's bytes, each tensor in its own format (plan/weights.py).
+            return given
         if q.method != "none" and self.shape is None:
             # A bare count has no kinds to keep in 16-bit: every parameter is priced in the
             # format, payload plus per-group scales (docs/memory-model.md, "bare counts").
@@ -146,7 +150,9 @@ class Context:
         detail = dict(detail)
         grads = opt = host = nvme = 0
         if self.training is not None:
-            s = training_states(self, st, c, weights, given)
+            # ``given`` counts parameters only when it holds the dense stored bytes.
+            dense = None if priced_per_tensor(self.quant) else given
+            s = training_states(self, st, c, weights, dense)
             weights, grads, opt, host, nvme = s.weights, s.gradients, s.optimizer, s.host, s.nvme
             detail.update(s.detail)
         tensors = weights + kv + acts + grads + opt

@@ -41,9 +41,10 @@ def estimate(
 ) -> MemoryPlan:
     """Every memory component of every rank of ``mesh`` (inference, or training if given).
 
-    ``weights_per_coord`` are the layout engine's exact bytes per ``(pp, ep, tp)``; without
-    them (or with quantization) weights come from the closed form of
-    :mod:`shardctl.plan.memory.shapes`.
+    ``weights_per_coord`` are the layout engine's exact bytes per ``(pp, ep, tp)`` (with
+    ``quant``: each tensor in its own format, :func:`shardctl.plan.weights.weights_per_coord`);
+    without them weights come from the closed form of :mod:`shardctl.plan.memory.shapes`
+    (``quant.overrides`` need the per-tensor path).
     """
     workload = workload or Workload()
     quant = quant or QuantSpec()
@@ -51,12 +52,31 @@ def estimate(
     overhead = overhead or OverheadSpec()
     # vLLM's budget is utilization × the size CUDA reports, not the data sheet's.
     hardware = engine_hardware(hardware, workload.engine, training=training is not None)
-    if training is not None and quant.method != "none" and not training.lora_rank:
+    if training is not None and quant.quantizes and not training.lora_rank:
+        what = quant.method if quant.method != "none" else "quantized (overrides)"
         raise InvalidInputError(
-            f"training with {quant.method} weights needs frozen weights: a quantized base "
+            f"training with {what} weights needs frozen weights: a quantized base "
             "trains only through adapters (QLoRA)",
             where="quantization.method",
             hint="set training.lora_rank (e.g. 16) for QLoRA, or drop quantization",
+        )
+    if quant.overrides and weights_per_coord is None:
+        # The closed form prices kinds, not tensors: overrides would be silently ignored.
+        raise InvalidInputError(
+            "quantization.overrides are priced per tensor by the layout engine; this estimate "
+            "has no per-rank weights",
+            where="quantization.overrides",
+            hint="plan with a config or checkpoint (shardctl.plan), or pass weights_per_coord "
+            "from shardctl.plan.weights.weights_per_coord(..., quant=...)",
+        )
+    if training is not None and quant.overrides and not training.lora_rank:
+        # Model states (gradients, optimizer, master weights) are priced per parameter in the
+        # training dtype; a per-tensor dtype would be counted in the weights alone.
+        raise InvalidInputError(
+            "quantization.overrides apply to a frozen base (LoRA/QLoRA); full training prices "
+            "every parameter's states in the training dtype",
+            where="quantization.overrides",
+            hint="set training.lora_rank (e.g. 16), or drop the overrides",
         )
     if training is not None and training.lora_rank and not model.dims:
         raise InvalidInputError(

@@ -13,6 +13,8 @@ Per quantizable matrix of ``n`` elements, ``r`` local rows (out-features) and ``
   per parameter of constants instead of 0.5) — Dettmers et al. 2023, QLoRA §3.
 - ``fp8``: ``n + 4`` (one fp32 scale per tensor) — Micikevicius et al. 2022, FP8 formats;
   vLLM ``Fp8LinearMethod``.
+- ``fp8-channel``: ``n + 4r`` (one fp32 scale per output row) — FBGEMM ``fbgemm_fp8``
+  (Meta's Llama-3.1-405B-FP8: ``weight_scale`` F32 ``[out, 1]``), vLLM ``FBGEMMFp8Config``.
 - ``fp8-block``: ``n + 4·n/(128·128)`` (fp32 scale per 128×128 block) — DeepSeek-V3 §3.3.
 - ``mxfp4``: ``n/2 + n/32`` (E2M1, one E8M0 scale per 32) — OCP Microscaling Formats v1.0.
 - ``nvfp4``: ``n/2 + n/16 + 4`` (E2M1, an E4M3 scale per 16, an fp32 scale per tensor) —
@@ -21,7 +23,10 @@ Per quantizable matrix of ``n`` elements, ``r`` local rows (out-features) and ``
 Embeddings, the head and norms (with biases and routers) stay in the model's 16-bit dtype by
 default (``QuantSpec.keep_16bit``), as GPTQ, AWQ, bitsandbytes and vLLM's fp8 leave them.
 The methods are :data:`~shardctl.plan.memory.spec.QUANT_METHODS`; ``fp8-block`` here is
-``fp8`` with ``fp8_scaling: block``.
+``fp8`` with ``fp8_scaling: block`` (``fp8-channel``: ``fp8_scaling: channel``).
+
+:func:`tensor_bytes` prices one rank's local piece of one tensor (its shape from the layout
+engine), so a mixed-precision model (``quantization.overrides``) is priced tensor by tensor.
 """
 
 from __future__ import annotations
@@ -59,6 +64,8 @@ def matrix_bytes(
         return n // 2 + 4 * blocks
     if method == "fp8":
         return n + 4 * matrices
+    if method == "fp8-channel":
+        return n + 4 * rows
     if method == "fp8-block":
         return n + 4 * -(-n // (128 * 128))
     if method == "mxfp4":
@@ -105,3 +112,38 @@ def quantized_weight_bytes(
                 double_quant=double_quant,
             )
     return q + other
+
+
+def tensor_bytes(
+    method: str,
+    shape: tuple[int, ...],
+    *,
+    group_size: int = 128,
+    double_quant: bool = True,
+    transposed: bool = False,
+) -> int:
+    """Bytes of one local tensor piece of ``shape`` stored as ``method`` (a
+    :func:`matrix_bytes` name): a matrix ``[r, c]``, or ``[*lead, r, c]`` packed experts
+    (``lead`` matrices of ``[r, c]``); ``transposed``: stored ``[in, out]`` (GPT-2's
+    ``Conv1D``), so per-output-row scales count ``c``.
+
+    >>> tensor_bytes("fp8-channel", (1024, 4096))  # fp8 payload + an fp32 scale per row
+    4198400
+    >>> tensor_bytes("fp8-block", (200, 300), group_size=128)  # 2 x 3 blocks of 128 x 128
+    60024
+    """
+    n = 1
+    for d in shape:
+        n *= d
+    *lead, r, c = shape if len(shape) >= 2 else (1, n)
+    if transposed:
+        r, c = c, r
+    m = 1
+    for d in lead:
+        m *= d
+    if method == "fp8-block":
+        g = group_size or 128
+        return n + 4 * m * -(-r // g) * -(-c // g)
+    return matrix_bytes(
+        method, n, m * r, m * c, m, group_size=group_size or 128, double_quant=double_quant
+    )

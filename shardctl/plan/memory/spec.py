@@ -21,7 +21,7 @@ PIPELINE_SCHEDULES = ("1f1b", "gpipe", "interleaved")
 # ``all-linear`` is PEFT's name for every Linear but the head; ``attention`` q/k/v/o; ``mlp``
 # gate/up/down.
 LORA_TARGETS = ("all-linear", "attention", "mlp")
-FP8_SCALING = ("tensor", "block")
+FP8_SCALING = ("tensor", "channel", "block")
 QUANT_KINDS = ("embedding", "head", "norm")
 
 # FSDP sharding strategies -> ZeRO stage (PyTorch FSDP docs: FULL_SHARD is ZeRO-3,
@@ -358,12 +358,41 @@ _KIND_NAMES = {
 
 
 @dataclass(frozen=True)
+class QuantOverride:
+    """One ``quantization.overrides`` entry: tensors whose full name matches ``match`` (fnmatch)
+    are stored as ``method`` (a :data:`QUANT_METHODS` name; ``none``: unquantized, as stored)
+    or dense in ``dtype`` (``BF16``, ``F16``, ``F32``). The first matching entry wins.
+
+    >>> QuantOverride("*.self_attn.*", dtype="BF16").describe()
+    '*.self_attn.* -> BF16'
+    """
+
+    match: str
+    method: str | None = None
+    dtype: str | None = None
+    group_size: int | None = None
+    fp8_scaling: str = "tensor"
+
+    @property
+    def quantizes(self) -> bool:
+        return self.method is not None and self.method != "none"
+
+    def describe(self) -> str:
+        if self.dtype is not None:
+            return f"{self.match} -> {self.dtype}"
+        return f"{self.match} -> {self.method}"
+
+
+@dataclass(frozen=True)
 class QuantSpec:
     """How weights are stored on the device (see :mod:`shardctl.plan.memory.quant`).
 
     ``method`` ``"none"`` counts the checkpoint as stored (an already-quantized checkpoint too).
     ``group_size`` ``None`` is the method's :data:`DEFAULT_GROUP_SIZE` (``fp8_scaling: block``:
-    128). ``keep_16bit`` are fqn globs left in 16-bit (:data:`DEFAULT_KEEP_16BIT`).
+    128). ``keep_16bit`` are fqn globs left in 16-bit (:data:`DEFAULT_KEEP_16BIT`), any tensor.
+    ``overrides`` give tensors their own format, first match wins, before ``keep_16bit`` and
+    ``method`` (:mod:`shardctl.plan.memory.precision`); with ``method`` ``"none"`` only they
+    quantize.
     """
 
     method: str = "none"
@@ -371,6 +400,12 @@ class QuantSpec:
     double_quant: bool = False
     fp8_scaling: str = "tensor"
     keep_16bit: tuple[str, ...] = DEFAULT_KEEP_16BIT
+    overrides: tuple[QuantOverride, ...] = ()
+
+    @property
+    def quantizes(self) -> bool:
+        """Whether any tensor is stored in a quantized format (the method or an override)."""
+        return self.method != "none" or any(o.quantizes for o in self.overrides)
 
     def __post_init__(self) -> None:
         if self.method not in QUANT_METHODS:
@@ -398,7 +433,7 @@ class QuantSpec:
     def formula(self) -> str:
         """The :func:`~shardctl.plan.memory.quant.matrix_bytes` formula: ``fp8`` with block
         scaling is ``fp8-block``."""
-        return "fp8-block" if self.method == "fp8" and self.fp8_scaling == "block" else self.method
+        return formula_of(self.method, self.fp8_scaling)
 
     @property
     def keep(self) -> tuple[str, ...]:
@@ -408,3 +443,11 @@ class QuantSpec:
             for kind, names in _KIND_NAMES.items()
             if any(fnmatchcase(n, g) for n in names for g in self.keep_16bit)
         )
+
+
+def formula_of(method: str, fp8_scaling: str) -> str:
+    """The :func:`~shardctl.plan.memory.quant.matrix_bytes` name of ``method``: ``fp8`` is
+    ``fp8-block`` or ``fp8-channel`` by its scaling."""
+    if method == "fp8" and fp8_scaling != "tensor":
+        return f"fp8-{fp8_scaling}"
+    return method

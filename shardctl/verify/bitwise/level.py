@@ -17,6 +17,12 @@ from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.compare import shard_key
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
+from shardctl.verify.bitwise.spans import (
+    Span,
+    plain_shards,
+    plain_source,
+    span_caps,
+)
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
@@ -35,7 +41,17 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 
     shapes = {t.fqn: t.shape for t in src.model.tensors}
     workers, results = run_tasks(_tasks(src, by_fqn, shapes), src, feeds)
-    compared = {shard_key(s): sum(scalar_piece(p).numel for p in s.pieces) for s in ordered}
+    # only a shard that differs needs its element count (the message's "n of m elements")
+    keys = {r[1] for r in results}
+    compared = (
+        {
+            shard_key(s): sum(scalar_piece(p).numel for p in s.pieces)
+            for s in ordered
+            if shard_key(s) in keys
+        }
+        if keys
+        else {}
+    )
     for message, where in _findings(results, compared):
         level.fail(message, **where)
         per_tensor[where["fqn"]]["status"] = "fail"
@@ -72,9 +88,14 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 def _shards(src: Source, dst: Destination) -> tuple[list[DstShard], dict[str, list[DstShard]]]:
     """DST's shards of the tensors SRC has, sorted by (file, begin), and grouped by tensor in
     an order every DST file agrees with (``_file_order``)."""
+    names: dict[Path, str] = {}
+    for ss in dst.shards.values():
+        for s in ss:
+            if s.path not in names:
+                names[s.path] = str(s.path)
     ordered = sorted(
         (s for ss in dst.shards.values() for s in ss if s.fqn in src.shards),
-        key=lambda s: (str(s.path), s.begin),
+        key=lambda s: (names[s.path], s.begin),
     )
     by_fqn: dict[str, list[DstShard]] = {}
     for s in ordered:
@@ -97,7 +118,8 @@ def _tensor_rows(
         padded += sum(
             1
             for s in shards
-            if sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
+            if not (len(s.pieces) == 1 and s.pieces[0].sizes == s.local_shape)
+            and sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
         )
     return per_tensor, padded
 
@@ -105,14 +127,41 @@ def _tensor_rows(
 def _tasks(
     src: Source, by_fqn: dict[str, list[DstShard]], shapes: dict[str, tuple[int, ...]]
 ) -> Iterator[tuple[Any, ...]]:
-    """The tasks, in order: ``("block", tensor, lead, a, b)``, ``("blocks", [(tensor, lead, a,
-    b), ...])``, ``("padding", shard, kind)`` and ``("raw", shard)``."""
+    """The tasks, in order: ``("span", Span)`` (plain small tensors, ``spans.py``),
+    ``("block", tensor, lead, a, b)``, ``("blocks", [(tensor, lead, a, b), ...])``,
+    ``("padding", shard, kind)`` and ``("raw", shard)``."""
     # Tensors of one block or less are batched, up to a block of SRC bytes, into one task:
     # at 90,000 tensors one task (and one hand-off to the hashing) per tensor cost more
     # than reading them.
     batch: list[tuple[Any, ...]] = []
     size = 0
+    span: Span | None = None
+    span_src, span_dst = span_caps()
     for fqn, shards in by_fqn.items():
+        plain = _plain(src, fqn, shapes[fqn], shards, span_src)
+        if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
+            path, begin, nbytes = plain
+            if batch:
+                yield ("blocks", batch)
+                batch, size = [], 0
+            dst_bytes = sum(s.nbytes for s in shards)
+            if span is not None and (
+                span.path != path
+                or span.end != begin
+                or span.end + nbytes - span.begin > span_src
+                or span.dst_bytes + dst_bytes > span_dst
+            ):
+                yield ("span", span)
+                span = None
+            if span is None:
+                span = Span(path, begin, begin, [])
+            span.shards.extend((s, begin - span.begin, shapes[fqn]) for s in shards)
+            span.end = begin + nbytes
+            span.dst_bytes += dst_bytes
+            continue
+        if span is not None:
+            yield ("span", span)
+            span = None
         t = plan_tensor(fqn, shapes[fqn], src, shards)
         if t is None:
             if batch:
@@ -144,6 +193,23 @@ def _tasks(
             yield ("padding", s, t.kind)
     if batch:
         yield ("blocks", batch)
+    if span is not None:
+        yield ("span", span)
+
+
+def _plain(
+    src: Source, fqn: str, shape: tuple[int, ...], shards: list[DstShard], cap: int
+) -> tuple[Path, int, int] | None:
+    """``(SRC path, begin, nbytes)`` of a tensor a span can hold, else None."""
+    if cap <= 0 or not plain_shards(shards, shape):
+        return None
+    found = plain_source(src, fqn, shape)
+    if found is None or found[2] > cap:
+        return None
+    dtype = src.shards[fqn][0].dtype
+    if any(s.dtype != dtype for s in shards):
+        return None
+    return found
 
 
 def _file_order(ordered: list[DstShard]) -> list[str]:
@@ -151,37 +217,47 @@ def _file_order(ordered: list[DstShard]) -> list[str]:
     file order, so its hash is fed as it is read): a topological sort of "``a`` comes before
     ``b`` in some file", ties by first appearance. Where files disagree (a cycle), the earliest
     tensor left goes next; those files are hashed again at the end."""
-    first: dict[str, int] = {}
-    files: dict[Path, list[str]] = {}
-    for i, s in enumerate(ordered):  # sorted by (path, begin)
-        first.setdefault(s.fqn, i)
-        files.setdefault(s.path, []).append(s.fqn)
-    after: dict[str, set[str]] = {f: set() for f in first}
-    before = dict.fromkeys(first, 0)
+    # Tensors as ints numbered by first appearance, so the heap's priority is the id itself
+    # (at 90,000 tensors the string-keyed sets and heap entries were seconds).
+    ids: dict[str, int] = {}
+    files: dict[Path, list[int]] = {}
+    for s in ordered:  # sorted by (path, begin)
+        i = ids.get(s.fqn)
+        if i is None:
+            i = ids[s.fqn] = len(ids)
+        files.setdefault(s.path, []).append(i)
+    names = list(ids)
+    n = len(names)
+    if all(a <= b for seq in files.values() for a, b in itertools.pairwise(seq)):
+        return names  # every file already agrees with first appearance: that is the sort
+    after: list[set[int]] = [set() for _ in range(n)]
+    before = [0] * n
     for seq in files.values():
         for a, b in itertools.pairwise(seq):
             if a != b and b not in after[a]:
                 after[a].add(b)
                 before[b] += 1
-    ready = [(first[f], f) for f, n in before.items() if n == 0]
+    ready = [f for f in range(n) if before[f] == 0]
     heapq.heapify(ready)
-    out: list[str] = []
-    done: set[str] = set()
-    while len(out) < len(first):
+    out: list[int] = []
+    done = [False] * n
+    earliest = 0  # every id below it is done
+    while len(out) < n:
         if not ready:  # a cycle: take the earliest tensor not placed yet
-            f = min((f for f in first if f not in done), key=first.__getitem__)
-            before[f] = 0
-            heapq.heappush(ready, (first[f], f))
-        _, f = heapq.heappop(ready)
-        if f in done:
+            while done[earliest]:
+                earliest += 1
+            before[earliest] = 0
+            heapq.heappush(ready, earliest)
+        f = heapq.heappop(ready)
+        if done[f]:
             continue
-        done.add(f)
+        done[f] = True
         out.append(f)
         for g in after[f]:
             before[g] -= 1
-            if before[g] == 0 and g not in done:
-                heapq.heappush(ready, (first[g], g))
-    return out
+            if before[g] == 0 and not done[g]:
+                heapq.heappush(ready, g)
+    return [names[f] for f in out]
 
 
 def _findings(

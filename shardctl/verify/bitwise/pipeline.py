@@ -19,6 +19,7 @@ from shardctl.verify.bitwise.compare import (
     compare_block,
     compare_raw,
 )
+from shardctl.verify.bitwise.spans import compare_span
 
 MAX_THREADS = 4
 THREADS_ENV = "SHARDCTL_VERIFY_THREADS"
@@ -195,6 +196,8 @@ def run_tasks(
                     at = 0
                     for t, lead, a, b in task[1]:
                         at = compare_block(t, lead, a, b, w, out, at)
+                elif task[0] == "span":
+                    compare_span(task[1], w, out)
                 elif task[0] == "padding":
                     check_padding(task[1], task[2], w, out)
                 else:

@@ -1,0 +1,217 @@
+"""Bitwise level, spans: many small tensors checked with a few large reads and compares.
+
+At 90,000 tensors (MoE experts of a few KiB each) the per-block path cost ~0.3 ms per tensor
+in Python: plan, image, one ``pread`` per shard. Most such tensors are *plain*: one whole
+source tensor, and DST shards that are each one box of it with no padding. A *span* is a run
+of plain tensors adjacent in one SRC file (at most ``plan.BLOCK_BYTES``), taken in the order
+every DST file agrees with. Its task reads the SRC bytes once, reads each DST file's shards of those
+tensors in as few ``pread``s as they are adjacent, and compares shards of one geometry (same
+global shape, box and dtype: expert ``w1`` halves, say) placed at a constant stride on both
+sides as *one* strided numpy view — a few compares per span instead of one per shard.
+
+A box need not be contiguous in SRC (a rowwise ``S(1)`` half is strided): the view slices it.
+A batch that differs is checked again shard by shard, to name each shard and its first
+differing element, exactly as the per-block path would.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from shardctl.checkpoint.source import Source
+from shardctl.verify.bitwise import plan
+from shardctl.verify.bitwise.compare import Out, Worker, _difference
+from shardctl.verify.boxes import equal, uint_of
+from shardctl.verify.dst import DstShard
+
+ENABLED = True  # off: every tensor takes the per-block path (tests compare the two)
+
+
+def span_caps() -> tuple[int, int]:
+    """(SRC bytes, DST bytes) of one span task, replicas each counting on the DST side; (0, 0)
+    when spans are off. Read at run time: tests shrink ``plan.BLOCK_BYTES``."""
+    return (plan.BLOCK_BYTES, 4 * plan.BLOCK_BYTES) if ENABLED else (0, 0)
+
+
+@dataclass
+class Span:
+    """Plain tensors adjacent in SRC file ``path`` from byte ``begin`` to ``end``, and the DST
+    shards that hold them: ``(shard, byte offset of its tensor in the span)``."""
+
+    path: Path
+    begin: int
+    end: int
+    shards: list[tuple[DstShard, int, tuple[int, ...]]]  # shard, offset in span, global shape
+    dst_bytes: int = 0
+
+
+def plain_source(src: Source, fqn: str, shape: tuple[int, ...]) -> tuple[Path, int, int] | None:
+    """``(path, begin, nbytes)`` when SRC holds ``fqn`` as one whole tensor, else None."""
+    ss = src.shards.get(fqn)
+    if not ss or len(ss) != 1:
+        return None
+    s = ss[0]
+    if s.local_shape != shape or len(s.pieces) != 1:
+        return None
+    p = s.pieces[0]
+    if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
+        return None
+    return src.files[s.file].path, s.begin, s.nbytes
+
+
+def plain_shards(shards: list[DstShard], shape: tuple[int, ...]) -> bool:
+    """Every shard one box of the tensor, filling its local tensor (no padding, no parts)."""
+    if not shape or 0 in shape:
+        return False
+    kind = uint_of(shards[0].dtype)
+    if kind is None:
+        return False
+    for s in shards:
+        if len(s.pieces) != 1:
+            return False
+        p = s.pieces[0]
+        if p.sizes != s.local_shape or any(p.local_offsets) or len(p.sizes) != len(shape):
+            return False
+    return True
+
+
+def compare_span(span: Span, w: Worker, out: Out) -> None:
+    """Read the span's SRC bytes and its DST shards; compare them batch by batch."""
+    n = span.end - span.begin
+    src = w.bufs.image.get(n)
+    w.read(span.path, src, span.begin)
+    w.src_bytes += n
+    # DST: per file, shards sorted by offset; adjacent shards read in one pread
+    by_file: dict[Path, list[tuple[DstShard, int, tuple[int, ...]]]] = {}
+    for item in span.shards:
+        by_file.setdefault(item[0].path, []).append(item)
+    runs: list[tuple[Path, int, int, list[tuple[DstShard, int, tuple[int, ...]]]]] = []
+    for path, items in by_file.items():
+        items.sort(key=lambda it: it[0].begin)
+        for it in items:
+            s = it[0]
+            if runs and runs[-1][0] == path and runs[-1][2] == s.begin:
+                runs[-1][3].append(it)
+                runs[-1] = (path, runs[-1][1], s.begin + s.nbytes, runs[-1][3])
+            else:
+                runs.append((path, s.begin, s.begin + s.nbytes, [it]))
+    total = sum(e - b for _, b, e, _ in runs)
+    dst = w.bufs.rows.get(total)
+    # batches: shards of one geometry; key -> [(src offset, dst offset in dst buffer, shard)]
+    batches: dict[tuple[Any, ...], list[tuple[int, int, DstShard]]] = {}
+    pos = 0
+    for path, b, e, items in runs:
+        mv = dst[pos : pos + e - b]
+        w.read(path, mv, b)
+        w.dst_bytes += e - b
+        out.hash_reads.append((path, b, mv))
+        for s, at, shape in items:
+            p = s.pieces[0]
+            key = (s.dtype, shape, p.offsets, p.sizes)
+            batches.setdefault(key, []).append((at, pos + s.begin - b, s))
+        pos += e - b
+    src_u8 = np.frombuffer(src, dtype=np.uint8)
+    dst_u8 = np.frombuffer(dst, dtype=np.uint8)
+    # What DST should hold, built from SRC with one strided copy per batch (every DST byte
+    # read belongs to exactly one shard), then one memcmp; only a span that differs is
+    # compared batch by batch to name the shards.
+    expected = np.frombuffer(w.bufs.copy.get(total), dtype=np.uint8)
+    for (dtype, shape, offsets, sizes), members in batches.items():
+        kind = uint_of(dtype)
+        assert kind is not None  # plain_shards checked it
+        _fill_batch(src_u8, expected, kind, shape, offsets, sizes, members)
+    if equal(dst_u8, expected):
+        return
+    for (dtype, shape, offsets, sizes), members in batches.items():
+        _compare_batch(src_u8, dst_u8, uint_of(dtype), shape, offsets, sizes, members, out)
+
+
+def _fill_batch(
+    src: np.ndarray,
+    expected: np.ndarray,
+    kind: Any,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    members: list[tuple[int, int, DstShard]],
+) -> None:
+    """Copy each member's box of SRC to where DST holds it, in ``expected``."""
+    box = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
+    step = _regular(members)
+    if step is not None:
+        s_step, d_step = step
+        n = len(members)
+        into = _view(expected, members[0][1], n, d_step, kind, sizes)
+        into[...] = _view(src, members[0][0], n, s_step, kind, shape)[(slice(None), *box)]
+        return
+    item = np.dtype(kind).itemsize
+    gbytes = math.prod(shape) * item
+    lbytes = math.prod(sizes) * item
+    for s_at, d_at, _ in members:
+        into1 = expected[d_at : d_at + lbytes].view(kind).reshape(sizes)
+        into1[...] = src[s_at : s_at + gbytes].view(kind).reshape(shape)[box]
+
+
+def _regular(members: list[tuple[int, int, DstShard]]) -> tuple[int, int] | None:
+    """(SRC step, DST step) when the members sit at constant strides on both sides."""
+    n = len(members)
+    if n < 2:
+        return None
+    s_step = members[1][0] - members[0][0]
+    d_step = members[1][1] - members[0][1]
+    if s_step <= 0 or d_step <= 0:
+        return None
+    for i in range(2, n):
+        if (
+            members[i][0] - members[i - 1][0] != s_step
+            or members[i][1] - members[i - 1][1] != d_step
+        ):
+            return None
+    return s_step, d_step
+
+
+def _compare_batch(
+    src: np.ndarray,
+    dst: np.ndarray,
+    kind: Any,
+    shape: tuple[int, ...],
+    offsets: tuple[int, ...],
+    sizes: tuple[int, ...],
+    members: list[tuple[int, int, DstShard]],
+    out: Out,
+) -> None:
+    item = np.dtype(kind).itemsize
+    gbytes = math.prod(shape) * item
+    lbytes = math.prod(sizes) * item
+    box = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
+    step = _regular(members)
+    if step is not None:
+        n = len(members)
+        got = _view(dst, members[0][1], n, step[1], kind, sizes)
+        whole = _view(src, members[0][0], n, step[0], kind, shape)
+        if equal(got, whole[(slice(None), *box)]):
+            return
+    for s_at, d_at, shard in members:  # one at a time: alone, irregular, or to name a diff
+        got1 = dst[d_at : d_at + lbytes].view(kind).reshape(sizes)
+        expected = src[s_at : s_at + gbytes].view(kind).reshape(shape)[box]
+        if not equal(got1, expected):
+            out.findings.append(_difference(shard, got1, expected, offsets))
+
+
+def _view(
+    buf: np.ndarray, first: int, n: int, step: int, kind: Any, shape: tuple[int, ...]
+) -> np.ndarray:
+    """``n`` arrays of ``shape`` starting every ``step`` bytes from byte ``first`` of ``buf``,
+    as one ``(n, *shape)`` array (no copy)."""
+    item = np.dtype(kind).itemsize
+    strides = [item]
+    for d in reversed(shape[1:]):
+        strides.insert(0, strides[0] * d)
+    return np.ndarray(
+        shape=(n, *shape), dtype=kind, buffer=buf, offset=first, strides=(step, *strides)
+    )
