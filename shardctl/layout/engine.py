@@ -11,7 +11,7 @@ contiguous: expert ``e`` on ep rank ``e // (E / ep)``; everything else replicate
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardctl.dtypes import nbytes
@@ -125,9 +125,9 @@ def staged_weight_bytes(
     """The stages and :func:`rank_weight_bytes` of one resolution (``plan`` needs both)."""
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
-    totals = [0] * mesh.model_parallel
     by_split: dict[tuple[int, str, bool], list[int]] = {}  # specs are shared across tensors
-    for t in res.tensors:
+
+    def sizes_of(t: TensorPlan) -> list[int]:
         key = (id(t.split), t.info.dtype, t.packed)
         sizes = by_split.get(key)
         if sizes is None:
@@ -135,13 +135,28 @@ def staged_weight_bytes(
             sizes = by_split[key] = [
                 nbytes(t.info.dtype, n // share) for n in local_numels(t.split, tp)
             ]
+        return sizes
+
+    return res.stages, rank_totals(res, mesh, sizes_of)
+
+
+def rank_totals(
+    res: Resolution, mesh: Mesh, sizes_of: Callable[[TensorPlan], Sequence[int]]
+) -> dict[tuple[int, int, int], int]:
+    """Bytes per model-parallel coordinate ``(pp, ep, tp)``: each tensor's ``sizes_of(t)[r]``
+    (its bytes on tp rank ``r``) added on every stage and ep rank that holds it. The one
+    placement walk behind :func:`staged_weight_bytes` and the plan's per-format pricing."""
+    tp, ep = mesh.tp, mesh.ep
+    totals = [0] * mesh.model_parallel
+    for t in res.tensors:
+        sizes = sizes_of(t)
         eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
         for p in t.stages:
             for e in eps:
                 base = (p * ep + e) * tp
                 for r in range(tp):
                     totals[base + r] += sizes[r]
-    return res.stages, {
+    return {
         (p, e, r): totals[(p * ep + e) * tp + r]
         for p in range(mesh.pp)
         for e in range(ep)

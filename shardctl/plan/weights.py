@@ -12,6 +12,7 @@ mixed-precision checkpoint is priced tensor by tensor, rank by rank.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import replace
 
@@ -80,7 +81,7 @@ def priced_weight_bytes(
     Layers repeat a handful of (split, format) pairs: each is priced once per mesh.
     """
     from shardctl.dtypes import nbytes
-    from shardctl.layout.engine import resolve
+    from shardctl.layout.engine import TensorPlan, rank_totals, resolve
     from shardctl.layout.split import split
     from shardctl.plan.memory.precision import tensor_formats
     from shardctl.plan.memory.quant import tensor_bytes
@@ -88,9 +89,9 @@ def priced_weight_bytes(
     formats = tensor_formats(model, quant)
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
-    totals = [0] * mesh.model_parallel
     priced: dict[tuple[object, ...], list[int]] = {}
-    for t in res.tensors:
+
+    def sizes_of(t: TensorPlan) -> list[int]:
         fmt = formats[t.info.fqn]
         key = (t.split, t.packed, t.info.dtype, fmt)
         sizes = priced.get(key)
@@ -102,10 +103,7 @@ def priced_weight_bytes(
                 if t.packed:  # packed experts: each ep rank holds E/ep of dim 0
                     local = (local[0] // ep, *local[1:])
                 if fmt.formula is None:
-                    n = 1
-                    for d in local:
-                        n *= d
-                    sizes.append(nbytes(fmt.dtype or t.info.dtype, n))
+                    sizes.append(nbytes(fmt.dtype or t.info.dtype, math.prod(local)))
                 else:
                     sizes.append(
                         tensor_bytes(
@@ -117,18 +115,9 @@ def priced_weight_bytes(
                         )
                     )
             priced[key] = sizes
-        eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
-        for p in t.stages:
-            for e in eps:
-                base = (p * ep + e) * tp
-                for r in range(tp):
-                    totals[base + r] += sizes[r]
-    return res.stages, {
-        (p, e, r): totals[(p * ep + e) * tp + r]
-        for p in range(mesh.pp)
-        for e in range(ep)
-        for r in range(tp)
-    }
+        return sizes
+
+    return res.stages, rank_totals(res, mesh, sizes_of)
 
 
 # Formats whose scales cover groups of in-features (and, for fp8 blocks, of out-features): a
