@@ -16,7 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from shardctl.checkpoint import record
+from shardctl.checkpoint import record, record_v2
 from shardctl.checkpoint.source import SourceShard
 from shardctl.console import exit_code_for
 from shardctl.errors import InvalidInputError
@@ -42,15 +42,28 @@ def tp2(llama: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
-def tampered(tp2: Path, tmp_path: Path, edit: Edit) -> Path:
-    """A copy of ``tp2`` whose record went through ``edit``."""
+def tampered(tp2: Path, tmp_path: Path, edit: Edit, form: str = "v1") -> Path:
+    """A copy of ``tp2`` whose record went through ``edit``.
+
+    ``form``: ``"v1"`` edits (and writes) the record as schema 1 rows (older outputs);
+    ``"v2"`` edits the schema-2 record reshard writes as it is; ``"v2rows"`` edits its rows
+    as schema 1 and writes them back as schema-2 columns."""
     out = tmp_path / "tampered"
     shutil.rmtree(out, ignore_errors=True)
     shutil.copytree(tp2, out)
     rec = json.loads((out / record.RECORD_NAME).read_text())
+    assert rec["schema"] == record.SCHEMA_V2
+    if form != "v2":
+        rec = record_v2.to_v1(rec)
     edit(rec)
+    if form == "v2rows":
+        rec = record_v2.to_v2(rec)
     (out / record.RECORD_NAME).write_text(json.dumps(rec))
     return out
+
+
+FORMS = pytest.mark.parametrize("form", ["v1", "v2"])
+ROW_FORMS = pytest.mark.parametrize("form", ["v1", "v2rows"])
 
 
 def refused(src: Path, tmp_path: Path, match: str) -> str:
@@ -92,76 +105,140 @@ def _set(path: str, value: Any) -> Edit:
 # ---- I1: wrong types, each named -----------------------------------------------------------
 
 
+HEAD_CASES = [
+    ("mesh.tp", "two", "mesh.tp"),
+    ("mesh.tp", 2.0, "mesh.tp"),
+    ("mesh.tp", True, "mesh.tp"),
+    ("files.0.size", "big", "files[0].size"),
+    ("stages.0.layers", ["a", 3], "stages[0].layers[0]"),
+    ("source.files", [1], "source.files[0]"),
+    ("ranks.0.shards", {"a": 1}, "ranks[0].shards"),
+    ("ranks.0.shards", [], "ranks[0].shards"),
+    ("ranks.0.coord", None, "ranks[0].coord"),
+    ("options.pipeline", 7, "options.pipeline"),
+    ("carried", ["../../etc/passwd"], "carried[0]"),
+    ("hash", ["xxh3-128"], "hash"),
+]
+
+
+@FORMS
+@pytest.mark.parametrize(("path", "value", "field"), HEAD_CASES, ids=lambda v: str(v)[:24])
+def test_I1_wrong_types_name_the_field(
+    tp2: Path, tmp_path: Path, path: str, value: Any, field: str, form: str
+) -> None:
+    if form == "v1" and value == []:
+        return  # an empty rank is a valid schema-1 row list (the tiling check refuses it)
+    refused(tampered(tp2, tmp_path, _set(path, value), form), tmp_path, field)
+
+
 @pytest.mark.parametrize(
     ("path", "value", "field"),
     [
-        ("mesh.tp", "two", "mesh.tp"),
-        ("mesh.tp", 2.0, "mesh.tp"),
-        ("mesh.tp", True, "mesh.tp"),
-        ("files.0.size", "big", "files[0].size"),
-        ("stages.0.layers", ["a", 3], "stages[0].layers[0]"),
-        ("source.files", [1], "source.files[0]"),
         ("tensors.0.global_shape", "x", "tensors[0].global_shape"),
         ("tensors.0.dtype", "Q7", "tensors[0].dtype"),
-        ("ranks.0.shards", {"a": 1}, "ranks[0].shards"),
-        ("ranks.0.coord", None, "ranks[0].coord"),
-        ("options.pipeline", 7, "options.pipeline"),
-        ("carried", ["../../etc/passwd"], "carried[0]"),
-        ("hash", ["xxh3-128"], "hash"),
     ],
     ids=lambda v: str(v)[:24],
 )
-def test_I1_wrong_types_name_the_field(
+def test_I1_wrong_types_in_rows_v1(
     tp2: Path, tmp_path: Path, path: str, value: Any, field: str
 ) -> None:
     refused(tampered(tp2, tmp_path, _set(path, value)), tmp_path, field)
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "what"),
+    [
+        ("tensors.ndim", "x", "tensors.ndim: expected an object"),
+        ("tensors.dtypes.0", "Q7", "tensors.dtypes[0]: unknown dtype"),
+        ("tensors.count", -1, "tensors.count"),
+        ("tensors.fqn", ["a"], "tensors.fqn: 1 names"),
+        ("ranks.1.shards.tensor.data", "!!not base64!!", "ranks[1].shards.tensor.data"),
+        ("ranks.1.shards.offsets.type", "<i8", "ranks[1].shards.offsets.type"),
+        ("ranks.1.shards.count", 1, "ranks[1].shards.tensor: "),
+        ("ranks.1.shards.placements", [], "ranks[1].shards.placement"),
+        ("ranks.0.shards.sizes", {"type": "<u1", "data": ""}, "ranks[0].shards.sizes: 0 values"),
+    ],
+    ids=lambda v: str(v)[:24],
+)
+def test_I1_v2_columns_name_the_field(
+    tp2: Path, tmp_path: Path, path: str, value: Any, what: str
+) -> None:
+    refused(tampered(tp2, tmp_path, _set(path, value), "v2"), tmp_path, what)
+
+
+def test_I1_v2_indexes_in_range(tp2: Path, tmp_path: Path) -> None:
+    """Every index column is bounded by its table; a tensor held twice by one rank is refused."""
+
+    def col(path: str, values: list[int]) -> Edit:
+        return _set(path, record_v2.column(values))
+
+    rec = json.loads((tp2 / record.RECORD_NAME).read_text())
+    n = rec["ranks"][1]["shards"]["count"]
+    big = len(rec["tensors"]["fqn"])
+    for path, values, what in [
+        ("ranks.1.shards.tensor", [big] * n, f"ranks[1].shards.tensor[0]: {big} is out of range"),
+        ("ranks.1.shards.tensor", [0] * n, "ranks[1].shards[1]: a second shard"),
+        ("ranks.1.shards.file", [7] * n, "ranks[1].shards.file[0]: 7 is out of range"),
+        ("tensors.dtype", [9] * big, "tensors.dtype[0]: 9 is out of range"),
+        ("tensors.ndim", [65] * big, "tensors.ndim[0]: 65 is out of range"),
+    ]:
+        refused(tampered(tp2, tmp_path, col(path, values), "v2"), tmp_path, what)
 
 
 # ---- I2: degrees ---------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("tp", [-2, 0, 2**20 + 1, 2**70])
-def test_I2_degrees_must_be_in_range(tp2: Path, tmp_path: Path, tp: int) -> None:
-    refused(tampered(tp2, tmp_path, _set("mesh.tp", tp)), tmp_path, "mesh.tp")
+@FORMS
+def test_I2_degrees_must_be_in_range(tp2: Path, tmp_path: Path, tp: int, form: str) -> None:
+    refused(tampered(tp2, tmp_path, _set("mesh.tp", tp), form), tmp_path, "mesh.tp")
 
 
-def test_I2_degrees_consistent_with_the_rank_list(tp2: Path, tmp_path: Path) -> None:
-    refused(tampered(tp2, tmp_path, _set("mesh.tp", 4)), tmp_path, "4 model-parallel ranks")
-    refused(tampered(tp2, tmp_path, _set("ranks.1.coord.tp", 0)), tmp_path, "ranks[1].coord.tp")
-    refused(tampered(tp2, tmp_path, _set("ranks.1.coord.tp", -1)), tmp_path, "ranks[1].coord.tp")
-    refused(tampered(tp2, tmp_path, _set("ranks.0.rank", 1)), tmp_path, "ranks[0].rank")
+@FORMS
+def test_I2_degrees_consistent_with_the_rank_list(tp2: Path, tmp_path: Path, form: str) -> None:
+    def t(path: str, value: Any) -> Path:
+        return tampered(tp2, tmp_path, _set(path, value), form)
+
+    refused(t("mesh.tp", 4), tmp_path, "4 model-parallel ranks")
+    refused(t("ranks.1.coord.tp", 0), tmp_path, "ranks[1].coord.tp")
+    refused(t("ranks.1.coord.tp", -1), tmp_path, "ranks[1].coord.tp")
+    refused(t("ranks.0.rank", 1), tmp_path, "ranks[0].rank")
 
 
 # ---- I3–I5: exact tiling ---------------------------------------------------------------------
 
 
-def test_I3_overlapping_pieces(tp2: Path, tmp_path: Path) -> None:
+@ROW_FORMS
+def test_I3_overlapping_pieces(tp2: Path, tmp_path: Path, form: str) -> None:
     """The red-team case: one offset 80 → 70. Same element count, rows 70..79 twice, 150..159
     never; it used to merge with exit 0 and stale buffer bytes."""
 
     def edit(rec: dict[str, Any]) -> None:
         _shard(rec, 1, GATE)["pieces"][0]["offsets"] = [70, 0]
 
-    line = refused(tampered(tp2, tmp_path, edit), tmp_path, "overlaps")
+    line = refused(tampered(tp2, tmp_path, edit, form), tmp_path, "overlaps")
     assert "ranks[1].shards[" in line and GATE in line
 
 
-def test_I4_gap_in_pieces(tp2: Path, tmp_path: Path) -> None:
+@ROW_FORMS
+def test_I4_gap_in_pieces(tp2: Path, tmp_path: Path, form: str) -> None:
     def edit(rec: dict[str, Any]) -> None:
         p = _shard(rec, 1, GATE)["pieces"][0]
         p["sizes"] = [70, 64]  # rows 150..159 held by nobody
 
-    refused(tampered(tp2, tmp_path, edit), tmp_path, "a gap")
+    refused(tampered(tp2, tmp_path, edit, form), tmp_path, "a gap")
 
 
-def test_I5_piece_outside_global_shape(tp2: Path, tmp_path: Path) -> None:
+@ROW_FORMS
+def test_I5_piece_outside_global_shape(tp2: Path, tmp_path: Path, form: str) -> None:
     def edit(rec: dict[str, Any]) -> None:
         _shard(rec, 1, GATE)["pieces"][0]["offsets"] = [90, 0]  # rows 90..169 of 160
 
-    refused(tampered(tp2, tmp_path, edit), tmp_path, "box outside the global")
+    refused(tampered(tp2, tmp_path, edit, form), tmp_path, "box outside the global")
 
 
-def test_I5_overlap_inside_the_local_tensor(tp2: Path, tmp_path: Path) -> None:
+@ROW_FORMS
+def test_I5_overlap_inside_the_local_tensor(tp2: Path, tmp_path: Path, form: str) -> None:
     def edit(rec: dict[str, Any]) -> None:
         s = _shard(rec, 0, GATE)
         s["pieces"] = [
@@ -169,18 +246,19 @@ def test_I5_overlap_inside_the_local_tensor(tp2: Path, tmp_path: Path) -> None:
             {"offsets": [40, 0], "sizes": [40, 64], "local_offsets": [20, 0]},
         ]
 
-    refused(tampered(tp2, tmp_path, edit), tmp_path, "inside the local tensor")
+    refused(tampered(tp2, tmp_path, edit, form), tmp_path, "inside the local tensor")
 
 
 # ---- I6: file names confined to DST ---------------------------------------------------------
 
 
+@FORMS
 @pytest.mark.parametrize("name", ["../x.safetensors", "/etc/passwd", "a/b", "..", ".", "", "a\\b"])
-def test_I6_file_names_stay_inside_dst(tp2: Path, tmp_path: Path, name: str) -> None:
+def test_I6_file_names_stay_inside_dst(tp2: Path, tmp_path: Path, name: str, form: str) -> None:
     def edit(rec: dict[str, Any]) -> None:
         rec["files"][0]["name"] = name
 
-    refused(tampered(tp2, tmp_path, edit), tmp_path, "files[0].name")
+    refused(tampered(tp2, tmp_path, edit, form), tmp_path, "files[0].name")
 
 
 def test_I6_verify_never_reads_outside_dst(
@@ -247,8 +325,15 @@ def test_I7_record_size_capped(tp2: Path, tmp_path: Path) -> None:
     ],
     ids=["surrogate", "65-dims", "huge-dim", "empty-fqn"],
 )
-def test_I8_names_and_shapes(tp2: Path, tmp_path: Path, path: str, value: Any, what: str) -> None:
-    refused(tampered(tp2, tmp_path, _set(path, value)), tmp_path, what)
+@ROW_FORMS
+def test_I8_names_and_shapes(
+    tp2: Path, tmp_path: Path, path: str, value: Any, what: str, form: str
+) -> None:
+    if form == "v2rows" and what == "above the limit":
+        what = "tensors.ndim[0]: 65 is out of range"  # schema 2 stores the dim count
+    if form == "v2rows" and path == "tensors.0.fqn":  # shards refer to tensors by index
+        form, path = "v2", "tensors.fqn.0"
+    refused(tampered(tp2, tmp_path, _set(path, value), form), tmp_path, what)
 
 
 # ---- I9: the copy asserts exact tiling before writing a byte --------------------------------

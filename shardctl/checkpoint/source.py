@@ -8,12 +8,15 @@ headers, the index and the record are read here — never tensor data.
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardctl.checkpoint import record as rec
+from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
@@ -145,46 +148,37 @@ def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = 
 
 def _from_record(root: Path) -> Source:
     record = rec.read(root)
-    layout = record.layout
-    if layout is None:  # a shardctl hf output is an ordinary HF checkpoint with a record
+    layout, table = record.layout, record.table
+    if layout is None or table is None:  # a shardctl hf output: an HF checkpoint with a record
         ck = open_checkpoint_ignoring_record(root)
         return _from_hf(root, ck, record)
-    names = sorted({f for f in record.shard_files.values()})
+    used = sorted({int(k) for r in table.ranks for k in np.unique(r.file).tolist()})
+    names = sorted(table.files[k] for k in used)
     files: list[InputFile] = []
-    offsets: dict[str, dict[str, tuple[int, int, tuple[int, ...], str]]] = {}
+    entries: dict[str, dict[str, tuple[int, tuple[int, ...], str]]] = {}
     for name in names:
         path = root / name
         if path.is_symlink() or not path.is_file():
             raise InvalidInputError("recorded file missing or not a regular file", where=str(path))
         header = read_header(path)
         files.append(_input_file(path, record))
-        offsets[name] = {
-            e.name: (header.data_offset + e.begin, e.nbytes, e.shape, e.dtype)
-            for e in header.tensors
-        }
-    findex = {n: i for i, n in enumerate(names)}
-    shards: dict[str, list[SourceShard]] = {t.fqn: [] for t in record.tensors}
-    for i, rl in enumerate(layout.ranks):
-        for s in rl.shards:
-            name = record.shard_files[(i, s.fqn)]
-            got = offsets[name].get(s.fqn)
-            if got is None or got[2] != s.local_shape or got[3] != s.dtype:
-                raise InvalidInputError(
-                    f"shard {s.fqn!r} of rank {i}: file header disagrees with the record "
-                    f"(record {list(s.local_shape)} {s.dtype}, file "
-                    f"{[*got[2], got[3]] if got else 'missing'})",
-                    where=str(root / name),
-                )
-            shards[s.fqn].append(
-                SourceShard(
-                    s.fqn, s.dtype, s.local_shape, s.pieces, begin=got[0], file=findex[name]
-                )
-            )
-    missing = [fqn for fqn, ss in shards.items() if not ss]
+        base = header.data_offset
+        entries[name] = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
+        del header
+    findex = {table.files[k]: names.index(table.files[k]) for k in used}
+    begins = [_begins(root, table, i, entries) for i in range(len(table.ranks))]
+    entries.clear()
+    file_of = [
+        np.array([findex.get(n, -1) for n in table.files], dtype=np.int64)[r.file]
+        for r in table.ranks
+    ]
+    groups = rt.by_tensor(table)
+    missing = [
+        table.tensors[t].fqn
+        for t in np.flatnonzero(np.diff(np.asarray(groups.start)) == 0)[:5].tolist()
+    ]
     if missing:
-        raise InvalidInputError(
-            f"record lists tensors no rank holds: {missing[:5]}", where=str(root)
-        )
+        raise InvalidInputError(f"record lists tensors no rank holds: {missing}", where=str(root))
     carried = tuple(
         Path(n)
         for n in sorted(os.listdir(root))
@@ -199,11 +193,82 @@ def _from_record(root: Path) -> Source:
         root,
         "shardctl",
         model,
-        {k: tuple(v) for k, v in shards.items()},
+        RecordShards(table, groups, begins, file_of),
         tuple(files),
         carried,
         record,
     )
+
+
+def _begins(
+    root: Path,
+    table: rt.RecordTable,
+    i: int,
+    entries: dict[str, dict[str, tuple[int, tuple[int, ...], str]]],
+) -> np.ndarray:
+    """Rank ``i``'s shards' absolute byte offsets, each checked against its file's header."""
+    r = table.ranks[i]
+    tensors, files, ndim = table.tensors, table.files, table.ndim
+    out = np.empty(len(r), dtype=np.int64)
+    local = r.local_shape.tolist()
+    for j, (t, f) in enumerate(zip(r.tensor.tolist(), r.file.tolist(), strict=True)):
+        info = tensors[t]
+        got = entries[files[f]].get(info.fqn)
+        nd = int(ndim[t])
+        if got is None or list(got[1]) != local[j][:nd] or got[2] != info.dtype:
+            raise InvalidInputError(
+                f"shard {info.fqn!r} of rank {i}: file header disagrees with the record "
+                f"(record {local[j][:nd]} {info.dtype}, file "
+                f"{[*got[1], got[2]] if got else 'missing'})",
+                where=str(root / files[f]),
+            )
+        out[j] = got[0]
+    return out
+
+
+class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
+    """``fqn -> (SourceShard, ...)`` of a ``ranks`` source, built per access from the record's
+    arrays: 180,000 shards are never all objects at once unless a caller keeps them."""
+
+    def __init__(
+        self,
+        table: rt.RecordTable,
+        groups: rt.ByTensor,
+        begins: list[np.ndarray],
+        file_of: list[np.ndarray],
+    ) -> None:
+        self._t, self._g = table, groups
+        self._begins = [b.tolist() for b in begins]
+        self._file = [f.tolist() for f in file_of]
+        self._index = rt.tensor_index(table.tensors)
+
+    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        t = self._index[fqn]  # KeyError as a dict
+        table = self._t
+        info = table.tensors[t]
+        out = []
+        for i, j in self._g.of(t):
+            r = table.ranks[i]
+            out.append(
+                SourceShard(
+                    info.fqn,
+                    info.dtype,
+                    rt.local_shape_at(table, r, j),
+                    rt.pieces_at(table, r, j),
+                    begin=self._begins[i][j],
+                    file=self._file[i][j],
+                )
+            )
+        return tuple(out)
+
+    def __iter__(self) -> Iterator[str]:
+        return (t.fqn for t in self._t.tensors)
+
+    def __len__(self) -> int:
+        return len(self._t.tensors)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._index
 
 
 def open_checkpoint_ignoring_record(root: Path) -> CheckpointFiles:
