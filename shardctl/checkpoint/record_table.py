@@ -294,6 +294,15 @@ def tensor_index(tensors: Sequence[TensorInfo]) -> dict[str, int]:
     return {t.fqn: i for i, t in enumerate(tensors)}
 
 
+def index_of(table: RecordTable) -> dict[str, int]:
+    """``fqn -> tensor index`` of ``table``, made once and shared by every view of it."""
+    got: dict[str, int] | None = table.__dict__.get("_index")
+    if got is None:
+        got = tensor_index(table.tensors)
+        object.__setattr__(table, "_index", got)
+    return got
+
+
 __all__: list[Any] = [
     "RankTable",
     "RecordTable",
@@ -313,13 +322,13 @@ class ByTensor:
     """Every shard of every rank grouped by tensor (CSR): the shards of tensor ``t`` are
     ``(rank[k], row[k])`` for ``k`` in ``start[t] : start[t + 1]``, in rank order."""
 
-    rank: list[int]
-    row: list[int]
+    rank: np.ndarray  # int32: the (rank, row) pairs stay arrays (4 B each, not ~36)
+    row: np.ndarray
     start: list[int]
 
     def of(self, t: int) -> Iterator[tuple[int, int]]:
         a, b = self.start[t], self.start[t + 1]
-        return zip(self.rank[a:b], self.row[a:b], strict=True)
+        return zip(self.rank[a:b].tolist(), self.row[a:b].tolist(), strict=True)
 
     def count(self, t: int) -> int:
         return self.start[t + 1] - self.start[t]
@@ -343,4 +352,4 @@ def by_tensor(table: RecordTable, keep: Sequence[np.ndarray] | None = None) -> B
     np.cumsum(np.bincount(tensor, minlength=len(table.tensors)), out=start[1:])
     rank = np.concatenate(ranks)[order] if ranks else tensor
     row = np.concatenate(rows)[order] if rows else tensor
-    return ByTensor(rank.tolist(), row.tolist(), start.tolist())
+    return ByTensor(rank.astype(np.int32), row.astype(np.int32), start.tolist())

@@ -129,21 +129,46 @@ def _input_file(path: Path, record: rec.LayoutRecord | None = None) -> InputFile
 def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = None) -> Source:
     if root.is_file():
         raise InvalidInputError("expected a checkpoint directory", where=str(root))
-    index = {h.path: i for i, h in enumerate(ck.files)}
     files = tuple(_input_file(h.path, record) for h in ck.files)
-    shards: dict[str, tuple[SourceShard, ...]] = {}
-    tensors: list[TensorInfo] = []
-    for fqn, loc in ck.locations.items():
+    tensors = tuple(
+        TensorInfo(fqn, loc.entry.shape, loc.entry.dtype) for fqn, loc in ck.locations.items()
+    )
+    model = from_tensors(root, tensors)
+    return Source(root, "hf", model, HfShards(ck), files, tuple(ck.extra_files))
+
+
+class HfShards(Mapping[str, tuple[SourceShard, ...]]):
+    """``fqn -> (its one whole-tensor SourceShard,)`` of an HF checkpoint, built per access
+    from the header entries the reader holds anyway (~300 B a tensor less at 90,000)."""
+
+    def __init__(self, ck: CheckpointFiles) -> None:
+        self._loc = ck.locations
+        self._file = {id(h): i for i, h in enumerate(ck.files)}
+
+    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        loc = self._loc[fqn]
         e = loc.entry
-        whole = Piece((0,) * len(e.shape), e.shape, (0,) * len(e.shape))
-        shards[fqn] = (
+        zeros = (0,) * len(e.shape)
+        whole = Piece(zeros, e.shape, zeros)
+        return (
             SourceShard(
-                fqn, e.dtype, e.shape, (whole,), begin=loc.file_offset, file=index[loc.path]
+                fqn,
+                e.dtype,
+                e.shape,
+                (whole,),
+                begin=loc.file_offset,
+                file=self._file[id(loc.file)],
             ),
         )
-        tensors.append(TensorInfo(fqn, e.shape, e.dtype))
-    model = from_tensors(root, tuple(tensors))
-    return Source(root, "hf", model, shards, files, tuple(ck.extra_files))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loc)
+
+    def __len__(self) -> int:
+        return len(self._loc)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._loc
 
 
 def _from_record(root: Path) -> Source:
@@ -238,9 +263,8 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
         file_of: list[np.ndarray],
     ) -> None:
         self._t, self._g = table, groups
-        self._begins = [b.tolist() for b in begins]
-        self._file = [f.tolist() for f in file_of]
-        self._index = rt.tensor_index(table.tensors)
+        self._begins, self._file = begins, file_of
+        self._index = rt.index_of(table)
 
     def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
         t = self._index[fqn]  # KeyError as a dict
@@ -255,8 +279,8 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
                     info.dtype,
                     rt.local_shape_at(table, r, j),
                     rt.pieces_at(table, r, j),
-                    begin=self._begins[i][j],
-                    file=self._file[i][j],
+                    begin=int(self._begins[i][j]),
+                    file=int(self._file[i][j]),
                 )
             )
         return tuple(out)

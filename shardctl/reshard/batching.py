@@ -12,7 +12,7 @@ inconsistent sources."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 import numpy as np
 
@@ -33,7 +33,7 @@ class Batching(Gather, Windows):
     """The small-tensor half of :class:`~shardctl.reshard.copy.Executor` (which sets these)."""
 
     block: int
-    sources: dict[str, tuple[SourceShard, ...]]
+    sources: Mapping[str, tuple[SourceShard, ...]]
     held_key: str | None = None
     held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     progress: Callable[[int], None] | None

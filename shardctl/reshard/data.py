@@ -57,7 +57,7 @@ def write_data(
     return Executor(
         staging,
         paths,
-        dict(source.shards if sources is None else sources),
+        source.shards if sources is None else sources,  # a lazy Mapping: not copied to a dict
         hash_name=hash_name,
         block_bytes=block_bytes,
         progress=tick,

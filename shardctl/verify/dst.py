@@ -203,9 +203,8 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
         paths: list[Path],
     ) -> None:
         self._t, self._g, self._begins, self._paths = table, groups, begins, paths
-        self._index = rt.tensor_index(table.tensors)
+        self._index = rt.index_of(table)
         self._held = np.flatnonzero(np.diff(np.asarray(groups.start)) > 0)
-        self._begin_lists = [b.tolist() for b in begins]
 
     def __getitem__(self, fqn: str) -> list[DstShard]:
         t = self._index[fqn]
@@ -222,7 +221,7 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
                     info.dtype,
                     rt.local_shape_at(table, r, j),
                     rt.pieces_at(table, r, j),
-                    self._begin_lists[i][j],
+                    int(self._begins[i][j]),
                     path=self._paths[r.lists().file[j]],
                     rank=i,
                 )
