@@ -216,23 +216,53 @@ class ShardSeq(Sequence[Shard]):
             yield shard_at(t, r, j)
 
 
+CACHE_LIMIT = 2**16  # distinct boxes shared per table; past it, new ones are not kept
+
+
+def _shared(table: RecordTable) -> dict[Any, Any]:
+    got: dict[Any, Any] | None = table.__dict__.get("_shared")
+    if got is None:
+        got = {}
+        object.__setattr__(table, "_shared", got)
+    return got
+
+
 def pieces_at(table: RecordTable, r: RankTable, j: int) -> tuple[Piece, ...]:
+    """Shard ``j``'s pieces. Equal piece tuples are one object: an MoE split has 180,000
+    shards but a few dozen distinct boxes (~300 B saved per shard a consumer keeps)."""
     lists = r.lists()
     nd = table.ndims[lists.tensor[j]]
     width = table.width
+    p0, p1 = lists.piece_start[j], lists.piece_start[j + 1]
+    a0, b0 = p0 * width, p1 * width
     off, siz, loc = lists.offsets, lists.sizes, lists.local_offsets
+    key = (nd, p1 - p0, tuple(off[a0:b0]), tuple(siz[a0:b0]), tuple(loc[a0:b0]))
+    shared = _shared(table)
+    got: tuple[Piece, ...] | None = shared.get(key)
+    if got is not None:
+        return got
     out = []
-    for k in range(lists.piece_start[j], lists.piece_start[j + 1]):
+    for k in range(p0, p1):
         a = k * width
         b = a + nd
         out.append(Piece(tuple(off[a:b]), tuple(siz[a:b]), tuple(loc[a:b])))
-    return tuple(out)
+    got = tuple(out)
+    if len(shared) < CACHE_LIMIT:
+        shared[key] = got
+    return got
 
 
 def local_shape_at(table: RecordTable, r: RankTable, j: int) -> tuple[int, ...]:
     lists = r.lists()
     a = j * table.width
-    return tuple(lists.local_shape[a : a + table.ndims[lists.tensor[j]]])
+    shape = tuple(lists.local_shape[a : a + table.ndims[lists.tensor[j]]])
+    shared = _shared(table)
+    got: tuple[int, ...] | None = shared.get(shape)
+    if got is None:
+        got = shape
+        if len(shared) < CACHE_LIMIT:
+            shared[shape] = shape
+    return got
 
 
 def shard_at(table: RecordTable, r: RankTable, j: int) -> Shard:
