@@ -21,6 +21,7 @@ record's ``shard_files`` mapping ``(rank, fqn) -> file name`` without a key obje
 
 from __future__ import annotations
 
+import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, overload
@@ -227,6 +228,54 @@ def _shared(table: RecordTable) -> dict[Any, Any]:
     return got
 
 
+def boxes_of(table: RecordTable, r: RankTable) -> tuple[list[int], list[Any]]:
+    """Every shard's ``(local_shape, pieces)`` as an id into a list of distinct ones, worked
+    out once per rank with ``np.unique`` (an MoE rank of 45,000 shards has a few dozen).
+    ``None`` where a rank has too many distinct ones to keep (then built per access)."""
+    got: tuple[list[int], list[Any]] | None = r.__dict__.get("_boxes")
+    if got is not None:
+        return got
+    n, width = len(r), table.width
+    ids = np.empty(n, dtype=np.int64)
+    combos: list[Any] = []
+    counts = np.diff(r.piece_start)
+    nd = table.ndim[r.tensor]
+    for c in np.unique(counts).tolist():
+        rows = np.flatnonzero(counts == c)
+        first = r.piece_start[rows]
+        k = (first[:, None] + np.arange(c)[None, :]).ravel()
+        key = np.column_stack(
+            [
+                nd[rows],
+                r.local_shape[rows],
+                r.offsets[k].reshape(rows.size, c * width),
+                r.sizes[k].reshape(rows.size, c * width),
+                r.local_offsets[k].reshape(rows.size, c * width),
+            ]
+        )
+        uniq, inverse = np.unique(key, axis=0, return_inverse=True)
+        ids[rows] = inverse.ravel() + len(combos)
+        if len(combos) + len(uniq) > CACHE_LIMIT:
+            combos = []
+            break
+        for row in uniq.tolist():
+            d = row[0]
+            local = tuple(row[1 : 1 + d])
+            base = 1 + width
+            pieces = []
+            for q in range(c):
+                o = base + q * width
+                z = o + c * width
+                lo = z + c * width
+                pieces.append(
+                    Piece(tuple(row[o : o + d]), tuple(row[z : z + d]), tuple(row[lo : lo + d]))
+                )
+            combos.append((local, tuple(pieces)))
+    got = (ids.tolist(), combos) if combos or n == 0 else ([], [])
+    object.__setattr__(r, "_boxes", got)
+    return got
+
+
 def pieces_at(table: RecordTable, r: RankTable, j: int) -> tuple[Piece, ...]:
     """Shard ``j``'s pieces. Equal piece tuples are one object: an MoE split has 180,000
     shards but a few dozen distinct boxes (~300 B saved per shard a consumer keeps)."""
@@ -265,15 +314,27 @@ def local_shape_at(table: RecordTable, r: RankTable, j: int) -> tuple[int, ...]:
     return got
 
 
+def local_and_pieces(
+    table: RecordTable, r: RankTable, j: int
+) -> tuple[tuple[int, ...], tuple[Piece, ...]]:
+    """Shard ``j``'s local shape and pieces (shared objects where :func:`boxes_of` has them)."""
+    ids, combos = boxes_of(table, r)
+    if combos:
+        got: tuple[tuple[int, ...], tuple[Piece, ...]] = combos[ids[j]]
+        return got
+    return local_shape_at(table, r, j), pieces_at(table, r, j)
+
+
 def shard_at(table: RecordTable, r: RankTable, j: int) -> Shard:
     lists = r.lists()
     t = table.tensors[lists.tensor[j]]
+    local, pieces = local_and_pieces(table, r, j)
     return Shard(
         fqn=t.fqn,
         dtype=t.dtype,
         global_shape=t.shape,
-        local_shape=local_shape_at(table, r, j),
-        pieces=pieces_at(table, r, j),
+        local_shape=local,
+        pieces=pieces,
         placement=r.placements[lists.placement[j]],
     )
 
@@ -352,13 +413,13 @@ class ByTensor:
     """Every shard of every rank grouped by tensor (CSR): the shards of tensor ``t`` are
     ``(rank[k], row[k])`` for ``k`` in ``start[t] : start[t + 1]``, in rank order."""
 
-    rank: np.ndarray  # int32: the (rank, row) pairs stay arrays (4 B each, not ~36)
-    row: np.ndarray
+    rank: array.array[int]  # 4 B a shard, not ~36 as a list; slices cheaply into ints
+    row: array.array[int]
     start: list[int]
 
     def of(self, t: int) -> Iterator[tuple[int, int]]:
         a, b = self.start[t], self.start[t + 1]
-        return zip(self.rank[a:b].tolist(), self.row[a:b].tolist(), strict=True)
+        return zip(self.rank[a:b], self.row[a:b], strict=True)
 
     def count(self, t: int) -> int:
         return self.start[t + 1] - self.start[t]
@@ -382,4 +443,8 @@ def by_tensor(table: RecordTable, keep: Sequence[np.ndarray] | None = None) -> B
     np.cumsum(np.bincount(tensor, minlength=len(table.tensors)), out=start[1:])
     rank = np.concatenate(ranks)[order] if ranks else tensor
     row = np.concatenate(rows)[order] if rows else tensor
-    return ByTensor(rank.astype(np.int32), row.astype(np.int32), start.tolist())
+    return ByTensor(
+        array.array("i", rank.astype(np.int32).tobytes()),
+        array.array("i", row.astype(np.int32).tobytes()),
+        start.tolist(),
+    )

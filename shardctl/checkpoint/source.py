@@ -7,6 +7,7 @@ headers, the index and the record are read here — never tensor data.
 
 from __future__ import annotations
 
+import array
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -263,7 +264,8 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
         file_of: list[np.ndarray],
     ) -> None:
         self._t, self._g = table, groups
-        self._begins, self._file = begins, file_of
+        self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
+        self._file = [array.array("q", f.astype(np.int64).tobytes()) for f in file_of]
         self._index = rt.index_of(table)
 
     def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
@@ -273,14 +275,15 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
         out = []
         for i, j in self._g.of(t):
             r = table.ranks[i]
+            local, pieces = rt.local_and_pieces(table, r, j)
             out.append(
                 SourceShard(
                     info.fqn,
                     info.dtype,
-                    rt.local_shape_at(table, r, j),
-                    rt.pieces_at(table, r, j),
-                    begin=int(self._begins[i][j]),
-                    file=int(self._file[i][j]),
+                    local,
+                    pieces,
+                    begin=self._begins[i][j],
+                    file=self._file[i][j],
                 )
             )
         return tuple(out)

@@ -9,6 +9,7 @@ files no record mentions, a file whose header metadata says it belongs to anothe
 
 from __future__ import annotations
 
+import array
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -202,7 +203,8 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
         begins: list[np.ndarray],
         paths: list[Path],
     ) -> None:
-        self._t, self._g, self._begins, self._paths = table, groups, begins, paths
+        self._t, self._g, self._paths = table, groups, paths
+        self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
         self._index = rt.index_of(table)
         self._held = np.flatnonzero(np.diff(np.asarray(groups.start)) > 0)
 
@@ -215,13 +217,14 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
         out = []
         for i, j in self._g.of(t):
             r = table.ranks[i]
+            local, pieces = rt.local_and_pieces(table, r, j)
             out.append(
                 DstShard(
                     info.fqn,
                     info.dtype,
-                    rt.local_shape_at(table, r, j),
-                    rt.pieces_at(table, r, j),
-                    int(self._begins[i][j]),
+                    local,
+                    pieces,
+                    self._begins[i][j],
                     path=self._paths[r.lists().file[j]],
                     rank=i,
                 )
