@@ -59,10 +59,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import TYPE_CHECKING, Any, cast
 
 from shardctl.checkpoint import record_check
-from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import HASHES
@@ -76,6 +75,9 @@ from shardctl.layout.types import (
     Stage,
 )
 from shardctl.model.types import TensorInfo
+
+if TYPE_CHECKING:  # numpy is imported when a record is read, not by ``import shardctl``
+    from shardctl.checkpoint import record_table as rt
 
 SCHEMA = "shardctl.layout/1"  # also the ``schema`` of the rank files' header metadata
 SCHEMA_V2 = "shardctl.layout/2"  # what reshard writes (``record_v2``)
@@ -163,6 +165,8 @@ def read(root: Path, *, exact_tiling: bool = True) -> LayoutRecord:
 
 def _with_table(parsed: LayoutRecord) -> LayoutRecord:
     """A schema-1 record with its shards also as arrays (what the readers downstream use)."""
+    from shardctl.checkpoint import record_table as rt
+
     layout = parsed.layout
     if layout is None:
         return parsed
@@ -179,6 +183,8 @@ def make_layout(
     obj: dict[str, Any], table: rt.RecordTable, padded: dict[str, tuple[int, ...]]
 ) -> Layout:
     """The ``Layout`` of a validated record whose ranks' shards are array-backed sequences."""
+    from shardctl.checkpoint import record_table as rt
+
     m = obj["mesh"]
     mesh = Mesh(**{a: int(m.get(a, 1)) for a in ("pp", "dp", "ep", "tp")})
     ranks = tuple(
