@@ -176,7 +176,27 @@ def _with_table(parsed: LayoutRecord) -> LayoutRecord:
         [rl.shards for rl in layout.ranks],
         [[parsed.shard_files[(i, s.fqn)] for s in rl.shards] for i, rl in enumerate(layout.ranks)],
     )
-    return LayoutRecord(**{**parsed.__dict__, "table": table})
+    # the Shard objects of the parse go: the layout's ranks become views of the arrays
+    ranks = tuple(
+        RankLayout(rl.pp, rl.ep, rl.tp, cast(tuple[Shard, ...], rt.ShardSeq(table, i)))
+        for i, rl in enumerate(layout.ranks)
+    )
+    view = Layout(
+        layout.architecture,
+        layout.mesh,
+        layout.options,
+        layout.stages,
+        ranks,
+        layout.padded_shapes,
+    )
+    return LayoutRecord(
+        **{
+            **parsed.__dict__,
+            "layout": view,
+            "shard_files": rt.ShardFiles(table, rt.index_of(table)),
+            "table": table,
+        }
+    )
 
 
 def make_layout(
