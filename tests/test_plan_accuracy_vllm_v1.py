@@ -1,0 +1,227 @@
+"""``engine: vllm`` with ``vllm_version: "0.19"`` against vLLM 0.19 (V1) start-up logs.
+
+Source of every row: llm-d-incubation/llm-d-planner, ``accuracy/results/v0.19.0/logs/`` (commit
+d3121e059da88662db39a926a3ead964be97359b), ``vllm serve`` on H100 80GB with
+``--gpu-memory-utilization 0.95 --max-model-len 8192`` and vLLM's other defaults (the logs say
+"Defaulting max_num_batched_tokens to 8192", "Defaulting max_num_seqs to 1024"; total_memory
+79.19 GiB, "requested memory: 75.23GiB"). The assertion is issue 15's: within 3 % of the
+logged "GPU KV cache size".
+
+What was read from these logs, and so is not predicted by them (disclosed as the rule asks):
+
+- ``SAMPLER_BYTES_PER_LOGIT_V019`` (15.45 B) was fitted to ONE row, Llama-3.1-8B TP1's "torch
+  peak memory increase: 1.89GiB"; that row pins it (``test_llama31_8b_tp1_fit_row``);
+- ``NON_TORCH_TP1_V019`` (0.25 GiB) and ``NON_TORCH_PP_V019`` (0.07) are the sweep's tp-1 and
+  pp figures (the same in every tp-1 run), so the tp-1 and pp rows check the rest of the
+  accounting (weights, forward, blocks), not the non-torch term.
+
+Held out: the tensor-parallel term ``TP_GROUP_BYTES`` (1.79 GiB) comes from vLLM PR #10511
+(v0.6.5, Dec 2024), not from these logs, so every tp > 1 row below is an out-of-sample check of
+it — and of the sampler constant on other vocabularies (Qwen2.5, Qwen3, Phi-4, Llama-3.3-70B).
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from shardctl.layout.types import Mesh
+from shardctl.model.types import ModelDims, ModelInfo
+from shardctl.plan.memory import HardwareSpec, MemoryPlan, Workload, estimate
+from shardctl.plan.memory.kv import KvCapacity
+from shardctl.plan.memory.shapes import split_layers
+from shardctl.plan.memory.vllm import TP_GROUP_BYTES, non_torch_bytes
+from tests._cli import ROOT, run_cli
+
+GIB = 2**30
+H100 = HardwareSpec.preset("h100-sxm")
+# config.json shapes: hidden, layers, heads, kv heads, head_dim, intermediate, vocab, tied
+LLAMA31_8B = ModelDims(4096, 32, 32, 8, 128, 14336, 128256, False)
+QWEN25_7B = ModelDims(3584, 28, 28, 4, 128, 18944, 152064, False)
+QWEN3_8B = ModelDims(4096, 36, 32, 8, 128, 12288, 151936, False)
+PHI4 = ModelDims(5120, 40, 40, 10, 128, 17920, 100352, False)
+QWEN25_72B = ModelDims(8192, 80, 64, 8, 128, 29568, 152064, False)  # also Kimi-Dev-72B
+
+
+def _plan(arch: str, dims: ModelDims, *, tp: int = 1, pp: int = 1) -> MemoryPlan:
+    model = ModelInfo(arch, dims, (), "BF16", "inline")
+    w = Workload(sequence_length=8192, engine="vllm", vllm_version="0.19",
+                 gpu_memory_utilization=0.95)  # fmt: skip
+    return estimate(model, Mesh(tp=tp, pp=pp), split_layers(dims.num_layers, pp), hardware=H100,
+                    workload=w)  # fmt: skip
+
+
+def _tokens(plan: MemoryPlan) -> int:
+    assert plan.kv is not None and plan.kv.capacity is not None
+    cap: KvCapacity = plan.kv.capacity
+    return cap.tokens
+
+
+def _within(ours: float, logged: float, tol: float = 0.03) -> None:
+    assert abs(ours - logged) <= tol * logged, f"{ours} vs {logged} ({ours / logged - 1:+.2%})"
+
+
+def test_llama31_8b_tp1_fit_row() -> None:
+    # meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--8192.log: "Model loading took 14.99 GiB",
+    # "torch peak memory increase: 1.89GiB; non-torch forward increase memory: 0.25GiB",
+    # "Available KV cache memory: 58.11 GiB", "GPU KV cache size: 476,016 tokens".
+    # The sampler constant was fitted here (module docstring): this row pins it.
+    plan = _plan("llama", LLAMA31_8B)
+    r = plan.coords[(0, 0, 0)]
+    assert round(r.activations / GIB, 2) == 1.89
+    assert r.detail["overhead.non_torch"] == round(0.25 * GIB)
+    assert plan.inputs["max_num_seqs"] == 1024 and plan.inputs["max_num_batched_tokens"] == 8192
+    _within(_tokens(plan), 476_016)
+    assert plan.fits is True
+
+
+@pytest.mark.parametrize(
+    ("arch", "dims", "tp", "logged"),
+    [
+        # ...llama-3-1-8b---h100-80gb--tp2pp1dp1--8192.log: non-torch 2.07GiB, 1,044,688 tokens
+        ("llama", LLAMA31_8B, 2, 1_044_688),
+        # ...llama-3-1-8b---h100-80gb--tp4pp1dp1--8192.log: non-torch 2.13GiB, 2,209,792 tokens
+        ("llama", LLAMA31_8B, 4, 2_209_792),
+        # qwen-qwen2-5-7b-instruct--h100-80gb--tp1pp1dp1--8192.log: peak 2.21GiB, 1,096,000
+        ("qwen2", QWEN25_7B, 1, 1_096_000),
+        # ...tp2pp1dp1: non-torch 2.06GiB, 2,390,592 tokens
+        ("qwen2", QWEN25_7B, 2, 2_390_592),
+        # ...tp4pp1dp1: non-torch 2.13GiB, 5,043,280 tokens
+        ("qwen2", QWEN25_7B, 4, 5_043_280),
+        # qwen-qwen3-8b--h100-80gb--tp1pp1dp1--8192.log: peak 2.21GiB, 418,688 tokens
+        ("qwen3", QWEN3_8B, 1, 418_688),
+        # microsoft-phi-4--h100-80gb--tp1pp1dp1--8192.log: peak 1.52GiB, 241,568 tokens
+        ("phi3", PHI4, 1, 241_568),
+        # moonshotai-kimi-dev-72b--h100-80gb--tp4pp1dp1--8192.log (Qwen2.5-72B shapes): weights
+        # 34.01GiB, peak 2.29GiB, non-torch 2.21GiB, 481,296 tokens
+        ("qwen2", QWEN25_72B, 4, 481_296),
+    ],
+)
+def test_held_out_rows(arch: str, dims: ModelDims, tp: int, logged: int) -> None:
+    plan = _plan(arch, dims, tp=tp)
+    _within(_tokens(plan), logged)
+    assert plan.fits is True
+
+
+@pytest.mark.parametrize(
+    ("pp", "logged"),
+    [
+        # ...llama-3-1-8b---h100-80gb--tp1pp2dp1--8192.log: last stage "torch peak memory
+        # increase: 2.01GiB", first 1.1; the pool is the smaller one: 1,075,312 tokens
+        (2, 1_075_312),
+        # ...tp1pp4dp1: 2,257,264 tokens
+        (4, 2_257_264),
+    ],
+)
+def test_pipeline_rows(pp: int, logged: int) -> None:
+    _within(_tokens(_plan("llama", LLAMA31_8B, pp=pp)), logged)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM logged 19,920 tokens (3.04 GiB of KV); shardctl gives 21,360 (+7.2 %): the "
+    "pool is a 3 GiB remainder of 75.23, so the non-KV terms' combined 0.22 GiB gap (weights "
+    "67.71 vs 67.80 GiB, sampler 2.24 vs 2.29, non-torch 2.04 vs 2.09: each within 3 %) is 7 % "
+    "of it; no term was refitted to this row",
+)
+def test_qwen25_72b_tp2_small_pool() -> None:
+    # qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192.log: "Model loading took 67.8 GiB",
+    # peak 2.29GiB, non-torch 2.09GiB, "Available KV cache memory: 3.04 GiB", 19,920 tokens.
+    _within(_tokens(_plan("qwen2", QWEN25_72B, tp=2)), 19_920)
+
+
+def test_llama33_70b_fp8_dynamic_tp4_manifest(tmp_path: Path) -> None:
+    # fp8dyn-llama-3-3-70b--h100-80gb--tp4pp1dp1--8192.log: "Model loading took 16.96 GiB",
+    # peak 1.97GiB, non-torch 2.21GiB, "Available KV cache memory: 54.09 GiB",
+    # "GPU KV cache size: 708,992 tokens". The committed manifest, through the CLI.
+    path = ROOT / "manifests/llama-3.3-70b-fp8-dynamic-vllm-tp4.yaml"
+    done = run_cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    doc = json.loads(done.stdout)
+    assert doc["memory_model"]["inputs"]["vllm_version"] == "0.19"
+    _within(doc["kv_cache"]["capacity_tokens_per_rank"], 708_992)
+    # fp8dyn-llama-3-3-70b--h100-80gb--tp2pp1dp1--8192.log: weights 33.88 GiB, 244,304 tokens
+    two = run_cli("plan", str(path), "--tp", "2", "--json")
+    assert two.returncode == 0, two.stderr
+    _within(json.loads(two.stdout)["kv_cache"]["capacity_tokens_per_rank"], 244_304)
+
+
+MOE = """
+model: {%s}
+mesh: {tp: %d}
+hardware: {gpu: h100-sxm}
+workload: {engine: vllm, vllm_version: "0.19", gpu_memory_utilization: 0.95,
+           sequence_length: 8192}
+"""
+MIXTRAL = (
+    "model_type: mixtral, architectures: [MixtralForCausalLM], hidden_size: 4096, "
+    "intermediate_size: 14336, num_hidden_layers: 32, num_attention_heads: 32, "
+    "num_key_value_heads: 8, num_local_experts: 8, num_experts_per_tok: 2, vocab_size: 32000, "
+    "max_position_embeddings: 32768, tie_word_embeddings: false, torch_dtype: bfloat16"
+)
+QWEN3_30B_A3B = (
+    "model_type: qwen3_moe, architectures: [Qwen3MoeForCausalLM], hidden_size: 2048, "
+    "intermediate_size: 6144, moe_intermediate_size: 768, num_hidden_layers: 48, "
+    "num_attention_heads: 32, num_key_value_heads: 4, head_dim: 128, num_experts: 128, "
+    "num_experts_per_tok: 8, decoder_sparse_step: 1, mlp_only_layers: [], norm_topk_prob: true, "
+    "vocab_size: 151936, max_position_embeddings: 40960, tie_word_embeddings: false, "
+    "torch_dtype: bfloat16"
+)
+
+
+def _moe_tokens(tmp_path: Path, config: str, tp: int) -> int:
+    path = tmp_path / "moe.yaml"
+    path.write_text(MOE % (config, tp))
+    done = run_cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    tokens: int = json.loads(done.stdout)["kv_cache"]["capacity_tokens_per_rank"]
+    return tokens
+
+
+def test_mixtral_8x7b_tp2(tmp_path: Path) -> None:
+    # mistralai-mixtral-8x7b-i--h100-80gb--tp2pp1dp1--8192.log: weights 43.51 GiB, "torch peak
+    # memory increase: 1.21GiB", non-torch 2.07GiB, 28.44 GiB, "GPU KV cache size: 465,936".
+    # Within 3 % (+2.7 %) although the profile's activation term is 0.52 GiB against the
+    # logged 1.21: the fused-MoE kernel's workspaces are not modelled; the pool is large.
+    _within(_moe_tokens(tmp_path, MIXTRAL, 2), 465_936)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM logged 168,288 tokens; shardctl gives 173,616 (+3.2 %): the profile peak was "
+    "2.68 GiB where the sampler term gives 2.24 — the MoE forward's fused-kernel workspaces "
+    "(topk 8 over 128 experts, 8,192 tokens) are not modelled",
+)
+def test_qwen3_30b_a3b_tp1(tmp_path: Path) -> None:
+    # qwen-qwen3-30b-a3b--h100-80gb--tp1pp1dp1--8192.log: weights 56.88 GiB, peak 2.68GiB,
+    # non-torch 0.27GiB, "Available KV cache memory: 15.41 GiB", 168,288 tokens.
+    _within(_moe_tokens(tmp_path, QWEN3_30B_A3B, 1), 168_288)
+
+
+def test_tensor_parallel_term_is_one_group_not_per_peer() -> None:
+    # vLLM 0.19 on H100: tp 2 → 2.06-2.11 GiB, tp 4 → 2.13-2.21 GiB (flat, not linear in tp).
+    for version in ("0.6", "0.19"):
+        tp2 = non_torch_bytes("h100-sxm", 2, version=version)
+        assert all(non_torch_bytes("h100-sxm", t, version=version) == tp2 for t in (4, 8, 16))
+        assert tp2 - non_torch_bytes("h100-sxm", 1, version=version) == TP_GROUP_BYTES
+    assert round(non_torch_bytes("h100-sxm", 4, version="0.19") / GIB, 2) == 2.04
+
+
+def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text((MOE % (MIXTRAL, 2)).replace('vllm_version: "0.19"', "vllm_version: 0.7"))
+    done = run_cli("plan", str(path))
+    assert done.returncode == 3
+    assert "vllm_version" in done.stderr and "Traceback" not in done.stderr
+    assert len(done.stderr.strip().splitlines()) == 1
+    # a plain number works as for sglang_version; an explicit max_num_seqs wins over the default
+    ok = tmp_path / "ok.yaml"
+    ok.write_text(
+        (MOE % (MIXTRAL, 2))
+        .replace('vllm_version: "0.19"', "vllm_version: 0.19, max_num_seqs: 256")
+    )
+    doc = json.loads(run_cli("plan", str(ok), "--json").stdout)
+    assert doc["memory_model"]["inputs"]["max_num_seqs"] == 256
+    assert doc["memory_model"]["inputs"]["vllm_version"] == "0.19"
