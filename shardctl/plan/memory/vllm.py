@@ -29,8 +29,14 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 # - "0.19": the V1 engine as measured in 0.18-0.19 (``gpu_worker.determine_available_memory``
 #   with ``memory_profiling``: non-torch counted from ``init_snapshot``, taken after the CUDA
 #   context and before the distributed init, so the context is not charged, NCCL is), defaults
-#   of ``EngineArgs.get_batch_defaults`` for ``vllm serve``.
-VLLM_VERSIONS = ("0.6", "0.19")
+#   of ``EngineArgs.get_batch_defaults`` for ``vllm serve``;
+# - "0.10": the V1 engine before 0.17 (0.9-0.16): the same, but the profile's dummy sampler still
+#   ran the top-k/top-p sort path (0.6's 41 B per logit, over V1's 1,024 sequences) and the tp-1
+#   non-torch increase was 0.13 GiB (llm-d-planner accuracy_report.md, "vLLM Version
+#   Sensitivity": Qwen3-14B on H100, activation 5.64 GiB and non-torch 0.13 at v0.15-v0.16,
+#   2.23 and 0.13 at v0.17, 0.25 from v0.18).
+VLLM_VERSIONS = ("0.6", "0.10", "0.19")
+V1_VERSIONS = ("0.10", "0.19")
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM 0.6 measured it on that GPU:
@@ -47,6 +53,7 @@ NON_TORCH_TP1_OTHER = round(0.35 * GiB)
 # every tp-1 run on H100 of llm-d-planner's v0.19.0 sweep, accuracy/results/v0.19.0/logs); with
 # pp > 1 and tp 1, 0.07 GiB per rank (the pp-2 and pp-4 runs of the same sweep).
 NON_TORCH_TP1_V019 = round(0.25 * GiB)
+NON_TORCH_TP1_V010 = round(0.13 * GiB)
 NON_TORCH_PP_V019 = round(0.07 * GiB)
 # What a tensor-parallel group adds per rank: the communicators' buffers (torch's NCCL process
 # group, vLLM's PyNcclCommunicator and custom all-reduce IPC buffers), allocated once per group,
@@ -118,6 +125,8 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     """
     if version == "0.19":
         base = NON_TORCH_PP_V019 if pp > 1 and tp == 1 else NON_TORCH_TP1_V019
+    elif version == "0.10":
+        base = NON_TORCH_TP1_V010
     else:
         base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
     return base + (TP_GROUP_BYTES if tp > 1 else 0)
@@ -140,14 +149,14 @@ def profile_batch(
     max_num_seqs: int | None,
 ) -> tuple[int, int]:
     """``(tokens, sequences)`` of the profile run: the settings, else that version's defaults
-    (0.6: ``max(max_model_len, 2048)`` tokens and 256 sequences; 0.19: ``vllm serve``'s by GPU,
+    (0.6: ``max(max_model_len, 2048)`` tokens and 256 sequences; V1: ``vllm serve``'s by GPU,
     :func:`v1_batch_defaults`).
 
     >>> profile_batch("0.19", gpu="h100-sxm", device_memory=79 * GiB, max_model_len=8192,
     ...               max_num_batched_tokens=None, max_num_seqs=None)
     (8192, 1024)
     """
-    if version == "0.19":
+    if version in V1_VERSIONS:
         tokens, seqs = v1_batch_defaults(gpu, device_memory)
     else:
         tokens, seqs = profile_tokens(max_model_len, None), MAX_NUM_SEQS
