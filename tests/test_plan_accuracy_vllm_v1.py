@@ -243,8 +243,9 @@ def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:
     # a plain number works as for sglang_version; an explicit max_num_seqs wins over the default
     ok = tmp_path / "ok.yaml"
     ok.write_text(
-        (MOE % (MIXTRAL, 2))
-        .replace('vllm_version: "0.19"', "vllm_version: 0.19, max_num_seqs: 256")
+        (MOE % (MIXTRAL, 2)).replace(
+            'vllm_version: "0.19"', "vllm_version: 0.19, max_num_seqs: 256"
+        )
     )
     doc = json.loads(run_cli("plan", str(ok), "--json").stdout)
     assert doc["memory_model"]["inputs"]["max_num_seqs"] == 256

@@ -6,9 +6,10 @@ those rows pin the accounting rather than predict it. The Qwen3-235B-A22B-FP8 TP
 out of sample with one disclosure: it missed by +7.6 % with the L4's distributed-init figure
 (0.13 GiB), the gap pointed at ~1.25 GiB more before the pool, and the H100 figure then used
 (1.25 GiB) was searched for knowing that — it is read from a different run (SGLang 0.5.2rc2,
-Grok-2 on 8×H100, "Init torch distributed ends. mem usage=1.25 GB"), not fitted to this row. TensorRT-LLM: the one public log with
-the profile's own figures is checked for the sizing arithmetic; no log with a known model, GPU
-and settings was found for a full prediction (docs/memory-model.md says so).
+Grok-2 on 8×H100, "Init torch distributed ends. mem usage=1.25 GB"), not fitted to this row.
+TensorRT-LLM: the one public log with the profile's own figures is checked for the sizing
+arithmetic; no log with a known model, GPU and settings was found for a full prediction
+(docs/memory-model.md says so).
 """
 
 from __future__ import annotations

@@ -118,8 +118,8 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     """vLLM's measured non-torch memory of one rank: the tp-1 figure of that GPU and version,
     plus one tensor-parallel group's buffers when ``tp > 1`` (:data:`TP_GROUP_BYTES`).
 
-    >>> round(non_torch_bytes("h100-sxm", 2) / GiB, 2), round(non_torch_bytes("h100-sxm", 8) / GiB, 2)
-    (3.58, 3.58)
+    >>> [round(non_torch_bytes("h100-sxm", tp) / GiB, 2) for tp in (1, 2, 8)]
+    [1.79, 3.58, 3.58]
     >>> round(non_torch_bytes("h100-sxm", 4, version="0.19") / GiB, 2)
     2.04
     """
