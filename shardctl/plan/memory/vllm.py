@@ -53,6 +53,8 @@ NON_TORCH_TP1_OTHER = round(0.35 * GiB)
 # every tp-1 run on H100 of llm-d-planner's v0.19.0 sweep, accuracy/results/v0.19.0/logs); with
 # pp > 1 and tp 1, 0.07 GiB per rank (the pp-2 and pp-4 runs of the same sweep).
 NON_TORCH_TP1_V019 = round(0.25 * GiB)
+# V1 up to 0.16 at tp = 1: 0.13 GiB (Qwen3-14B at v0.15-v0.16 in llm-d-planner's version
+# report; that row pins it, tests/test_plan_accuracy_vllm_v1.py).
 NON_TORCH_TP1_V010 = round(0.13 * GiB)
 NON_TORCH_PP_V019 = round(0.07 * GiB)
 # What a tensor-parallel group adds per rank: the communicators' buffers (torch's NCCL process
