@@ -26,6 +26,8 @@ import json
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardctl.layout.types import Mesh
 from shardctl.model.types import ModelDims, ModelInfo
@@ -250,3 +252,19 @@ def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:
     doc = json.loads(run_cli("plan", str(ok), "--json").stdout)
     assert doc["memory_model"]["inputs"]["max_num_seqs"] == 256
     assert doc["memory_model"]["inputs"]["vllm_version"] == "0.19"
+
+
+@given(
+    length=st.integers(1, 200_000),
+    batch=st.integers(1, 64),
+    tp=st.sampled_from([1, 2, 4, 8]),
+    version=st.sampled_from(["0.10", "0.19"]),
+)
+@settings(max_examples=40, deadline=None)
+def test_v1_verdict_is_the_capacity(length: int, batch: int, tp: int, version: str) -> None:
+    # As for 0.6: the workload fits exactly when its sequences, each in whole blocks, fit in
+    # the blocks the profile leaves — so a max_model_len vLLM cannot hold is never "fits".
+    model = ModelInfo("llama", LLAMA31_8B, (), "BF16", "inline")
+    w = Workload(batch_size=batch, sequence_length=length, engine="vllm", vllm_version=version)
+    plan = estimate(model, Mesh(tp=tp), split_layers(32, 1), hardware=H100, workload=w)
+    assert plan.fits == (batch * -(-length // 16) * 16 <= _tokens(plan))
