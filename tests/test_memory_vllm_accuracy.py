@@ -157,7 +157,7 @@ def test_vllm_verdict_is_the_capacity(length: int, batch: int, tp: int, gpu: str
 @pytest.mark.xfail(
     strict=True,
     reason="vLLM V1 (July 2025, LMCache connector) logged 178,880 tokens (8.11 GiB); with "
-    "vllm_version 0.10 (V1 before 0.17: the sort-path sampler over 1,024 sequences, 5.94 GiB; "
+    "vllm_version 0.16 (V1 as at 0.15-0.16: the sort-path sampler over 1,024 sequences, 5.94 GiB; "
     "non-torch 0.13 + 1.79 GiB) the profile gives 185,424 tokens (8.31 GiB): +3.7 %, +2.5 % "
     "in bytes. The log's own lines disagree by 1.1 % (178,880 × 48,128 B = 8.02 GiB, not "
     "8.11) and the LMCache connector's GPU buffers are unknown",
@@ -169,7 +169,7 @@ def test_qwen3_235b_fp8_tp4_h100_v1(tmp_path: Path) -> None:
     text = (ROOT / "manifests/qwen3-235b-a22b-fp8-sglang-tp4.yaml").read_text()
     path = tmp_path / "q.yaml"
     path.write_text(
-        text.replace("engine: sglang", 'engine: vllm\n  vllm_version: "0.10"').replace(
+        text.replace("engine: sglang", 'engine: vllm\n  vllm_version: "0.16"').replace(
             "  mem_fraction_static: 0.93\n", ""
         )
     )

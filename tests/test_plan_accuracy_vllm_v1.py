@@ -210,10 +210,10 @@ def test_qwen3_30b_a3b_tp1(tmp_path: Path) -> None:
     [
         # llm-d-planner accuracy/accuracy_report.md, "vLLM Version Sensitivity": Qwen/Qwen3-14B,
         # H100, utilization 0.95, max_model_len 8192. v0.15.0/v0.16.0: activation 5.64 GiB,
-        # non-torch 0.13, KV 41.94 GiB, max concurrency 33.55. The 0.13 of "0.10" was read
+        # non-torch 0.13, KV 41.94 GiB, max concurrency 33.55. The 0.13 of "0.16" was read
         # from this row (it pins it); the sort-path sampler (41 B/logit, from vLLM PR #10511's
         # V0 log) is held out: 5.94 GiB predicted against 5.64.
-        ("0.10", 41.94, 33.55),
+        ("0.16", 41.94, 33.55),
         # v0.18.0: activation 2.23, non-torch 0.25, KV 45.23 GiB, concurrency 36.18 (held out:
         # Qwen3-14B is not the row the 0.19 sampler constant was fitted to).
         ("0.19", 45.23, 36.18),
@@ -228,7 +228,7 @@ def test_qwen3_14b_version_sweep(version: str, kv_gib: float, concurrency: float
 
 def test_tensor_parallel_term_is_one_group_not_per_peer() -> None:
     # vLLM 0.19 on H100: tp 2 → 2.06-2.11 GiB, tp 4 → 2.13-2.21 GiB (flat, not linear in tp).
-    for version in ("0.6", "0.10", "0.19"):
+    for version in ("0.6", "0.16", "0.19"):
         tp2 = non_torch_bytes("h100-sxm", 2, version=version)
         assert all(non_torch_bytes("h100-sxm", t, version=version) == tp2 for t in (4, 8, 16))
         assert tp2 - non_torch_bytes("h100-sxm", 1, version=version) == TP_GROUP_BYTES
@@ -258,7 +258,7 @@ def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:
     length=st.integers(1, 200_000),
     batch=st.integers(1, 64),
     tp=st.sampled_from([1, 2, 4, 8]),
-    version=st.sampled_from(["0.10", "0.19"]),
+    version=st.sampled_from(["0.16", "0.19"]),
 )
 @settings(max_examples=40, deadline=None)
 def test_v1_verdict_is_the_capacity(length: int, batch: int, tp: int, version: str) -> None:

@@ -281,10 +281,10 @@ def _workload_section() -> dict[str, Any]:
                 "GPU memory (>= 0.5.3).",
             },
             "vllm_version": {
-                "enum": ["0.6", "0.10", "0.19", 0.6, 0.1, 0.19],
-                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.10 the V1 "
-                "engine up to 0.16, 0.19 V1 from 0.17 (non-torch from init_snapshot, vllm "
-                "serve's batch defaults).",
+                "enum": ["0.6", "0.16", "0.19", 0.6, 0.16, 0.19],
+                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.16 the "
+                "V1 engine as measured at 0.15-0.16, 0.19 V1 from 0.17 (non-torch from "
+                "init_snapshot, vllm serve's batch defaults).",
             },
             "free_gpu_memory_fraction": {
                 "type": "number",

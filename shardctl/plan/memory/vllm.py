@@ -30,13 +30,15 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 #   with ``memory_profiling``: non-torch counted from ``init_snapshot``, taken after the CUDA
 #   context and before the distributed init, so the context is not charged, NCCL is), defaults
 #   of ``EngineArgs.get_batch_defaults`` for ``vllm serve``;
-# - "0.10": the V1 engine before 0.17 (0.9-0.16): the same, but the profile's dummy sampler still
-#   ran the top-k/top-p sort path (0.6's 41 B per logit, over V1's 1,024 sequences) and the tp-1
-#   non-torch increase was 0.13 GiB (llm-d-planner accuracy_report.md, "vLLM Version
+# - "0.16": the V1 engine as measured at 0.15-0.16: the same, but a profile peak that matches
+#   the top-k/top-p sort-path sampler (0.6's 41 B per logit, over V1's 1,024 sequences) and a
+#   tp-1 non-torch increase of 0.13 GiB (llm-d-planner accuracy_report.md, "vLLM Version
 #   Sensitivity": Qwen3-14B on H100, activation 5.64 GiB and non-torch 0.13 at v0.15-v0.16,
-#   2.23 and 0.13 at v0.17, 0.25 from v0.18).
-VLLM_VERSIONS = ("0.6", "0.10", "0.19")
-V1_VERSIONS = ("0.10", "0.19")
+#   2.23 and 0.13 at v0.17, 0.25 from v0.18). Which earlier V1 releases did the same is not
+#   established: the July 2025 Qwen3-235B log agrees with it (+2.5 % in KV bytes), a vLLM
+#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not.
+VLLM_VERSIONS = ("0.6", "0.16", "0.19")
+V1_VERSIONS = ("0.16", "0.19")
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM 0.6 measured it on that GPU:
@@ -55,7 +57,7 @@ NON_TORCH_TP1_OTHER = round(0.35 * GiB)
 NON_TORCH_TP1_V019 = round(0.25 * GiB)
 # V1 up to 0.16 at tp = 1: 0.13 GiB (Qwen3-14B at v0.15-v0.16 in llm-d-planner's version
 # report; that row pins it, tests/test_plan_accuracy_vllm_v1.py).
-NON_TORCH_TP1_V010 = round(0.13 * GiB)
+NON_TORCH_TP1_V016 = round(0.13 * GiB)
 NON_TORCH_PP_V019 = round(0.07 * GiB)
 # What a tensor-parallel group adds per rank: the communicators' buffers (torch's NCCL process
 # group, vLLM's PyNcclCommunicator and custom all-reduce IPC buffers), allocated once per group,
@@ -127,8 +129,8 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     """
     if version == "0.19":
         base = NON_TORCH_PP_V019 if pp > 1 and tp == 1 else NON_TORCH_TP1_V019
-    elif version == "0.10":
-        base = NON_TORCH_TP1_V010
+    elif version == "0.16":
+        base = NON_TORCH_TP1_V016
     else:
         base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
     return base + (TP_GROUP_BYTES if tp > 1 else 0)
