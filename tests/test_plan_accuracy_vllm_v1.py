@@ -233,6 +233,10 @@ def test_tensor_parallel_term_is_one_group_not_per_peer() -> None:
         assert all(non_torch_bytes("h100-sxm", t, version=version) == tp2 for t in (4, 8, 16))
         assert tp2 - non_torch_bytes("h100-sxm", 1, version=version) == TP_GROUP_BYTES
     assert round(non_torch_bytes("h100-sxm", 4, version="0.19") / GIB, 2) == 2.04
+    # PCIe cards and GPUs without a preset: the group's buffers are small there (vLLM PR #14447,
+    # 24 GB GPUs: 0.20 GiB of non-torch memory in all at tp > 1; 4×A30 tp 4: 0.09)
+    for gpu in ("l40s", "h100-pcie", None):
+        assert non_torch_bytes(gpu, 4) - non_torch_bytes(gpu, 1) == round(0.20 * GIB)
 
 
 def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:

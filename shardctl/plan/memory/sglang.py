@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardctl.plan.memory.hardware import GiB
+from shardctl.plan.memory.vllm import TP_GROUP_GPUS
 
 # ``ServerArgs.__post_init__`` (python/sglang/srt/server_args.py, 0.4.x): the default
 # ``mem_fraction_static`` by tensor-parallel size (world size in later 0.4 releases).
@@ -43,10 +44,11 @@ INIT_TP1_OTHER = round(0.35 * GiB)
 #   80GB HBM3, --tp 8, nccl 2.27.3; blog "Grok2 OnPrem Deployment via sglang", Shivank
 #   Chaudhary, 2025-09-14, found through the code search). SGLang's "GB" are GiB
 #   (``get_available_gpu_memory`` divides by 1 << 30). Taken as one group's buffers, the same at
-#   every tp > 1, as vLLM's logs show on H100 (vllm.py, ``TP_GROUP_BYTES``);
+#   every tp > 1, as vLLM's logs show on H100 (vllm.py, ``TP_GROUP_BYTES``), and for the same
+#   GPUs as vLLM's figure (``TP_GROUP_GPUS``: NVSwitch parts and MI300X, measured on H100 only);
 # - any other GPU 0.13 GiB: "Init torch distributed ends. mem usage=0.13 GB" (SGLang log,
 #   4×L4 over PCIe, 2025-03-08).
-INIT_DISTRIBUTED: dict[str, int] = {"h100-sxm": round(1.25 * GiB)}
+INIT_DISTRIBUTED: dict[str, int] = {gpu: round(1.25 * GiB) for gpu in TP_GROUP_GPUS}
 INIT_DISTRIBUTED_OTHER = round(0.13 * GiB)
 # What loading allocates beyond the weights' bytes (rotary caches, workspaces): "mem usage" of
 # "Load weight end" minus Llama-3.1-8B's 14.96 GiB of bf16 weights in three public logs:

@@ -67,6 +67,15 @@ NON_TORCH_PP_V019 = round(0.07 * GiB)
 # Llama-3.3-70B-FP8). Measured on H100 only; other GPUs take the same figure (towards "does not
 # fit"); ``workload.non_torch_memory`` overrides.
 TP_GROUP_BYTES = round(1.79 * GiB)
+# GPUs that take it: NVSwitch (SXM) parts, where NCCL opens many NVLink channels (its buffers are
+# NCCL_BUFFSIZE per channel and protocol), measured on H100 SXM only; MI300X unmeasured (towards
+# "does not fit"). Any other GPU (PCIe cards, no preset): 0.20 GiB, the most non-torch memory
+# two tp > 1 logs over PCIe show in all — vLLM PR #14447 (davidsyoung, 2025-04-12; V0, 24 GB
+# GPUs, "non_torch_memory takes 0.20GiB" on every worker) and a vLLM 0.11.1 issue on 4×A30
+# ("OPT-2.7B OOM while OPT-6.7B works fine", tp 4: "non-torch forward increase memory:
+# 0.09GiB").
+TP_GROUP_GPUS = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "mi300x")
+TP_GROUP_BYTES_OTHER = round(0.20 * GiB)
 
 # The sampler of vLLM's profile run: ``max_num_seqs`` dummy sequences (default 256) sampled with
 # top-p/top-k so the sort path runs: fp32 logits, sorted values and int64 indices, softmax,
@@ -120,7 +129,8 @@ def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> H
 
 def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int = 1) -> int:
     """vLLM's measured non-torch memory of one rank: the tp-1 figure of that GPU and version,
-    plus one tensor-parallel group's buffers when ``tp > 1`` (:data:`TP_GROUP_BYTES`).
+    plus one tensor-parallel group's buffers when ``tp > 1`` (:data:`TP_GROUP_BYTES` on
+    :data:`TP_GROUP_GPUS`, else :data:`TP_GROUP_BYTES_OTHER`).
 
     >>> [round(non_torch_bytes("h100-sxm", tp) / GiB, 2) for tp in (1, 2, 8)]
     [1.79, 3.58, 3.58]
@@ -133,7 +143,9 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
         base = NON_TORCH_TP1_V016
     else:
         base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
-    return base + (TP_GROUP_BYTES if tp > 1 else 0)
+    if tp == 1:
+        return base
+    return base + (TP_GROUP_BYTES if gpu in TP_GROUP_GPUS else TP_GROUP_BYTES_OTHER)
 
 
 def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
