@@ -31,7 +31,7 @@ from hypothesis import strategies as st
 
 from shardctl.layout.types import Mesh
 from shardctl.model.types import ModelDims, ModelInfo
-from shardctl.plan.memory import HardwareSpec, MemoryPlan, Workload, estimate
+from shardctl.plan.memory import HardwareSpec, MemoryPlan, QuantSpec, Workload, estimate
 from shardctl.plan.memory.kv import KvCapacity
 from shardctl.plan.memory.shapes import split_layers
 from shardctl.plan.memory.vllm import TP_GROUP_BYTES, non_torch_bytes
@@ -108,6 +108,50 @@ def test_held_out_rows(arch: str, dims: ModelDims, tp: int, logged: int) -> None
     plan = _plan(arch, dims, tp=tp)
     _within(_tokens(plan), logged)
     assert plan.fits is True
+
+
+@pytest.mark.parametrize(
+    ("arch", "dims", "dtype", "kv", "quant", "logged"),
+    [
+        # meta-llama---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log: --kv-cache-dtype fp8,
+        # 58.11 GiB, "GPU KV cache size: 952,032 tokens" (1 byte per element)
+        ("llama", LLAMA31_8B, "BF16", "fp8", None, 952_032),
+        # qwen-qwen2---h100-80gb--tp1pp1dp1--8192-dtbf16-kvfp8.log: 2,192,000 tokens
+        ("qwen2", QWEN25_7B, "BF16", "fp8", None, 2_192_000),
+        # w8a8-redhatai-llam--...-dtf16.log (RedHatAI/Meta-Llama-3.1-8B-Instruct-quantized.w8a8,
+        # int8 weights, a scale per output channel): weights 8.49 GiB, 529,200 tokens
+        ("llama", LLAMA31_8B, "F16", None, QuantSpec(method="int8"), 529_200),
+        # w4a16-redhatai-lla--...-dtf16.log (...-quantized.w4a16, int4 groups of 128): weights
+        # 5.38 GiB, 554,704 tokens
+        ("llama", LLAMA31_8B, "F16", None, QuantSpec(method="gptq", group_size=128), 554_704),
+        # meta-llama-llama-3---h100-80gb--tp1pp1dp1--8192-qfp8.log (--quantization fp8 at load:
+        # a scale per output channel): weights 8.49 GiB, 529,248 tokens
+        (
+            "llama",
+            LLAMA31_8B,
+            "BF16",
+            None,
+            QuantSpec(method="fp8", fp8_scaling="channel"),
+            529_248,
+        ),
+        # w8a8-redhatai-qwen2-5-7b--...log: weights 8.14 GiB, 1,210,272 tokens
+        ("qwen2", QWEN25_7B, "BF16", None, QuantSpec(method="int8"), 1_210_272),
+        # meta-llama-llama-3--h100-80gb--tp1pp1dp1--8192-dtf32.log (--dtype float32): weights
+        # 29.98 GiB, peak 2.21GiB, 42.8 GiB, 175,296 tokens
+        ("llama", LLAMA31_8B, "F32", None, None, 175_296),
+    ],
+)
+def test_quantized_and_kv_dtype_rows(
+    arch: str, dims: ModelDims, dtype: str, kv: str | None, quant: QuantSpec | None, logged: int
+) -> None:
+    # Held out (Llama-3.1-8B / Qwen2.5-7B in other precisions; the sampler was fitted on the
+    # bf16 Llama row only).
+    model = ModelInfo(arch, dims, (), dtype, "inline")
+    w = Workload(sequence_length=8192, engine="vllm", vllm_version="0.19",
+                 gpu_memory_utilization=0.95, kv_cache_dtype=kv)  # fmt: skip
+    plan = estimate(model, Mesh(), split_layers(dims.num_layers, 1), hardware=H100, workload=w,
+                    quant=quant)  # fmt: skip
+    _within(_tokens(plan), logged)
 
 
 @pytest.mark.parametrize(
