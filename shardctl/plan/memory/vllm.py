@@ -83,8 +83,9 @@ TP_GROUP_BYTES_OTHER = round(0.20 * GiB)
 # 1.26GiB" for Llama-3-8B (256 × 128,256 logits), the same at tp 1 and tp 2 (logits are gathered
 # on one rank and sampled there).
 SAMPLER_BYTES_PER_LOGIT = 41
-# vLLM 0.19's ``_dummy_sampler_run`` (greedy/random path: bf16 logits, their fp32 copy,
-# probabilities, exponential noise ≈ 14 B, plus what the forward still holds): fitted to one row,
+# vLLM 0.19's profile peak per logit of ``_dummy_sampler_run`` (consistent with a sampler without
+# the top-k/top-p sort: bf16 logits, their fp32 copy, probabilities, exponential noise ≈ 14 B,
+# plus what the forward still holds — a reading, not a measurement): fitted to one row,
 # "torch peak memory increase: 1.89GiB" of Llama-3.1-8B tp 1 (1,024 × 128,256 logits), and held
 # out against Qwen2.5-7B (2.21 GiB logged, 2.24 predicted) and Llama-3.3-70B (1.96-1.97, 1.89).
 SAMPLER_BYTES_PER_LOGIT_V019 = 15.45
