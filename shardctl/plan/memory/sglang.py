@@ -48,7 +48,11 @@ INIT_TP1_OTHER = round(0.35 * GiB)
 #   GPUs as vLLM's figure (``TP_GROUP_GPUS``: NVSwitch parts and MI300X, measured on H100 only);
 # - any other GPU 0.13 GiB: "Init torch distributed ends. mem usage=0.13 GB" (SGLang log,
 #   4×L4 over PCIe, 2025-03-08).
+# - h200 1.96 GiB: "[TP0] Init torch distributed ends. mem usage=1.96 GB" (1.77-2.01 over the 8
+#   ranks; sgl-project/sglang PR #11716, 2025-10-16, 8 GPUs with 137 GB free: H200, tp 8).
+#   Whether the gap to the H100 figure is the GPU or the SGLang release is not known.
 INIT_DISTRIBUTED: dict[str, int] = {gpu: round(1.25 * GiB) for gpu in TP_GROUP_GPUS}
+INIT_DISTRIBUTED["h200"] = round(1.96 * GiB)
 INIT_DISTRIBUTED_OTHER = round(0.13 * GiB)
 # What loading allocates beyond the weights' bytes (rotary caches, workspaces): "mem usage" of
 # "Load weight end" minus Llama-3.1-8B's 14.96 GiB of bf16 weights in three public logs:
