@@ -52,22 +52,27 @@ class RankTable:
         return int(self.tensor.shape[0])
 
     def lists(self) -> _Lists:
-        """The columns as flat Python lists, made on first use and kept: building a ``Shard``
-        from them costs ~1 µs, from numpy scalars ~10 µs (verify walks 180,000 shards 3x).
-        About 8 bytes per value (small ints are shared)."""
+        """The index columns as Python lists, made on first use and kept: building a ``Shard``
+        from them costs ~1 µs, from numpy scalars ~10 µs (verify walks 180,000 shards 3x)."""
         got: _Lists | None = self.__dict__.get("_lists")
         if got is None:
-            got = _Lists(
-                self.tensor.tolist(),
-                self.file.tolist(),
-                self.placement.tolist(),
+            got = _Lists(self.tensor.tolist(), self.file.tolist(), self.placement.tolist())
+            object.__setattr__(self, "_lists", got)
+        return got
+
+    def box_lists(self) -> _BoxLists:
+        """The shape and box columns as flat Python lists (only where :func:`boxes_of` found
+        too many distinct boxes to share), made on first use and kept."""
+        got: _BoxLists | None = self.__dict__.get("_box_lists")
+        if got is None:
+            got = _BoxLists(
                 self.local_shape.ravel().tolist(),
                 self.piece_start.tolist(),
                 self.offsets.ravel().tolist(),
                 self.sizes.ravel().tolist(),
                 self.local_offsets.ravel().tolist(),
             )
-            object.__setattr__(self, "_lists", got)
+            object.__setattr__(self, "_box_lists", got)
         return got
 
 
@@ -76,6 +81,10 @@ class _Lists:
     tensor: list[int]
     file: list[int]
     placement: list[int]
+
+
+@dataclass(frozen=True, slots=True)
+class _BoxLists:
     local_shape: list[int]  # flat, D per shard
     piece_start: list[int]
     offsets: list[int]  # flat, D per piece
@@ -279,8 +288,8 @@ def boxes_of(table: RecordTable, r: RankTable) -> tuple[list[int], list[Any]]:
 def pieces_at(table: RecordTable, r: RankTable, j: int) -> tuple[Piece, ...]:
     """Shard ``j``'s pieces. Equal piece tuples are one object: an MoE split has 180,000
     shards but a few dozen distinct boxes (~300 B saved per shard a consumer keeps)."""
-    lists = r.lists()
-    nd = table.ndims[lists.tensor[j]]
+    lists = r.box_lists()
+    nd = table.ndims[r.lists().tensor[j]]
     width = table.width
     p0, p1 = lists.piece_start[j], lists.piece_start[j + 1]
     a0, b0 = p0 * width, p1 * width
@@ -302,9 +311,8 @@ def pieces_at(table: RecordTable, r: RankTable, j: int) -> tuple[Piece, ...]:
 
 
 def local_shape_at(table: RecordTable, r: RankTable, j: int) -> tuple[int, ...]:
-    lists = r.lists()
     a = j * table.width
-    shape = tuple(lists.local_shape[a : a + table.ndims[lists.tensor[j]]])
+    shape = tuple(r.box_lists().local_shape[a : a + table.ndims[r.lists().tensor[j]]])
     shared = _shared(table)
     got: tuple[int, ...] | None = shared.get(shape)
     if got is None:

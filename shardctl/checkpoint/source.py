@@ -234,17 +234,17 @@ def _begins(
 ) -> np.ndarray:
     """Rank ``i``'s shards' absolute byte offsets, each checked against its file's header."""
     r = table.ranks[i]
-    tensors, files, ndim = table.tensors, table.files, table.ndim
+    tensors, files = table.tensors, table.files
     out = np.empty(len(r), dtype=np.int64)
-    local = r.local_shape.tolist()
-    for j, (t, f) in enumerate(zip(r.tensor.tolist(), r.file.tolist(), strict=True)):
+    lists = r.lists()
+    for j, (t, f) in enumerate(zip(lists.tensor, lists.file, strict=True)):
         info = tensors[t]
         got = entries[files[f]].get(info.fqn)
-        nd = int(ndim[t])
-        if got is None or list(got[1]) != local[j][:nd] or got[2] != info.dtype:
+        local = rt.local_and_pieces(table, r, j)[0]
+        if got is None or got[1] != local or got[2] != info.dtype:
             raise InvalidInputError(
                 f"shard {info.fqn!r} of rank {i}: file header disagrees with the record "
-                f"(record {local[j][:nd]} {info.dtype}, file "
+                f"(record {list(local)} {info.dtype}, file "
                 f"{[*got[1], got[2]] if got else 'missing'})",
                 where=str(root / files[f]),
             )

@@ -116,8 +116,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     dest = Destination(
         root, "ranks", {t.fqn: t for t in record.tensors}, {}, [], _config(root), record
     )
-    tensors, files, ndim = table.tensors, table.files, table.ndims
-    width = table.width
+    tensors = table.tensors
     keep = [np.zeros(len(r), dtype=bool) for r in table.ranks]
     begins = [np.zeros(len(r), dtype=np.int64) for r in table.ranks]
     # file index -> (rank, rows of that rank in the file): usually one rank per file
@@ -152,6 +151,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
         recorded: set[str] = set()
         for i, rows in held:
             lists = table.ranks[i].lists()
+            rank = table.ranks[i]
             ok, begin = keep[i], begins[i]
             for j in rows.tolist():
                 t = lists.tensor[j]
@@ -163,7 +163,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
                         Finding("missing from its file", fqn=info.fqn, rank=i, file=f.name)
                     )
                     continue
-                shape = lists.local_shape[j * width : j * width + ndim[t]]
+                shape = list(rt.local_and_pieces(table, rank, j)[0])
                 if entry.dtype != info.dtype or list(entry.shape) != shape:
                     dest.problems.append(
                         Finding(
@@ -187,7 +187,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     for name in sorted(os.listdir(root)):
         if name.endswith(".safetensors") and name not in names:
             dest.problems.append(Finding("file not in the layout record", file=name))
-    paths = [root / n for n in files]  # one Path per file, not per shard
+    paths = [root / n for n in table.files]  # one Path per file, not per shard
     dest.shards = RecordDstShards(table, rt.by_tensor(table, keep), begins, paths)
     return dest
 
