@@ -234,13 +234,13 @@ def _begins(
 ) -> np.ndarray:
     """Rank ``i``'s shards' absolute byte offsets, each checked against its file's header."""
     r = table.ranks[i]
-    tensors, files = table.tensors, table.files
+    tensors, files, ndim = table.tensors, table.files, table.ndims
     out = np.empty(len(r), dtype=np.int64)
-    lists = r.lists()
-    for j, (t, f) in enumerate(zip(lists.tensor, lists.file, strict=True)):
+    shapes = r.local_shape.tolist()  # transient: the headers' entries are held meanwhile
+    for j, (t, f) in enumerate(zip(r.tensor.tolist(), r.file.tolist(), strict=True)):
         info = tensors[t]
         got = entries[files[f]].get(info.fqn)
-        local = rt.local_and_pieces(table, r, j)[0]
+        local = tuple(shapes[j][: ndim[t]])
         if got is None or got[1] != local or got[2] != info.dtype:
             raise InvalidInputError(
                 f"shard {info.fqn!r} of rank {i}: file header disagrees with the record "
