@@ -409,3 +409,19 @@ def _configs() -> dict[str, Any]:
     from tests._models import CONFIGS
 
     return CONFIGS
+
+
+def test_I7_v2_allocation_is_bounded(
+    tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Columns are int64 in memory: a few bytes of JSON must not ask for GBs. Piece counts a
+    rank's offsets column cannot back are refused before anything is sized by them, and the
+    cells a table may hold are capped (a small cap here stands in for 2^26)."""
+    rec = json.loads((tp2 / record.RECORD_NAME).read_text())
+    n = rec["ranks"][1]["shards"]["count"]
+    edit = _set("ranks.1.shards.pieces", record_v2.column([2**16] * n))
+    refused(tampered(tp2, tmp_path, edit, "v2"), tmp_path, "ranks[1].shards.offsets: ")
+    monkeypatch.setattr(record_v2, "MAX_CELLS", 60)  # 39 tensors x 2 dims fit 78 cells
+    refused(tampered(tp2, tmp_path, lambda r: None, "v2"), tmp_path, "tensors: 39 tensors")
+    monkeypatch.setattr(record_v2, "MAX_CELLS", 100)
+    refused(tampered(tp2, tmp_path, edit, "v2"), tmp_path, "ranks[1].shards.pieces: ")

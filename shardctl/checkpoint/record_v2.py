@@ -45,6 +45,9 @@ from shardctl.errors import InvalidInputError
 from shardctl.model.types import TensorInfo
 
 SCHEMA_V2 = "shardctl.layout/2"
+# Rows x widest dim held as int64 per table (tensors; one rank's shards or pieces): a 1M-tensor
+# 4-dim checkpoint is 4M cells. A hostile record could otherwise ask for GBs with a few bytes.
+MAX_CELLS = 2**26
 _TYPES: dict[str, type[np.unsignedinteger[Any]]] = {
     "<u1": np.uint8,
     "<u2": np.uint16,
@@ -186,6 +189,10 @@ def read_tensors(
     ndim = read_column(t.get("ndim"), "tensors.ndim", n, where, rc.MAX_DIMS)
     total = int(ndim.sum())
     width = int(ndim.max()) if n else 0
+    if n * width > MAX_CELLS:
+        raise rc._fail(
+            "tensors", f"{n} tensors of up to {width} dims, above the limit of {MAX_CELLS}", where
+        )
     shape = rt.pad_rows(
         read_column(t.get("global_shape"), "tensors.global_shape", total, where, rc.MAX_DIM),
         ndim,
@@ -261,6 +268,12 @@ def read_rank(
         j = int(np.argmax(~_numel_ok(local)))
         raise rc._fail(f"{w}.shards[{j}].local_shape", "more than 2^62 elements", where)
     counts = read_column(s.get("pieces"), f"{field}.pieces", n, where, rc.MAX_PIECES)
+    if max(n, int(counts.sum())) * max(width, 1) > MAX_CELLS:
+        raise rc._fail(
+            f"{field}.pieces",
+            f"{int(counts.sum())} pieces of up to {width} dims, above the limit of {MAX_CELLS}",
+            where,
+        )
     start = np.zeros(n + 1, dtype=np.int64)
     np.cumsum(counts, out=start[1:])
     pnd = np.repeat(nd, counts)
