@@ -425,3 +425,19 @@ def test_I7_v2_allocation_is_bounded(
     refused(tampered(tp2, tmp_path, lambda r: None, "v2"), tmp_path, "tensors: 39 tensors")
     monkeypatch.setattr(record_v2, "MAX_CELLS", 100)
     refused(tampered(tp2, tmp_path, edit, "v2"), tmp_path, "ranks[1].shards.pieces: ")
+
+
+@ROW_FORMS
+def test_I4_verify_reports_a_gap_as_a_finding(
+    llama: Path, tp2: Path, tmp_path: Path, form: str
+) -> None:
+    """verify reads DST's record without the tiling refusal (both schemas): a gap is a
+    structure finding, exit 1 naming the tensor, not exit 3."""
+
+    def edit(rec: dict[str, Any]) -> None:
+        _shard(rec, 1, GATE)["pieces"][0]["sizes"] = [70, 64]
+
+    dst = tampered(tp2, tmp_path, edit, form)
+    code, out, err = cli("verify", str(llama), str(dst), "--level", "structure")
+    assert code == 1, (out, err)
+    assert GATE in out
