@@ -17,11 +17,12 @@ import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate
 from typing import overload
 
+from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
 from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
 from shardctl.dtypes import nbytes
-from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
 
@@ -112,20 +113,27 @@ def _file_of(
     rank: int | None,
     pieces: Sequence[tuple[Piece, ...]] | None = None,
 ) -> OutputFile:
-    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``."""
+    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``.
+
+    One pass, little per-object Python: a tensor's byte size is computed once per distinct
+    ``(dtype, shape)`` (90,000 experts share a handful), and the header is built as text
+    (:func:`~shardctl.checkpoint.plan_header.header_text`, the bytes ``header_bytes`` makes)."""
     meta = metadata if callable(metadata) else (lambda: metadata)
-    entries: list[HeaderEntry] = []
-    cursor = 0
-    for obj in objs:
-        shape = obj.local_shape if isinstance(obj, Shard) else obj.shape
-        n = nbytes(obj.dtype, math.prod(shape))
-        entries.append(HeaderEntry(obj.fqn, obj.dtype, tuple(shape), cursor, cursor + n))
-        cursor += n
-    header = header_bytes(entries, meta())
+    shapes = [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
+    dtypes = [o.dtype for o in objs]
+    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    sizes: list[int] = []
+    for key in zip(dtypes, shapes, strict=True):
+        n = size_of.get(key)
+        if n is None:
+            n = size_of[key] = nbytes(key[0], math.prod(key[1]))
+        sizes.append(n)
+    ends = list(accumulate(sizes))
+    header = header_text([o.fqn for o in objs], dtypes, shapes, ends, meta())
     base = len(header)
-    begins = array("q", (base + e.begin for e in entries))
-    end = base + cursor
-    del entries
+    # tensor i begins where tensor i-1 ends, the first right after the header
+    begins = array("q", accumulate(sizes[:-1], initial=base) if sizes else ())
+    end = base + (ends[-1] if ends else 0)
     return OutputFile(
         name, base, FileTensors(objs, begins, pieces), end, rank, zlib.compress(header, 1)
     )
@@ -169,14 +177,28 @@ def _rank_meta(
                 separators=(",", ":"),
             ),
         }
-        if all(s.is_rectangular for s in part):
+        if _all_rectangular(part):
             # torch DCP's HuggingFaceStorageReader: global size = max(offset + shape)
-            meta[DCP_KEY] = json.dumps(
-                {s.fqn: {"saved_offsets": list(s.offsets)} for s in part}, separators=(",", ":")
+            meta[DCP_KEY] = saved_offsets_json(
+                [s.fqn for s in part], [s.pieces[0].offsets for s in part]
             )
         return meta
 
     return make
+
+
+def _all_rectangular(part: Sequence[Shard]) -> bool:
+    """``all(s.is_rectangular for s in part)``, decided once per distinct ``(local_shape,
+    pieces)``: the layout shares one pieces tuple among every shard of a split."""
+    seen: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Piece, ...]]] = {}
+    for s in part:
+        key = (id(s.local_shape), id(s.pieces))
+        if key in seen:
+            continue
+        if not s.is_rectangular:
+            return False
+        seen[key] = (s.local_shape, s.pieces)  # held: an id stays unique while its object lives
+    return True
 
 
 def rank_files(

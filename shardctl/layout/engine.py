@@ -71,11 +71,17 @@ def build_layout(
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     per_rank: list[list[Shard]] = [[] for _ in range(mesh.model_parallel)]
+    # Tensors of one class share one SplitSpec object (resolve): split it once, not per tensor
+    # (hashing a spec for split's cache cost more than the Shards themselves at 90,000).
+    splits: dict[int, Sequence[tuple[tuple[Piece, ...], tuple[int, ...]]]] = {}
     for t in res.tensors:
         info = t.info
+        cut = splits.get(id(t.split))
+        if cut is None:
+            cut = splits[id(t.split)] = split(t.split, tp)
         shards = [
             Shard(info.fqn, info.dtype, info.shape, local_shape, pieces, t.placement)
-            for pieces, local_shape in split(t.split, tp)
+            for pieces, local_shape in cut
         ]
         eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
         for p in t.stages:
@@ -186,7 +192,9 @@ def resolve(
     padded: dict[str, tuple[int, ...]] = {}
     labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
     for t in static.tensors:
-        key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab, t.quant)
+        # ``parts`` by identity: resolve_rules shares one tuple per (rule, shape), and hashing
+        # the Part dataclasses was 180,000 Python __hash__ calls at 90,000 tensors
+        key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
         hit = specs.get(key)
         if hit is None:
             try:
