@@ -224,10 +224,10 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
 
         from shardctl.archs.suggest import suggest_rules
 
-        placed = set(names) - set(unplaced)
+        done = set(names) - set(unplaced)
         suggestion = suggest_rules(
             arch,
-            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in placed],
+            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in done],
             vocab_size=dims.vocab_size if dims is not None else None,
             # transformers' tp plan only when already loaded: importing it (and torch) costs
             # seconds, and plan never imports torch; `shardctl inspect` reads the plan.
