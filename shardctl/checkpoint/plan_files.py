@@ -13,11 +13,13 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from itertools import accumulate
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import overload
 
 from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
@@ -106,6 +108,22 @@ def _file(
     return _file_of(name, [o for o, _ in items], metadata, rank, [p for _, p in items])
 
 
+_FQN = attrgetter("fqn")
+
+
+def _sizes(objs: Sequence[Shard | TensorInfo]) -> list[int]:
+    """Each object's local tensor bytes, computed once per distinct ``(dtype, shape)``."""
+    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    sizes: list[int] = []
+    for o in objs:
+        key = (o.dtype, o.local_shape if isinstance(o, Shard) else o.shape)
+        n = size_of.get(key)
+        if n is None:
+            n = size_of[key] = nbytes(key[0], math.prod(key[1]))
+        sizes.append(n)
+    return sizes
+
+
 def _file_of(
     name: str,
     objs: Sequence[Shard | TensorInfo],
@@ -120,16 +138,9 @@ def _file_of(
     (:func:`~shardctl.checkpoint.plan_header.header_text`, the bytes ``header_bytes`` makes)."""
     meta = metadata if callable(metadata) else (lambda: metadata)
     shapes = [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
-    dtypes = [o.dtype for o in objs]
-    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
-    sizes: list[int] = []
-    for key in zip(dtypes, shapes, strict=True):
-        n = size_of.get(key)
-        if n is None:
-            n = size_of[key] = nbytes(key[0], math.prod(key[1]))
-        sizes.append(n)
+    sizes = _sizes(objs)
     ends = list(accumulate(sizes))
-    header = header_text([o.fqn for o in objs], dtypes, shapes, ends, meta())
+    header = header_text(list(map(_FQN, objs)), [o.dtype for o in objs], shapes, ends, meta())
     base = len(header)
     # tensor i begins where tensor i-1 ends, the first right after the header
     begins = array("q", accumulate(sizes[:-1], initial=base) if sizes else ())
@@ -209,8 +220,12 @@ def rank_files(
     where: dict[tuple[int, str], str] = {}
     world = len(layout.ranks)
     for i, rl in enumerate(layout.ranks):
-        shards = sorted(rl.shards, key=lambda s: order[s.fqn])
-        runs = _parts([s.nbytes for s in shards], max_shard_size) if shards else [(0, 0)]
+        keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
+        if all(map(operator.lt, keys, keys[1:])):
+            shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
+        else:
+            shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+        runs = _parts(_sizes(shards), max_shard_size) if shards else [(0, 0)]
         base = f"rank-{i:05d}-of-{world:05d}"
         for k, (a, b) in enumerate(runs):
             name = f"{base}.safetensors"
@@ -218,8 +233,7 @@ def rank_files(
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
             part = shards[a:b]
             files.append(_file_of(name, part, _rank_meta(layout, i, name, part), i))
-            for s in part:
-                where[(i, s.fqn)] = name
+            where.update(zip(zip(repeat(i), map(_FQN, part)), repeat(name)))
     return files, where
 
 
