@@ -108,8 +108,10 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
     cfg = model.config
     if names:
 
+        biases = [n for n in names if n.endswith(".bias")]  # one pass, not one per question
+
         def has(*parts: str) -> bool:
-            return any(n.endswith(".bias") and any(p in n for p in parts) for n in names)
+            return any(any(p in n for p in parts) for n in biases)
 
         qkv_bias = has("q_proj", "qkv_proj", "c_attn", "query_key_value")
         o_bias = has("o_proj", "attn.c_proj", "dense.")
