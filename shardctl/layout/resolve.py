@@ -24,8 +24,10 @@ from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
 from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_EXPERT_DOT = re.compile(r"\.experts\.(\d+)\.")
 # A whole dot-separated number in an fqn (``layers.12.``, ``experts.7.``; not ``w1``).
-_NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")
+# (After a dot only: a leading number stays in the pattern, a finer class, still exact.)
+_NUMBER = re.compile(r"\.\d+(?=\.|$)")
 # A ``[...]`` class of an fnmatch glob (``ln_[12]``, ``[qk]_norm``).
 _CLASS = re.compile(r"\[([^\]]*)\]")
 # A digit a glob can hold against a whole number: after a wildcard, a dot, or at the start.
@@ -190,14 +192,15 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     blind = _number_blind(matcher.rules)
     first: dict[tuple[object, ...], TensorRule | None] = {}
     new = object.__new__
+    number = _NUMBER.sub
     for info in model.tensors:
         fqn = info.fqn
         layer = layer_index(fqn)
         trailing = first_mtp is not None and layer is not None and layer >= first_mtp
-        if fqn in quant_groups:
+        if quant_groups and fqn in quant_groups:
             placed = place(info, layer, trailing)
         else:
-            pattern = _NUMBER.sub("#", fqn) if blind and "#" not in fqn else fqn
+            pattern = number(".#", fqn) if blind and "#" not in fqn else fqn
             key = (pattern, info.shape, info.dtype, trailing)
             if key not in first:
                 placed = first[key] = place(info, layer, trailing)
@@ -409,5 +412,6 @@ def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part
 def _expert_index(fqn: str) -> int | None:
     """``e`` of a per-expert tensor (``...experts.<e>.w1.weight``); ``None`` for a tensor that
     packs every expert along dim 0 (``...experts.gate_up_proj``)."""
-    m = _EXPERT.search(fqn)
+    # the leftmost match: at the start, else after a dot (a literal-led search is ~3× faster)
+    m = (_EXPERT if fqn.startswith("experts.") else _EXPERT_DOT).search(fqn)
     return None if m is None else int(m.group(1))
