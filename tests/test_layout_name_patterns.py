@@ -184,7 +184,8 @@ def test_header_text_is_header_bytes(
         cursor += n
         ends.append(cursor)
     want = header_bytes(entries, metadata)
-    got = header_text([r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows], ends, metadata)
+    names, dtypes, shapes = [r[0] for r in rows], [r[1] for r in rows], [r[2] for r in rows]
+    got = header_text(names, dtypes, shapes, ends, metadata)
     assert got == want
 
 

@@ -116,7 +116,7 @@ def numel_by_dtype(tensors: tuple[TensorInfo, ...]) -> dict[str, int]:
     """Elements per dtype, in order of first appearance."""
     # 90,000 expert tensors are a few dozen (dtype, shape) pairs: count those (C-speed
     # hashing), then multiply out once per pair. A Counter keeps first-appearance order.
-    pairs = Counter(zip(map(_DTYPE, tensors), map(_SHAPE, tensors)))
+    pairs = Counter(zip(map(_DTYPE, tensors), map(_SHAPE, tensors), strict=True))
     out: dict[str, int] = {}
     for (dtype, shape), count in pairs.items():
         out[dtype] = out.get(dtype, 0) + math.prod(shape) * count

@@ -107,7 +107,6 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
     names = [t.fqn for t in model.tensors]
     cfg = model.config
     if names:
-
         biases = [n for n in names if n.endswith(".bias")]  # one pass, not one per question
 
         def has(*parts: str) -> bool:
