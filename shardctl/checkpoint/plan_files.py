@@ -130,15 +130,18 @@ def _file_of(
     metadata: Callable[[], dict[str, str]] | dict[str, str],
     rank: int | None,
     pieces: Sequence[tuple[Piece, ...]] | None = None,
+    sizes: list[int] | None = None,
 ) -> OutputFile:
-    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``.
+    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``;
+    ``sizes``: their byte sizes when the caller has them already.
 
     One pass, little per-object Python: a tensor's byte size is computed once per distinct
     ``(dtype, shape)`` (90,000 experts share a handful), and the header is built as text
     (:func:`~shardctl.checkpoint.plan_header.header_text`, the bytes ``header_bytes`` makes)."""
     meta = metadata if callable(metadata) else (lambda: metadata)
     shapes = [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
-    sizes = _sizes(objs)
+    if sizes is None:
+        sizes = _sizes(objs)
     ends = list(accumulate(sizes))
     header = header_text(list(map(_FQN, objs)), [o.dtype for o in objs], shapes, ends, meta())
     base = len(header)
@@ -225,14 +228,16 @@ def rank_files(
             shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
         else:
             shards = sorted(rl.shards, key=lambda s: order[s.fqn])
-        runs = _parts(_sizes(shards), max_shard_size) if shards else [(0, 0)]
+        sizes = _sizes(shards)
+        runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
         base = f"rank-{i:05d}-of-{world:05d}"
         for k, (a, b) in enumerate(runs):
             name = f"{base}.safetensors"
             if len(runs) > 1:
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
             part = shards[a:b]
-            files.append(_file_of(name, part, _rank_meta(layout, i, name, part), i))
+            meta = _rank_meta(layout, i, name, part)
+            files.append(_file_of(name, part, meta, i, sizes=sizes[a:b]))
             where.update(zip(zip(repeat(i), map(_FQN, part)), repeat(name)))
     return files, where
 
@@ -241,19 +246,19 @@ def hf_files(
     tensors: Sequence[TensorInfo], max_shard_size: int
 ) -> tuple[list[OutputFile], bytes | None]:
     """Whole tensors in HF files (in the given order); the index bytes when there are several."""
-    runs = _parts([t.nbytes for t in tensors], max_shard_size)
+    sizes = _sizes(tensors)
+    runs = _parts(sizes, max_shard_size)
     files: list[OutputFile] = []
+    weight_map: dict[str, str] = {}
     for k, (a, b) in enumerate(runs):
         name = (
             "model.safetensors"
             if len(runs) == 1
             else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
         )
-        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None))
+        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None, sizes=sizes[a:b]))
+        weight_map.update(zip(map(_FQN, tensors[a:b]), repeat(name)))
     if len(files) == 1:
         return files, None
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-        "weight_map": {t.fqn: f.name for f in files for t in f.tensors},
-    }
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     return files, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")
