@@ -462,3 +462,15 @@ def by_tensor(table: RecordTable, keep: Sequence[np.ndarray] | None = None) -> B
         array.array("i", row.astype(np.int32).tobytes()),
         start.tolist(),
     )
+
+
+def rows_by_file(table: RecordTable) -> dict[int, list[tuple[int, np.ndarray]]]:
+    """File index -> ``(rank, rows of that rank in the file)`` (usually one rank a file)."""
+    out: dict[int, list[tuple[int, np.ndarray]]] = {}
+    for i, r in enumerate(table.ranks):
+        order = np.argsort(r.file, kind="stable")
+        cuts = np.flatnonzero(np.diff(r.file[order])) + 1
+        for rows in np.split(order, cuts):
+            if rows.size:
+                out.setdefault(int(r.file[rows[0]]), []).append((i, rows))
+    return out

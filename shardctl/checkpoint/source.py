@@ -180,20 +180,26 @@ def _from_record(root: Path) -> Source:
         return _from_hf(root, ck, record)
     used = sorted({int(k) for r in table.ranks for k in np.unique(r.file).tolist()})
     names = sorted(table.files[k] for k in used)
-    files: list[InputFile] = []
-    entries: dict[str, dict[str, tuple[int, tuple[int, ...], str]]] = {}
     for name in names:
         path = root / name
         if path.is_symlink() or not path.is_file():
             raise InvalidInputError("recorded file missing or not a regular file", where=str(path))
+    rows_of = rt.rows_by_file(table)
+    begins = [np.zeros(len(r), dtype=np.int64) for r in table.ranks]
+    files: list[InputFile] = []
+    index = {n: k for k, n in enumerate(table.files)}
+    # one file at a time: its header (~100 B per tensor) is dropped before the next is read
+    for name in names:
+        path = root / name
         header = read_header(path)
         files.append(_input_file(path, record))
         base = header.data_offset
-        entries[name] = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
+        entries = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
         del header
+        for i, rows in rows_of.get(index[name], []):
+            _begins(path, table, i, rows, entries, begins[i])
+        del entries
     findex = {table.files[k]: names.index(table.files[k]) for k in used}
-    begins = [_begins(root, table, i, entries) for i in range(len(table.ranks))]
-    entries.clear()
     file_of = [
         np.array([findex.get(n, -1) for n in table.files], dtype=np.int64)[r.file]
         for r in table.ranks
@@ -227,29 +233,30 @@ def _from_record(root: Path) -> Source:
 
 
 def _begins(
-    root: Path,
+    path: Path,
     table: rt.RecordTable,
     i: int,
-    entries: dict[str, dict[str, tuple[int, tuple[int, ...], str]]],
-) -> np.ndarray:
-    """Rank ``i``'s shards' absolute byte offsets, each checked against its file's header."""
+    rows: np.ndarray,
+    entries: dict[str, tuple[int, tuple[int, ...], str]],
+    out: np.ndarray,
+) -> None:
+    """Fill ``out[rows]``, rank ``i``'s shards in file ``path``, with their absolute byte
+    offsets, each shard checked against the file's header."""
     r = table.ranks[i]
-    tensors, files, ndim = table.tensors, table.files, table.ndims
-    out = np.empty(len(r), dtype=np.int64)
-    shapes = r.local_shape.tolist()  # transient: the headers' entries are held meanwhile
-    for j, (t, f) in enumerate(zip(r.tensor.tolist(), r.file.tolist(), strict=True)):
+    tensors, ndim = table.tensors, table.ndims
+    shapes = r.local_shape[rows].tolist()
+    for j, t, shape in zip(rows.tolist(), r.tensor[rows].tolist(), shapes, strict=True):
         info = tensors[t]
-        got = entries[files[f]].get(info.fqn)
-        local = tuple(shapes[j][: ndim[t]])
+        got = entries.get(info.fqn)
+        local = tuple(shape[: ndim[t]])
         if got is None or got[1] != local or got[2] != info.dtype:
             raise InvalidInputError(
                 f"shard {info.fqn!r} of rank {i}: file header disagrees with the record "
                 f"(record {list(local)} {info.dtype}, file "
                 f"{[*got[1], got[2]] if got else 'missing'})",
-                where=str(root / files[f]),
+                where=str(path),
             )
         out[j] = got[0]
-    return out
 
 
 class RecordShards(Mapping[str, tuple[SourceShard, ...]]):

@@ -119,14 +119,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     tensors = table.tensors
     keep = [np.zeros(len(r), dtype=bool) for r in table.ranks]
     begins = [np.zeros(len(r), dtype=np.int64) for r in table.ranks]
-    # file index -> (rank, rows of that rank in the file): usually one rank per file
-    rows_of: dict[int, list[tuple[int, np.ndarray]]] = {}
-    for i, r in enumerate(table.ranks):
-        order = np.argsort(r.file, kind="stable")
-        cuts = np.flatnonzero(np.diff(r.file[order])) + 1
-        for rows in np.split(order, cuts):
-            if rows.size:
-                rows_of.setdefault(int(r.file[rows[0]]), []).append((i, rows))
+    rows_of = rt.rows_by_file(table)
     # one file at a time: its header (~100 B per tensor) is dropped before the next is read
     for k, f in enumerate(record.files):
         path = root / f.name
