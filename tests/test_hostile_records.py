@@ -441,3 +441,18 @@ def test_I4_verify_reports_a_gap_as_a_finding(
     code, out, err = cli("verify", str(llama), str(dst), "--level", "structure")
     assert code == 1, (out, err)
     assert GATE in out
+
+
+@ROW_FORMS
+def test_I10_record_and_rank_files_must_agree(tp2: Path, tmp_path: Path, form: str) -> None:
+    """A record whose shard the rank file holds in another shape, or a recorded rank file
+    gone: the merge refuses before writing (verify reports the same as findings)."""
+
+    def edit(rec: dict[str, Any]) -> None:
+        _shard(rec, 1, GATE)["local_shape"] = [81, 64]  # a valid record; its file says [80, 64]
+
+    line = refused(tampered(tp2, tmp_path, edit, form), tmp_path, "file header disagrees")
+    assert GATE in line and "[81, 64]" in line
+    gone = tampered(tp2, tmp_path, lambda r: None, form)
+    (gone / "rank-00001-of-00002.safetensors").unlink()
+    refused(gone, tmp_path, "recorded file missing")
