@@ -6,6 +6,7 @@ nothing written to DST, the input unchanged. In process; docs/reliability.md lis
 
 from __future__ import annotations
 
+import base64
 import json
 import os
 import shutil
@@ -15,6 +16,8 @@ from typing import Any
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardctl.checkpoint import record, record_v2
 from shardctl.checkpoint.source import SourceShard
@@ -456,3 +459,70 @@ def test_I10_record_and_rank_files_must_agree(tp2: Path, tmp_path: Path, form: s
     gone = tampered(tp2, tmp_path, lambda r: None, form)
     (gone / "rank-00001-of-00002.safetensors").unlink()
     refused(gone, tmp_path, "recorded file missing")
+
+
+COLUMNS = [
+    "tensor",
+    "file",
+    "placement",
+    "local_shape",
+    "pieces",
+    "offsets",
+    "sizes",
+    "local_offsets",
+]
+
+
+@settings(max_examples=40, deadline=None, derandomize=True)
+@given(data=st.data())
+def test_I11_v2_column_values_fuzzed(
+    llama: Path, tp2: Path, tmp_path_factory: pytest.TempPathFactory, data: st.DataObject
+) -> None:
+    """Random values written into a schema-2 record's columns (kept well-formed base64 of the
+    right length): merging it succeeds bit for bit or is refused with one line, exit 3."""
+    rec = json.loads((tp2 / record.RECORD_NAME).read_text())
+    for _ in range(data.draw(st.integers(1, 3))):
+        if data.draw(st.booleans()):
+            cols = rec["tensors"]
+            key = data.draw(st.sampled_from(["dtype", "ndim", "global_shape", "padded_shape"]))
+        else:
+            cols = rec["ranks"][data.draw(st.integers(0, 1))]["shards"]
+            key = data.draw(st.sampled_from(COLUMNS))
+        values = np.frombuffer(
+            base64.b64decode(cols[key]["data"]), dtype=np.dtype(cols[key]["type"])
+        ).astype(np.int64)
+        if values.size:
+            k = data.draw(st.integers(0, values.size - 1))
+            values[k] = data.draw(st.integers(0, 2**16))
+        cols[key] = record_v2.column(values)
+    tmp = tmp_path_factory.mktemp("fz")
+    out = tmp / "tampered"
+    shutil.copytree(tp2, out)
+    (out / record.RECORD_NAME).write_text(json.dumps(rec))
+    try:
+        reshard(out, tmp / "merged", fmt="hf")
+    except InvalidInputError as exc:
+        code, line = exit_code_for(exc)
+        assert code == 3 and "\n" not in line
+        assert not (tmp / "merged").exists()
+        return
+    name = "model.safetensors"  # accepted: then the merge is exact
+    assert (tmp / "merged" / name).read_bytes() == (llama / name).read_bytes()
+
+
+@ROW_FORMS
+def test_I11_record_placing_a_shard_in_another_ranks_file(
+    llama: Path, tp2: Path, tmp_path: Path, form: str
+) -> None:
+    """lm_head's rank-0 shard pointed at rank 1's file: same name, shape and dtype there, other
+    rows. Found by fuzzing (it merged with exit 0 and wrong rows): the rank files' headers name
+    their rank, so the merge refuses and verify reports it."""
+    head = "lm_head.weight"
+
+    def edit(rec: dict[str, Any]) -> None:
+        _shard(rec, 0, head)["file"] = "rank-00001-of-00002.safetensors"
+
+    dst = tampered(tp2, tmp_path, edit, form)
+    refused(dst, tmp_path, "holds rank 1's: rank files renamed or swapped, or the record edited")
+    code, out, err = cli("verify", str(llama), str(dst), "--level", "structure")
+    assert code == 1 and "renamed or swapped" in out, (out, err)

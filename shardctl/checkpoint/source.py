@@ -8,6 +8,7 @@ headers, the index and the record are read here — never tensor data.
 from __future__ import annotations
 
 import array
+import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
@@ -21,7 +22,7 @@ from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io.safetensors_header import read_header
+from shardctl.io.safetensors_header import SafetensorsHeader, read_header
 from shardctl.layout.types import LocalTensor, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
@@ -193,10 +194,19 @@ def _from_record(root: Path) -> Source:
         path = root / name
         header = read_header(path)
         files.append(_input_file(path, record))
+        held = rows_of.get(index[name], [])
+        claimed = claimed_rank(header)
+        other = sorted(i for i, _ in held if isinstance(claimed, int) and i != claimed)
+        if other:
+            raise InvalidInputError(
+                f"the record places rank {other[0]}'s shards in this file, whose header says it "
+                f"holds rank {claimed}'s: rank files renamed or swapped, or the record edited",
+                where=str(path),
+            )
         base = header.data_offset
         entries = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
         del header
-        for i, rows in rows_of.get(index[name], []):
+        for i, rows in held:
             _begins(path, table, i, rows, entries, begins[i])
         del entries
     findex = {table.files[k]: names.index(table.files[k]) for k in used}
@@ -230,6 +240,19 @@ def _from_record(root: Path) -> Source:
         carried,
         record,
     )
+
+
+def claimed_rank(header: SafetensorsHeader) -> int | str | None:
+    """The rank a shardctl rank file's header names (``__metadata__["shardctl"]["rank"]``);
+    None when it names none (not a shardctl rank file, or an old one); ``"unreadable"``."""
+    meta = (header.metadata or {}).get("shardctl")
+    if meta is None:
+        return None
+    try:
+        claimed = json.loads(meta).get("rank")
+    except (ValueError, AttributeError, RecursionError):
+        return "unreadable"
+    return claimed if type(claimed) is int else None
 
 
 def _begins(

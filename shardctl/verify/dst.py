@@ -10,7 +10,6 @@ files no record mentions, a file whose header metadata says it belongs to anothe
 from __future__ import annotations
 
 import array
-import json
 import os
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
@@ -21,7 +20,7 @@ import numpy as np
 
 from shardctl.checkpoint import record as rec
 from shardctl.checkpoint import record_table as rt
-from shardctl.checkpoint.source import open_source
+from shardctl.checkpoint.source import claimed_rank, open_source
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import SafetensorsHeader, read_header
@@ -237,20 +236,17 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
 
 
 def _check_owner(dest: Destination, header: SafetensorsHeader, name: str, ranks: set[int]) -> None:
-    """A rank file repeats its part of the record: a renamed/swapped file names another rank."""
-    meta = (header.metadata or {}).get("shardctl")
-    if meta is None:
-        return
-    try:
-        claimed = json.loads(meta).get("rank")
-    except (ValueError, AttributeError, RecursionError):
+    """A rank file repeats its part of the record: a renamed/swapped file names another rank,
+    and so does a record that places one rank's shards in another rank's file."""
+    claimed = claimed_rank(header)
+    if claimed == "unreadable":
         dest.problems.append(Finding("unreadable shardctl metadata in its header", file=name))
         return
-    if isinstance(claimed, int) and ranks and claimed not in ranks:
+    if isinstance(claimed, int) and ranks and ranks != {claimed}:
         dest.problems.append(
             Finding(
                 f"file holds rank {claimed}'s shards (its header says so) but the record assigns "
-                f"it to rank {min(ranks)}: rank files renamed or swapped",
+                f"it to rank {min(ranks - {claimed})}: rank files renamed or swapped",
                 file=name,
             )
         )
