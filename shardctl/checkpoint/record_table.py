@@ -152,43 +152,59 @@ def from_shards(
     ndim = np.array([len(t.shape) for t in tensors], dtype=INDEX)
     width = int(ndim.max()) if ndim.size else 0
     tables: list[RankTable] = []
+    pad0 = [(0,) * (width - k) for k in range(width + 1)]
+    pad1 = [(1,) * (width - k) for k in range(width + 1)]
     for shards, names in zip(ranks, file_of, strict=True):
         n = len(shards)
         places: dict[str, int] = {}
-        tensor = np.empty(n, dtype=INDEX)
-        file = np.empty(n, dtype=INDEX)
-        placement = np.empty(n, dtype=INDEX)
-        local = np.ones((n, width), dtype=INDEX)
-        counts = np.empty(n, dtype=INDEX)
+        tensor = [0] * n
+        file = [0] * n
+        placement = [0] * n
+        ids = [0] * n
+        # distinct (dims, local shape, pieces): padded once each, then gathered with numpy
+        combos: dict[Any, int] = {}
+        c_local: list[tuple[int, ...]] = []
+        c_start: list[int] = []
+        c_count: list[int] = []
         offs: list[tuple[int, ...]] = []
         sizs: list[tuple[int, ...]] = []
         locs: list[tuple[int, ...]] = []
-        pad0 = [(0,) * (width - k) for k in range(width + 1)]
-        pad1 = [(1,) * (width - k) for k in range(width + 1)]
         for j, s in enumerate(shards):
-            nd = len(s.global_shape)
             tensor[j] = tindex[s.fqn]
             file[j] = findex[names[j]]
             placement[j] = places.setdefault(s.placement, len(places))
-            local[j, :nd] = s.local_shape
-            counts[j] = len(s.pieces)
-            for p in s.pieces:
-                offs.append(p.offsets + pad0[nd])
-                sizs.append(p.sizes + pad1[nd])
-                locs.append(p.local_offsets + pad0[nd])
+            key = (len(s.global_shape), s.local_shape, s.pieces)
+            cid = combos.get(key)
+            if cid is None:
+                cid = combos[key] = len(c_local)
+                nd = key[0]
+                c_local.append(s.local_shape + pad1[nd])
+                c_start.append(len(offs))
+                c_count.append(len(s.pieces))
+                for p in s.pieces:
+                    offs.append(p.offsets + pad0[nd])
+                    sizs.append(p.sizes + pad1[nd])
+                    locs.append(p.local_offsets + pad0[nd])
+            ids[j] = cid
+        idx = np.array(ids, dtype=INDEX)
+        counts = np.array(c_count, dtype=INDEX)[idx]
         start = np.zeros(n + 1, dtype=INDEX)
         np.cumsum(counts, out=start[1:])
+        total = int(start[-1])
+        rep = np.repeat(np.array(c_start, dtype=INDEX)[idx], counts) + (
+            np.arange(total, dtype=INDEX) - np.repeat(start[:-1], counts)
+        )
         tables.append(
             RankTable(
-                tensor,
-                file,
-                placement,
+                np.array(tensor, dtype=INDEX),
+                np.array(file, dtype=INDEX),
+                np.array(placement, dtype=INDEX),
                 tuple(places),
-                local,
+                _rows(c_local, width)[idx] if n else np.ones((0, width), dtype=INDEX),
                 start,
-                _rows(offs, width),
-                _rows(sizs, width),
-                _rows(locs, width),
+                _rows(offs, width)[rep],
+                _rows(sizs, width)[rep],
+                _rows(locs, width)[rep],
             )
         )
     return RecordTable(tuple(tensors), ndim, tuple(files), tuple(tables), width)
