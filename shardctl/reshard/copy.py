@@ -42,6 +42,7 @@ from shardctl.layout.types import LocalTensor
 from shardctl.reshard.batching import Batching
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import MAX_INPUT_FDS
+from shardctl.reshard.runs import Pending
 from shardctl.reshard.writer import OutFile, Writer
 
 # 1 MiB blocks stay in the CPU cache between pread, hash and pwrite: measured on tmpfs, 16 MiB
@@ -102,6 +103,8 @@ class Executor(Batching):
         self.writers = [Writer(self.pool, i, on_done) for i in range(max(1, writers))]
         self.cancelled = threading.Event()
         self.outs: list[OutFile] = []
+        self.kinds = {}
+        self.pending = Pending()
 
     # ---- public --------------------------------------------------------------------------
 
