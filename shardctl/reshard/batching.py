@@ -12,7 +12,7 @@ inconsistent sources."""
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
 from shardctl.blocks import scalar_shape
 from shardctl.checkpoint.source import SourceShard
@@ -32,7 +32,7 @@ class Batching(Gather, Windows):
     """The small-tensor half of :class:`~shardctl.reshard.copy.Executor` (which sets these)."""
 
     block: int
-    sources: dict[str, tuple[SourceShard, ...]]
+    sources: Mapping[str, tuple[SourceShard, ...]]
     held_key: str | None = None
     held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     kinds: dict[object, tuple[int, tuple[Run, ...] | None]]  # a target kind -> bytes, runs

@@ -29,7 +29,7 @@ import os
 import queue
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -68,7 +68,7 @@ class Executor(Batching):
         self,
         directory: Path,
         input_paths: Sequence[Path],
-        sources: dict[str, tuple[SourceShard, ...]],
+        sources: Mapping[str, tuple[SourceShard, ...]],
         *,
         hash_name: str,
         block_bytes: int = BLOCK_BYTES,
