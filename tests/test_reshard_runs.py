@@ -17,6 +17,7 @@ from hypothesis import strategies as st
 
 from shardctl.checkpoint.source import SourceShard
 from shardctl.layout.types import Piece
+from shardctl.reshard import runs as runs_module
 from shardctl.reshard.runs import Pending, extent, runs_of
 
 DTYPES = {1: "U8", 2: "BF16", 4: "F32"}
@@ -101,18 +102,24 @@ def test_runs_fill_a_target_like_slicing(case) -> None:  # type: ignore[no-untyp
     assert len(runs) == len(parts)
     for k, src, _, shape_, span in runs:
         assert span == extent(shape_) and src + span <= srcs[k].nbytes  # inside its shard
-    out = bytearray(math.prod(t_sizes) * item)
-    pending = Pending()
-    windows = {f: (0, len(b), b) for f, b in enumerate(files)}
-    for k, src, dst, shape_, _ in runs:
-        sh = srcs[k]
-        g = pending.groups.setdefault((sh.file, id(out), shape_), (out, [], []))
-        g[1].append(sh.begin + src)
-        g[2].append(dst)
-    pending.run(windows)
-    assert not pending.groups
     want = cut(t_off, t_sizes).tobytes()
-    assert bytes(out) == want
+    # both ways of executing a group: gather + scatter, and run by run (large runs)
+    for direct in (1 << 40, 0):
+        out = bytearray(math.prod(t_sizes) * item)
+        pending = Pending()
+        windows = {f: (0, len(b), b) for f, b in enumerate(files)}
+        for k, src, dst, shape_, _ in runs:
+            sh = srcs[k]
+            g = pending.groups.setdefault((sh.file, id(out), shape_), (out, [], []))
+            g[1].append(sh.begin + src)
+            g[2].append(dst)
+        saved, runs_module.DIRECT_BYTES = runs_module.DIRECT_BYTES, direct
+        try:
+            pending.run(windows)
+        finally:
+            runs_module.DIRECT_BYTES = saved
+        assert not pending.groups
+        assert bytes(out) == want
 
 
 def test_runs_refuse_a_box_cut_in_two_dims() -> None:
