@@ -159,7 +159,7 @@ def main() -> None:
         for size in args.only or ["small", "big"]:
             t0 = time.monotonic()
             build(disk / size, size)
-            if not (shm / size).exists():
+            if "shm" in (args.where or ["shm"]) and not (shm / size).exists():
                 shutil.copytree(disk / size, shm / size)
             print(f"# {size}: ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             for loc in args.where or ["disk", "shm"]:
