@@ -218,12 +218,18 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
     layers = dst.config.get("num_hidden_layers") or dst.config.get("n_layer")
     if isinstance(layers, int) and layout.stages and expect != layers:
         level.fail(f"stages cover layers 0..{expect - 1} of {layers}")
+    layer_of: dict[str, int | None] = {}  # an fqn's layer, once per fqn (tp ranks share it)
     for rl in layout.ranks:
         st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
+        if st is None or st.layers is None:
+            continue
         for s in rl.shards:
-            m = _LAYER.match(s.fqn)
-            if m and st is not None and st.layers is not None:
-                n = int(m.group(1))
+            try:
+                n = layer_of[s.fqn]
+            except KeyError:
+                m = _LAYER.match(s.fqn)
+                n = layer_of[s.fqn] = int(m.group(1)) if m else None
+            if n is not None:
                 if isinstance(layers, int) and n >= layers:  # after the stack (MTP): last stage
                     if rl.pp != len(layout.stages) - 1:
                         level.fail(
