@@ -3,11 +3,12 @@ one pending buffer that is hashed and written with one ``pwrite``.
 
 The common small tensor (one target piece filling its local tensor, read from rectangular
 source shards: an HF tensor split ``S(d)``, or ``tp`` shards merged back) takes a short path
-(:meth:`Batching._fast`): its boxes are worked out inline and its bytes copied out of a source
-window (:mod:`shardctl.reshard.window`), so no ``Box`` object, no ``pread`` and no block
-planning per tensor. Anything else (fused parts, padding, scalars, replicas cut differently)
-goes the general way through :func:`~shardctl.reshard.boxes.plan_boxes`, which also reports
-inconsistent sources."""
+(:meth:`Batching._fast`): its kind (shapes and pieces of it and its sources) maps to byte runs
+worked out once (:mod:`shardctl.reshard.runs`), and the runs are executed later, a group at a
+time, out of source windows (:mod:`shardctl.reshard.window`) — no ``Box`` object, no ``pread``,
+no block planning and no copy call per tensor. Anything else (fused parts, padding, scalars,
+replicas cut differently) goes the general way through
+:func:`~shardctl.reshard.boxes.plan_boxes`, which also reports inconsistent sources."""
 
 from __future__ import annotations
 

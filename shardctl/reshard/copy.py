@@ -16,7 +16,8 @@ The target shards of one fqn advance in lockstep, block by block, so all ``tp`` 
 ``S(1)`` split share one read of the source rows (a one-entry cache). Writer threads (each
 output file belongs to one) hash each buffer and ``pwrite`` it, in file order, so the digest is
 of the bytes actually written and every output file is written sequentially. Small tensors
-take a short path (``batching``: many to a buffer, copied out of source windows). Memory:
+take a short path (``batching``: many to a buffer, as byte runs executed a group at a time out
+of source windows, ``runs``). Memory:
 ``(POOL × writers + 1) × block_bytes`` plus ``window.MAX_WINDOWS × window.WINDOW`` (16 MiB).
 """
 
