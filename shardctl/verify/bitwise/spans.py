@@ -30,6 +30,8 @@ from shardctl.verify.boxes import equal, uint_of
 from shardctl.verify.dst import DstShard
 
 ENABLED = True  # off: every tensor takes the per-block path (tests compare the two)
+# A batch of boxes this size or more is copied box by box (see ``_fill_batch``).
+DIRECT_BYTES = 32 * 2**10
 
 
 def span_caps() -> tuple[int, int]:
@@ -105,7 +107,7 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
     for (dtype, shape, offsets, sizes), members in batches.items():
         kind = uint_of(dtype)
         assert kind is not None  # level._plain checked it
-        _fill_batch(src_u8, expected, np.dtype(kind).itemsize, shape, offsets, sizes, members)
+        _fill_batch(src_u8, expected, kind, shape, offsets, sizes, members)
     if equal(dst_u8, expected):
         return
     for (dtype, shape, offsets, sizes), members in batches.items():
@@ -119,35 +121,48 @@ def _begin(item: tuple[DstShard, int, tuple[int, ...]]) -> int:
 def _fill_batch(
     src: np.ndarray,
     expected: np.ndarray,
-    item: int,
+    kind: Any,
     shape: tuple[int, ...],
     offsets: tuple[int, ...],
     sizes: tuple[int, ...],
     members: list[tuple[int, int, DstShard]],
 ) -> None:
-    """Copy each member's box of SRC to where DST holds it, in ``expected``: one gather of
-    every member's box through a strided view of SRC (a view with a row per possible start
-    byte, indexed by the members' starts), one scatter into ``expected``.
+    """Copy each member's box of SRC to where DST holds it, in ``expected``:
 
-    Bytes, not elements: the last dim is ``sizes[-1] · item`` byte columns, so the view works
-    for any start byte whatever the dtype."""
+    - members at constant strides on both sides: one strided copy of them all;
+    - else small boxes: one gather of every member's box through a strided view of SRC (a view
+      with a row per possible start byte, indexed by the members' starts), one scatter into
+      ``expected`` — two numpy calls, however many members;
+    - else (boxes of ``DIRECT_BYTES`` or more, or one member): box by box, one copy each.
+
+    The gather works on bytes: the last dim is ``sizes[-1] · item`` byte columns, so the view
+    takes any start byte whatever the dtype."""
+    n = len(members)
+    step = _regular(members)
+    if step is not None:
+        s_step, d_step = step
+        whole = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
+        regular = _view(expected, members[0][1], n, d_step, kind, sizes)
+        regular[...] = _view(src, members[0][0], n, s_step, kind, shape)[(slice(None), *whole)]
+        return
+    item = np.dtype(kind).itemsize
     tensor_strides = [x * item for x in strides(shape)]
     origin = sum(o * x for o, x in zip(offsets, tensor_strides, strict=True))
     box = (*sizes[:-1], sizes[-1] * item)
     span = sum((z - 1) * x for z, x in zip(sizes[:-1], tensor_strides[:-1], strict=True))
     span += sizes[-1] * item
     local = math.prod(box)
-    if len(members) == 1:
-        s_at, d_at, _ = members[0]
-        one = _strided(src, s_at + origin, box, tensor_strides)
-        expected[d_at : d_at + local].reshape(box)[...] = one
+    if n == 1 or local >= DIRECT_BYTES:
+        # one copy per member, straight from SRC: large boxes gain nothing from a gather
+        # (it would copy them twice, through a temporary)
+        for s_at, d_at, _ in members:
+            one = _strided(src, s_at + origin, box, tensor_strides)
+            expected[d_at : d_at + local].reshape(box)[...] = one
         return
     rows = _strided(src, 0, (len(src) - span + 1, *box), [1, *tensor_strides])
-    got = rows[np.fromiter((m[0] for m in members), np.intp, len(members)) + origin]
+    got = rows[np.fromiter((m[0] for m in members), np.intp, n) + origin]
     into = _strided(expected, 0, (len(expected) - local + 1, local), [1, 1])
-    into[np.fromiter((m[1] for m in members), np.intp, len(members))] = got.reshape(
-        len(members), local
-    )
+    into[np.fromiter((m[1] for m in members), np.intp, n)] = got.reshape(n, local)
 
 
 def _strided(buf: np.ndarray, offset: int, shape: tuple[int, ...], steps: list[int]) -> np.ndarray:
