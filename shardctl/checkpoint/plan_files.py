@@ -13,15 +13,18 @@ from __future__ import annotations
 
 import json
 import math
+import operator
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
+from operator import attrgetter
 from typing import overload
 
+from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
 from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
 from shardctl.dtypes import nbytes
-from shardctl.io.safetensors_header import HeaderEntry, header_bytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
 
@@ -105,27 +108,46 @@ def _file(
     return _file_of(name, [o for o, _ in items], metadata, rank, [p for _, p in items])
 
 
+_FQN = attrgetter("fqn")
+
+
+def _sizes(objs: Sequence[Shard | TensorInfo]) -> list[int]:
+    """Each object's local tensor bytes, computed once per distinct ``(dtype, shape)``."""
+    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
+    sizes: list[int] = []
+    for o in objs:
+        key = (o.dtype, o.local_shape if isinstance(o, Shard) else o.shape)
+        n = size_of.get(key)
+        if n is None:
+            n = size_of[key] = nbytes(key[0], math.prod(key[1]))
+        sizes.append(n)
+    return sizes
+
+
 def _file_of(
     name: str,
     objs: Sequence[Shard | TensorInfo],
     metadata: Callable[[], dict[str, str]] | dict[str, str],
     rank: int | None,
     pieces: Sequence[tuple[Piece, ...]] | None = None,
+    sizes: list[int] | None = None,
 ) -> OutputFile:
-    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``."""
+    """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``;
+    ``sizes``: their byte sizes when the caller has them already.
+
+    One pass, little per-object Python: a tensor's byte size is computed once per distinct
+    ``(dtype, shape)`` (90,000 experts share a handful), and the header is built as text
+    (:func:`~shardctl.checkpoint.plan_header.header_text`, the bytes ``header_bytes`` makes)."""
     meta = metadata if callable(metadata) else (lambda: metadata)
-    entries: list[HeaderEntry] = []
-    cursor = 0
-    for obj in objs:
-        shape = obj.local_shape if isinstance(obj, Shard) else obj.shape
-        n = nbytes(obj.dtype, math.prod(shape))
-        entries.append(HeaderEntry(obj.fqn, obj.dtype, tuple(shape), cursor, cursor + n))
-        cursor += n
-    header = header_bytes(entries, meta())
+    shapes = [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
+    if sizes is None:
+        sizes = _sizes(objs)
+    ends = list(accumulate(sizes))
+    header = header_text(list(map(_FQN, objs)), [o.dtype for o in objs], shapes, ends, meta())
     base = len(header)
-    begins = array("q", (base + e.begin for e in entries))
-    end = base + cursor
-    del entries
+    # tensor i begins where tensor i-1 ends, the first right after the header
+    begins = array("q", accumulate(sizes[:-1], initial=base) if sizes else ())
+    end = base + (ends[-1] if ends else 0)
     return OutputFile(
         name, base, FileTensors(objs, begins, pieces), end, rank, zlib.compress(header, 1)
     )
@@ -169,14 +191,28 @@ def _rank_meta(
                 separators=(",", ":"),
             ),
         }
-        if all(s.is_rectangular for s in part):
+        if _all_rectangular(part):
             # torch DCP's HuggingFaceStorageReader: global size = max(offset + shape)
-            meta[DCP_KEY] = json.dumps(
-                {s.fqn: {"saved_offsets": list(s.offsets)} for s in part}, separators=(",", ":")
+            meta[DCP_KEY] = saved_offsets_json(
+                [s.fqn for s in part], [s.pieces[0].offsets for s in part]
             )
         return meta
 
     return make
+
+
+def _all_rectangular(part: Sequence[Shard]) -> bool:
+    """``all(s.is_rectangular for s in part)``, decided once per distinct ``(local_shape,
+    pieces)``: the layout shares one pieces tuple among every shard of a split."""
+    seen: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Piece, ...]]] = {}
+    for s in part:
+        key = (id(s.local_shape), id(s.pieces))
+        if key in seen:
+            continue
+        if not s.is_rectangular:
+            return False
+        seen[key] = (s.local_shape, s.pieces)  # held: an id stays unique while its object lives
+    return True
 
 
 def rank_files(
@@ -187,17 +223,22 @@ def rank_files(
     where: dict[tuple[int, str], str] = {}
     world = len(layout.ranks)
     for i, rl in enumerate(layout.ranks):
-        shards = sorted(rl.shards, key=lambda s: order[s.fqn])
-        runs = _parts([s.nbytes for s in shards], max_shard_size) if shards else [(0, 0)]
+        keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
+        if all(map(operator.lt, keys, keys[1:])):
+            shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
+        else:
+            shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+        sizes = _sizes(shards)
+        runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
         base = f"rank-{i:05d}-of-{world:05d}"
         for k, (a, b) in enumerate(runs):
             name = f"{base}.safetensors"
             if len(runs) > 1:
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
             part = shards[a:b]
-            files.append(_file_of(name, part, _rank_meta(layout, i, name, part), i))
-            for s in part:
-                where[(i, s.fqn)] = name
+            meta = _rank_meta(layout, i, name, part)
+            files.append(_file_of(name, part, meta, i, sizes=sizes[a:b]))
+            where.update(zip(zip(repeat(i), map(_FQN, part)), repeat(name)))
     return files, where
 
 
@@ -205,19 +246,19 @@ def hf_files(
     tensors: Sequence[TensorInfo], max_shard_size: int
 ) -> tuple[list[OutputFile], bytes | None]:
     """Whole tensors in HF files (in the given order); the index bytes when there are several."""
-    runs = _parts([t.nbytes for t in tensors], max_shard_size)
+    sizes = _sizes(tensors)
+    runs = _parts(sizes, max_shard_size)
     files: list[OutputFile] = []
+    weight_map: dict[str, str] = {}
     for k, (a, b) in enumerate(runs):
         name = (
             "model.safetensors"
             if len(runs) == 1
             else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
         )
-        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None))
+        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None, sizes=sizes[a:b]))
+        weight_map.update(zip(map(_FQN, tensors[a:b]), repeat(name)))
     if len(files) == 1:
         return files, None
-    index = {
-        "metadata": {"total_size": sum(t.nbytes for t in tensors)},
-        "weight_map": {t.fqn: f.name for f in files for t in f.tensors},
-    }
+    index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}
     return files, (json.dumps(index, indent=2, sort_keys=True) + "\n").encode("utf-8")

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
@@ -71,11 +72,17 @@ def build_layout(
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     per_rank: list[list[Shard]] = [[] for _ in range(mesh.model_parallel)]
+    # Tensors of one class share one SplitSpec object (resolve): split it once, not per tensor
+    # (hashing a spec for split's cache cost more than the Shards themselves at 90,000).
+    splits: dict[int, Sequence[tuple[tuple[Piece, ...], tuple[int, ...]]]] = {}
     for t in res.tensors:
         info = t.info
+        cut = splits.get(id(t.split))
+        if cut is None:
+            cut = splits[id(t.split)] = split(t.split, tp)
         shards = [
             Shard(info.fqn, info.dtype, info.shape, local_shape, pieces, t.placement)
-            for pieces, local_shape in split(t.split, tp)
+            for pieces, local_shape in cut
         ]
         eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
         for p in t.stages:
@@ -125,37 +132,51 @@ def staged_weight_bytes(
     """The stages and :func:`rank_weight_bytes` of one resolution (``plan`` needs both)."""
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
-    by_split: dict[tuple[int, str, bool], list[int]] = {}  # specs are shared across tensors
-
-    def sizes_of(t: TensorPlan) -> list[int]:
-        key = (id(t.split), t.info.dtype, t.packed)
-        sizes = by_split.get(key)
-        if sizes is None:
-            share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
-            sizes = by_split[key] = [
-                nbytes(t.info.dtype, n // share) for n in local_numels(t.split, tp)
-            ]
-        return sizes
-
-    return res.stages, rank_totals(res, mesh, sizes_of)
+    # A tensor's bytes per rank depend only on its (shared) split spec, dtype and packing, and
+    # where they go on its stages and ep rank: count the tensors of each such class (90,000
+    # experts are a few hundred classes), then add each class's bytes times its count.
+    classes: dict[tuple[int, str, bool, tuple[int, ...], int | None], list[Any]] = {}
+    for t in res.tensors:
+        key = (id(t.split), t.info.dtype, t.packed, t.stages, t.ep_rank)
+        seen = classes.get(key)
+        if seen is None:
+            classes[key] = [t, 1]
+        else:
+            seen[1] += 1
+    totals = [0] * mesh.model_parallel
+    for t, count in classes.values():
+        share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
+        sizes = [nbytes(t.info.dtype, n // share) * count for n in local_numels(t.split, tp)]
+        _add(totals, t, sizes, tp, ep)
+    return res.stages, _by_coord(totals, mesh)
 
 
 def rank_totals(
     res: Resolution, mesh: Mesh, sizes_of: Callable[[TensorPlan], Sequence[int]]
 ) -> dict[tuple[int, int, int], int]:
     """Bytes per model-parallel coordinate ``(pp, ep, tp)``: each tensor's ``sizes_of(t)[r]``
-    (its bytes on tp rank ``r``) added on every stage and ep rank that holds it. The one
-    placement walk behind :func:`staged_weight_bytes` and the plan's per-format pricing."""
+    (its bytes on tp rank ``r``) added on every stage and ep rank that holds it (``_add``, the
+    one placement walk, also behind :func:`staged_weight_bytes`): the plan's per-format
+    pricing, whose sizes may depend on each tensor's name."""
     tp, ep = mesh.tp, mesh.ep
     totals = [0] * mesh.model_parallel
     for t in res.tensors:
-        sizes = sizes_of(t)
-        eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
-        for p in t.stages:
-            for e in eps:
-                base = (p * ep + e) * tp
-                for r in range(tp):
-                    totals[base + r] += sizes[r]
+        _add(totals, t, sizes_of(t), tp, ep)
+    return _by_coord(totals, mesh)
+
+
+def _add(totals: list[int], t: TensorPlan, sizes: Sequence[int], tp: int, ep: int) -> None:
+    """``sizes[r]`` onto tp rank ``r`` of every stage and ep rank holding ``t``."""
+    eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
+    for p in t.stages:
+        for e in eps:
+            base = (p * ep + e) * tp
+            for r in range(tp):
+                totals[base + r] += sizes[r]
+
+
+def _by_coord(totals: list[int], mesh: Mesh) -> dict[tuple[int, int, int], int]:
+    tp, ep = mesh.tp, mesh.ep
     return {
         (p, e, r): totals[(p * ep + e) * tp + r]
         for p in range(mesh.pp)
@@ -186,7 +207,9 @@ def resolve(
     padded: dict[str, tuple[int, ...]] = {}
     labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
     for t in static.tensors:
-        key = (t.info.shape, t.dim, t.parts, t.groups, t.vocab, t.quant)
+        # ``parts`` by identity: resolve_rules shares one tuple per (rule, shape), and hashing
+        # the Part dataclasses was 180,000 Python __hash__ calls at 90,000 tensors
+        key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
         hit = specs.get(key)
         if hit is None:
             try:

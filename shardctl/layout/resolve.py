@@ -17,13 +17,21 @@ from shardctl.layout.pipeline import layer_index
 from shardctl.layout.placement import Resolved, resolve_placement
 from shardctl.layout.presets import conv1d as is_conv1d
 from shardctl.layout.presets import preset
-from shardctl.layout.rules import Matcher, compile_rules
+from shardctl.layout.rules import CompiledRule, Matcher, compile_rules
 from shardctl.layout.split import Part
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims, ModelInfo, TensorInfo
 from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 _EXPERT = re.compile(r"(?:^|\.)experts\.(\d+)\.")
+_EXPERT_DOT = re.compile(r"\.experts\.(\d+)\.")
+# A whole dot-separated number in an fqn (``layers.12.``, ``experts.7.``; not ``w1``).
+# (After a dot only: a leading number stays in the pattern, a finer class, still exact.)
+_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+# A ``[...]`` class of an fnmatch glob (``ln_[12]``, ``[qk]_norm``).
+_CLASS = re.compile(r"\[([^\]]*)\]")
+# A digit a glob can hold against a whole number: after a wildcard, a dot, or at the start.
+_FREE_DIGIT = re.compile(r"(?:^|[.*?\]])\d")
 
 
 @dataclass(frozen=True)
@@ -92,18 +100,17 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     ] = {}
     # Layers after the decoder stack (MTP) are not decoder layers: pinned to the last stage.
     first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
-    for info in model.tensors:
+
+    def place(info: TensorInfo, layer: int | None, trailing: bool) -> TensorRule | None:
+        """One tensor through the rules; None when no rule places it."""
         group = quant_groups.get(info.fqn)
         # a quantized member is placed as the unquantized weight it encodes would be
         logical = group.logical if group is not None else info
-        layer = layer_index(info.fqn)
-        trailing = first_mtp is not None and layer is not None and layer >= first_mtp
         if trailing:
             layer = None
         match = matcher.find(logical.fqn, need_stage=layer is None)
         if match is None:
-            unplaced.append(info.fqn)  # all of them in one error, after the loop
-            continue
+            return None
         cr = match.rule
         assert cr.placement is not None
         if layer is not None and cr.rule.stage is not None:
@@ -163,30 +170,67 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             dim, quant = _member_split(group, info, dim)
             if dim is None:
                 parts = ()
-        out.append(
-            TensorRule(
-                info,
-                layer,
-                stage,
-                dim,
-                parts,
-                groups,
-                resolved.vocab,
-                expert,
-                cr.label,
-                packed=packed,
-                quant=quant,
-            )
+        return TensorRule(
+            info,
+            layer,
+            stage,
+            dim,
+            parts,
+            groups,
+            resolved.vocab,
+            expert,
+            cr.label,
+            packed=packed,
+            quant=quant,
         )
+
+    # Rules per name *pattern*, not per tensor: 90,000 expert tensors are a few dozen names
+    # that differ only in their layer and expert numbers. The first tensor of a class
+    # (pattern, shape, dtype, trailing) goes through the rules; the others copy its result
+    # with their own layer and expert numbers. Exact when the rules cannot tell those numbers
+    # apart (``_number_blind``); quantized members are placed one by one (their group).
+    blind = _number_blind(matcher.rules)
+    first: dict[tuple[object, ...], TensorRule | None] = {}
+    new = object.__new__
+    number = _NUMBER.sub
+    for info in model.tensors:
+        fqn = info.fqn
+        layer = layer_index(fqn)
+        trailing = first_mtp is not None and layer is not None and layer >= first_mtp
+        if quant_groups and fqn in quant_groups:
+            placed = place(info, layer, trailing)
+        else:
+            pattern = number(".#", fqn) if blind and "#" not in fqn else fqn
+            key = (pattern, info.shape, info.dtype, trailing)
+            if key not in first:
+                placed = first[key] = place(info, layer, trailing)
+            else:
+                like = first[key]
+                placed = None
+                if like is not None:
+                    # a frozen dataclass: fill its __dict__ (the class's fields, this
+                    # tensor's own numbers) instead of 11 frozen setattr calls
+                    placed = new(TensorRule)
+                    fields = placed.__dict__
+                    fields.update(like.__dict__)
+                    fields["info"] = info
+                    if like.layer is not None:
+                        fields["layer"] = layer
+                    if like.expert is not None:
+                        fields["expert"] = _expert_index(fqn)
+        if placed is None:
+            unplaced.append(fqn)  # all of them in one error, after the loop
+        else:
+            out.append(placed)
     if unplaced:
         import sys
 
         from shardctl.archs.suggest import suggest_rules
 
-        placed = set(names) - set(unplaced)
+        done = set(names) - set(unplaced)
         suggestion = suggest_rules(
             arch,
-            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in placed],
+            [(t.fqn, t.shape) for t in model.tensors if t.fqn not in done],
             vocab_size=dims.vocab_size if dims is not None else None,
             # transformers' tp plan only when already loaded: importing it (and torch) costs
             # seconds, and plan never imports torch; `shardctl inspect` reads the plan.
@@ -230,6 +274,29 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
             )
     tied = "lm_head.weight" not in set(names) and (dims is None or dims.tie_word_embeddings)
     return ModelRules(tuple(out), num_layers, num_experts, tied)
+
+
+def _number_blind(rules: Sequence[CompiledRule]) -> bool:
+    """True when no rule's glob can tell one whole number in an fqn from another, so names
+    that differ only in them (``layers.3.`` vs ``layers.12.``) match the same rules.
+
+    Literal digits are fine where a letter precedes them (``w1``, ``ln_[12]``: they match inside
+    a name's word, never a whole number); refused: a digit after a dot, wildcard or at the
+    start (``layers.0.*``), ``?`` (it counts characters: ``layers.?.`` holds 0–9 only), ``#``
+    (the stand-in for a number), and classes that are negated, ranged or hold a dot."""
+    for cr in rules:
+        glob = cr.rule.match
+        if "?" in glob or "#" in glob:
+            return False
+        for body in _CLASS.findall(glob):
+            if not body or body[0] in "!^" or "-" in body or "." in body:
+                return False
+        # a class stands for one character: a digit if it holds one (then a letter must
+        # precede it, as any literal digit), else a letter
+        plain = _CLASS.sub(lambda m: "0" if any(c.isdigit() for c in m[1]) else "a", glob)
+        if "[" in plain or "]" in plain or _FREE_DIGIT.search(plain):
+            return False
+    return True
 
 
 def _member_split(
@@ -345,5 +412,6 @@ def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part
 def _expert_index(fqn: str) -> int | None:
     """``e`` of a per-expert tensor (``...experts.<e>.w1.weight``); ``None`` for a tensor that
     packs every expert along dim 0 (``...experts.gate_up_proj``)."""
-    m = _EXPERT.search(fqn)
+    # the leftmost match: at the start, else after a dot (a literal-led search is ~3× faster)
+    m = (_EXPERT if fqn.startswith("experts.") else _EXPERT_DOT).search(fqn)
     return None if m is None else int(m.group(1))

@@ -61,6 +61,7 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "cuda_graph_memory",
         "mem_fraction_static",
         "sglang_version",
+        "vllm_version",
         "free_gpu_memory_fraction",
         "tokens_per_block",
         "micro_batch_size",

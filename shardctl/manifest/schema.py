@@ -258,7 +258,10 @@ def _workload_section() -> dict[str, Any]:
                 "trtllm (TensorRT-LLM's paged KV cache). megatron: plan also prints the "
                 "shardctl reshard command writing the layout as a torch_dist checkpoint.",
             ),
-            "max_num_seqs": _int("vLLM max_num_seqs: sequences in the profile (256)."),
+            "max_num_seqs": _int(
+                "vLLM max_num_seqs: sequences in the profile (256; vllm_version 0.19: 1024 "
+                "on GPUs of 70 GiB or more other than A100)."
+            ),
             "max_num_batched_tokens": _int(
                 "vLLM max_num_batched_tokens of the profile run "
                 "(default max(sequence_length, 2048))."
@@ -276,6 +279,12 @@ def _workload_section() -> dict[str, Any]:
                 "enum": ["0.4", "0.5", 0.4, 0.5],
                 "description": "SGLang default mem_fraction_static: 0.4 by tp (default), 0.5 by "
                 "GPU memory (>= 0.5.3).",
+            },
+            "vllm_version": {
+                "enum": ["0.6", "0.16", "0.19", 0.6, 0.16, 0.19],
+                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.16 the "
+                "V1 engine as measured at 0.15-0.16, 0.19 V1 from 0.17 (non-torch from "
+                "init_snapshot, vllm serve's batch defaults).",
             },
             "free_gpu_memory_fraction": {
                 "type": "number",

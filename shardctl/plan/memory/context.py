@@ -29,7 +29,7 @@ from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
 from shardctl.plan.memory.terms import inference_terms, training_terms
 from shardctl.plan.memory.trtllm import TrtllmOverhead, kv_reserve_bytes
-from shardctl.plan.memory.vllm import VllmOverhead, non_torch_bytes
+from shardctl.plan.memory.vllm import VllmOverhead, non_torch_bytes, profile_batch
 
 
 def _dense_bytes(dtype: str) -> int:
@@ -70,6 +70,15 @@ class Context:
             )
             if workload.sglang_version == "0.5" and hardware.device_memory is not None
             else default_mem_fraction_static(mesh.tp * mesh.pp * mesh.ep)
+        )
+        # vLLM's profile run: (tokens of the forward, sequences of the sampler)
+        self.vllm_batch = profile_batch(
+            workload.vllm_version,
+            gpu=hardware.gpu,
+            device_memory=hardware.device_memory,
+            max_model_len=workload.sequence_length,
+            max_num_batched_tokens=workload.profile_tokens,
+            max_num_seqs=workload.max_num_seqs,
         )
         # tokens per KV block in the engine's own units (SGLang: page size 1)
         self.block_size = (
@@ -182,7 +191,9 @@ class Context:
     def vllm_overhead(self) -> VllmOverhead:
         """vLLM's non-torch memory and CUDA graphs (they replace the ``overhead:`` items)."""
         w = self.workload
-        measured = non_torch_bytes(self.hw.gpu, self.mesh.tp)
+        measured = non_torch_bytes(
+            self.hw.gpu, self.mesh.tp, version=w.vllm_version, pp=self.mesh.pp
+        )
         non_torch = measured if w.non_torch_memory is None else w.non_torch_memory
         return VllmOverhead(non_torch=non_torch, cuda_graphs=w.cuda_graph_memory)
 

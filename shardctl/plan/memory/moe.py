@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardctl.layout.types import Stage
-from shardctl.model.types import TensorInfo
+from shardctl.model.types import TensorInfo, numel_by_dtype
 from shardctl.plan.memory.shapes import ModelShape, stage_counts
 
 
@@ -46,8 +46,9 @@ def moe_params(shape: ModelShape, tensors: Sequence[TensorInfo] = ()) -> MoePara
     d = shape.dims
     e, k = d.num_experts, d.experts_per_token
     if tensors:
-        total = sum(t.numel for t in tensors)
-        expert = sum(t.numel for t in tensors if ".experts." in t.fqn)
+        # per (dtype, shape) pair, not per tensor: 90,000 experts share a few shapes
+        total = sum(numel_by_dtype(tuple(tensors)).values())
+        expert = sum(numel_by_dtype(tuple(t for t in tensors if ".experts." in t.fqn)).values())
     else:
         c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
         total, expert = c.total, c.expert

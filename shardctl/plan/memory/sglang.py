@@ -24,6 +24,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from shardctl.plan.memory.hardware import GiB
+from shardctl.plan.memory.vllm import TP_GROUP_GPUS
 
 # ``ServerArgs.__post_init__`` (python/sglang/srt/server_args.py, 0.4.x): the default
 # ``mem_fraction_static`` by tensor-parallel size (world size in later 0.4 releases).
@@ -37,9 +38,22 @@ _DEFAULT_FRACTION = ((16, 0.79), (8, 0.81), (4, 0.85), (2, 0.87), (1, 0.88))
 #   no SGLang figure found.
 INIT_TP1: dict[str, int] = {"h100-sxm": round(0.63 * GiB)}
 INIT_TP1_OTHER = round(0.35 * GiB)
-# tp > 1: "Init torch distributed ends. mem usage=0.13 GB" (SGLang log, 4 GPUs, 2025-03-08; NCCL
-# communicators allocate their buffers lazily, at the first collective, after the pool is sized).
-INIT_DISTRIBUTED = round(0.13 * GiB)
+# tp > 1: what ``init_torch_distributed`` allocates (NCCL communicators, custom all-reduce
+# buffers) before "Load weight begin", per rank, by GPU:
+# - h100-sxm 1.25 GiB: "Init torch distributed ends. mem usage=1.25 GB" (SGLang 0.5.2rc2, 8×H100
+#   80GB HBM3, --tp 8, nccl 2.27.3; blog "Grok2 OnPrem Deployment via sglang", Shivank
+#   Chaudhary, 2025-09-14, found through the code search). SGLang's "GB" are GiB
+#   (``get_available_gpu_memory`` divides by 1 << 30). Taken as one group's buffers, the same at
+#   every tp > 1, as vLLM's logs show on H100 (vllm.py, ``TP_GROUP_BYTES``), and for the same
+#   GPUs as vLLM's figure (``TP_GROUP_GPUS``: NVSwitch parts and MI300X, measured on H100 only);
+# - any other GPU 0.13 GiB: "Init torch distributed ends. mem usage=0.13 GB" (SGLang log,
+#   4×L4 over PCIe, 2025-03-08).
+# - h200 1.96 GiB: "[TP0] Init torch distributed ends. mem usage=1.96 GB" (1.77-2.01 over the 8
+#   ranks; sgl-project/sglang PR #11716, 2025-10-16, 8 GPUs with 137 GB free: H200, tp 8).
+#   Whether the gap to the H100 figure is the GPU or the SGLang release is not known.
+INIT_DISTRIBUTED: dict[str, int] = {gpu: round(1.25 * GiB) for gpu in TP_GROUP_GPUS}
+INIT_DISTRIBUTED["h200"] = round(1.96 * GiB)
+INIT_DISTRIBUTED_OTHER = round(0.13 * GiB)
 # What loading allocates beyond the weights' bytes (rotary caches, workspaces): "mem usage" of
 # "Load weight end" minus Llama-3.1-8B's 14.96 GiB of bf16 weights in three public logs:
 # 15.02 (2025-07-14), 15.09 (2025-01-23), 15.11 GB (PR #4760) → 0.06, 0.13, 0.15; the median.
@@ -101,7 +115,8 @@ def init_bytes(gpu: str | None, ranks: int) -> int:
     """Memory one rank uses before its weights load (``total_gpu_memory`` = device − this);
     ``ranks`` is the process group's size (tp · pp · ep of one replica)."""
     base = INIT_TP1.get(gpu or "", INIT_TP1_OTHER)
-    return base + (INIT_DISTRIBUTED if ranks > 1 else 0)
+    group = INIT_DISTRIBUTED.get(gpu or "", INIT_DISTRIBUTED_OTHER)
+    return base + (group if ranks > 1 else 0)
 
 
 @dataclass(frozen=True)

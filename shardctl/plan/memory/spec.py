@@ -59,7 +59,9 @@ class Workload:
     (:mod:`shardctl.plan.memory.vllm`): the device size CUDA reports, measured non-torch memory
     (``non_torch_memory`` overrides it), the profile run's forward over ``profile_tokens``
     tokens (vLLM's ``max_num_batched_tokens``; ``None`` = V0's ``max(sequence_length, 2048)``)
-    and its sampler over ``max_num_seqs`` sequences, ``cuda_graph_memory`` (0: captured after
+    and its sampler over ``max_num_seqs`` sequences (``None``: the version's default),
+    ``vllm_version`` ("0.6" V0, "0.16" V1 as at 0.15-0.16, "0.19" V1 from 0.17),
+    ``cuda_graph_memory`` (0: captured after
     the KV cache, as V0 does, or ``enforce_eager``), KV in blocks of ``block_size`` tokens.
     ``sequence_length`` is then vLLM's ``max_model_len``.
 
@@ -81,13 +83,14 @@ class Workload:
     # that keyword is torch.load's safety flag, held to True everywhere by a static test.
     only_weights: bool = False
     engine: str = "generic"
-    max_num_seqs: int = 256
+    max_num_seqs: int | None = None
     block_size: int = 16
     profile_tokens: int | None = None
     non_torch_memory: int | None = None
     cuda_graph_memory: int = 0
     mem_fraction_static: float | None = None
     sglang_version: str = "0.4"
+    vllm_version: str = "0.6"
     free_gpu_memory_fraction: float = 0.9
     tokens_per_block: int = 32
 
@@ -101,7 +104,15 @@ class Workload:
                 where="workload.engine",
                 hint=f"use one of: {', '.join(ENGINES)}",
             )
-        _positive(self.max_num_seqs, "workload.max_num_seqs")
+        if self.max_num_seqs is not None:
+            _positive(self.max_num_seqs, "workload.max_num_seqs")
+        if self.vllm_version not in ("0.6", "0.16", "0.19"):
+            raise InvalidInputError(
+                f"expected '0.6', '0.16' or '0.19', got {self.vllm_version!r}",
+                where="workload.vllm_version",
+                hint="0.6: V0's start-up profile (the default); 0.16: the V1 engine as at "
+                "0.15-0.16; 0.19: V1 from 0.17",
+            )
         _positive(self.block_size, "workload.block_size")
         _positive(self.tokens_per_block, "workload.tokens_per_block")
         if self.sglang_version not in ("0.4", "0.5"):

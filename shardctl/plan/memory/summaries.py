@@ -136,12 +136,12 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
                 max_num_tokens=w.profile_tokens or MAX_NUM_TOKENS,
             )
         if ctx.vllm:
-            from shardctl.plan.memory.vllm import profile_tokens
-
+            tokens, seqs = ctx.vllm_batch
             out.update(
-                max_num_seqs=w.max_num_seqs,
+                vllm_version=w.vllm_version,
+                max_num_seqs=seqs,
                 block_size=w.block_size,
-                max_num_batched_tokens=profile_tokens(w.sequence_length, w.profile_tokens),
+                max_num_batched_tokens=tokens,
                 device_memory_cuda=ctx.hw.device_memory,
             )
     else:

@@ -46,7 +46,7 @@ def stage_sequence_kv(ctx: Context, st: Stage, length: int) -> int:
     )
     windows = stage_windows(ctx, st)
     if ctx.vllm:  # V1's per-layer reservation and hybrid groups (kv_layers.py)
-        batched = vllm.profile_tokens(ctx.workload.sequence_length, ctx.workload.profile_tokens)
+        batched, _ = ctx.vllm_batch
         return vllm_sequence_kv_bytes(
             per_layer, windows, length, block_size=ctx.block_size, batched_tokens=batched
         )
@@ -97,7 +97,7 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     assert ctx.shape is not None
     d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
     kv = stage_sequence_kv(ctx, st, w.sequence_length) * ctx.batch
-    tokens = vllm.profile_tokens(w.sequence_length, w.profile_tokens)
+    tokens, seqs = ctx.vllm_batch
     peak = 0
     if st.num_layers or st.index == m.pp - 1:
         peak = vllm.profile_activation_bytes(
@@ -105,8 +105,9 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
             tokens=tokens if st.num_layers else 0,
             tp=m.tp,
             act_bytes=ctx.nb,
-            max_num_seqs=w.max_num_seqs,
+            max_num_seqs=seqs,
             last_stage=st.index == m.pp - 1,
+            version=w.vllm_version,
         )
     detail = {
         "activations.profile_peak": peak,

@@ -22,8 +22,26 @@ from dataclasses import dataclass, replace
 from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
 
+# Which vLLM's accounting the profile follows (``workload.vllm_version``):
+# - "0.6": V0 as of PR #10511 (v0.6.5; the rows of issue 15's table): non-torch counted from
+#   before the instance (CUDA context included), sampler over 256 sequences, profile forward over
+#   ``max(max_model_len, 2048)`` tokens;
+# - "0.19": the V1 engine as measured in 0.18-0.19 (``gpu_worker.determine_available_memory``
+#   with ``memory_profiling``: non-torch counted from ``init_snapshot``, taken after the CUDA
+#   context and before the distributed init, so the context is not charged, NCCL is), defaults
+#   of ``EngineArgs.get_batch_defaults`` for ``vllm serve``;
+# - "0.16": the V1 engine as measured at 0.15-0.16: the same, but a profile peak that matches
+#   the top-k/top-p sort-path sampler (0.6's 41 B per logit, over V1's 1,024 sequences) and a
+#   tp-1 non-torch increase of 0.13 GiB (llm-d-planner accuracy_report.md, "vLLM Version
+#   Sensitivity": Qwen3-14B on H100, activation 5.64 GiB and non-torch 0.13 at v0.15-v0.16,
+#   2.23 and 0.13 at v0.17, 0.25 from v0.18). Which earlier V1 releases did the same is not
+#   established: the July 2025 Qwen3-235B log agrees with it (+2.5 % in KV bytes), a vLLM
+#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not.
+VLLM_VERSIONS = ("0.6", "0.16", "0.19")
+V1_VERSIONS = ("0.16", "0.19")
+
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
-# torch's counters), as vLLM measured it on that GPU:
+# torch's counters), as vLLM 0.6 measured it on that GPU:
 # - h100-sxm 1.79 GiB: vLLM PR #10511 ("non_torch_memory 1.79GiB", Llama-3-8B, tp 1);
 # - a100-80gb 0.77 GiB: vLLM PR #2031, Llama-2-7B tp 1: 7,449 blocks with torch's peak vs 7,351
 #   with the device's (total − free), 98 blocks × 8 MiB;
@@ -33,10 +51,31 @@ NON_TORCH_TP1: dict[str, int] = {
     "a100-80gb": round(0.77 * GiB),
 }
 NON_TORCH_TP1_OTHER = round(0.35 * GiB)
-# Each further tp rank adds NCCL / custom all-reduce buffers: PR #10511 measured 3.58 GiB at tp 2
-# against 1.79 at tp 1 on H100. Only that one step is published; ``(tp − 1) × 1.79 GiB`` is a
-# linear extrapolation (errs towards "does not fit"); set ``workload.non_torch_memory`` if known.
-NON_TORCH_PER_EXTRA_RANK = round(1.79 * GiB)
+# vLLM 0.19 at tp = 1: "non-torch forward increase memory: 0.25GiB" (Llama-3.1-8B; 0.24-0.25 in
+# every tp-1 run on H100 of llm-d-planner's v0.19.0 sweep, accuracy/results/v0.19.0/logs); with
+# pp > 1 and tp 1, 0.07 GiB per rank (the pp-2 and pp-4 runs of the same sweep).
+NON_TORCH_TP1_V019 = round(0.25 * GiB)
+# V1 up to 0.16 at tp = 1: 0.13 GiB (Qwen3-14B at v0.15-v0.16 in llm-d-planner's version
+# report; that row pins it, tests/test_plan_accuracy_vllm_v1.py).
+NON_TORCH_TP1_V016 = round(0.13 * GiB)
+NON_TORCH_PP_V019 = round(0.07 * GiB)
+# What a tensor-parallel group adds per rank: the communicators' buffers (torch's NCCL process
+# group, vLLM's PyNcclCommunicator and custom all-reduce IPC buffers), allocated once per group,
+# so the same at tp 2 and tp 4 — not a per-peer term. Read from vLLM PR #10511 (v0.6.5, H100):
+# 3.58 GiB at tp 2 against 1.79 at tp 1. Held-out check, vLLM 0.19 on H100 (llm-d-planner
+# sweep): tp 2 adds 1.81-1.86 GiB over tp 1, tp 4 adds 1.88-1.96 (Llama-3.1-8B, Qwen2.5-7B,
+# Llama-3.3-70B-FP8). Measured on H100 only; other GPUs take the same figure (towards "does not
+# fit"); ``workload.non_torch_memory`` overrides.
+TP_GROUP_BYTES = round(1.79 * GiB)
+# GPUs that take it: NVSwitch (SXM) parts, where NCCL opens many NVLink channels (its buffers are
+# NCCL_BUFFSIZE per channel and protocol), measured on H100 SXM only; MI300X unmeasured (towards
+# "does not fit"). Any other GPU (PCIe cards, no preset): 0.20 GiB, the most non-torch memory
+# two tp > 1 logs over PCIe show in all — vLLM PR #14447 (davidsyoung, 2025-04-12; V0, 24 GB
+# GPUs, "non_torch_memory takes 0.20GiB" on every worker) and a vLLM 0.11.1 issue on 4×A30
+# ("OPT-2.7B OOM while OPT-6.7B works fine", tp 4: "non-torch forward increase memory:
+# 0.09GiB").
+TP_GROUP_GPUS = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "mi300x")
+TP_GROUP_BYTES_OTHER = round(0.20 * GiB)
 
 # The sampler of vLLM's profile run: ``max_num_seqs`` dummy sequences (default 256) sampled with
 # top-p/top-k so the sort path runs: fp32 logits, sorted values and int64 indices, softmax,
@@ -44,11 +83,31 @@ NON_TORCH_PER_EXTRA_RANK = round(1.79 * GiB)
 # 1.26GiB" for Llama-3-8B (256 × 128,256 logits), the same at tp 1 and tp 2 (logits are gathered
 # on one rank and sampled there).
 SAMPLER_BYTES_PER_LOGIT = 41
+# vLLM 0.19's profile peak per logit of ``_dummy_sampler_run`` (consistent with a sampler without
+# the top-k/top-p sort: bf16 logits, their fp32 copy, probabilities, exponential noise ≈ 14 B,
+# plus what the forward still holds — a reading, not a measurement): fitted to one row,
+# "torch peak memory increase: 1.89GiB" of Llama-3.1-8B tp 1 (1,024 × 128,256 logits), and held
+# out against Qwen2.5-7B (2.21 GiB logged, 2.24 predicted) and Llama-3.3-70B (1.96-1.97, 1.89).
+SAMPLER_BYTES_PER_LOGIT_V019 = 15.45
 MAX_NUM_SEQS = 256  # vLLM default ``max_num_seqs``
 BLOCK_SIZE = 16  # vLLM default ``block_size`` (tokens per paged block)
 # vLLM V0 without chunked prefill: ``max_num_batched_tokens = max(max_model_len, 2048)``
 # (``SchedulerConfig``); every row of issue 15's table ran that way.
 MIN_BATCHED_TOKENS = 2048
+# vLLM V1 ``EngineArgs.get_batch_defaults`` for ``vllm serve``: on a GPU of at least 70 GiB
+# that is not an A100, 8,192 batched tokens and 1,024 sequences; otherwise 2,048 and 256.
+LARGE_GPU_BYTES = 70 * GiB
+V1_SERVE_DEFAULTS = {"large": (8192, 1024), "other": (2048, 256)}
+
+
+def v1_batch_defaults(gpu: str | None, device_memory: int | None) -> tuple[int, int]:
+    """``(max_num_batched_tokens, max_num_seqs)`` vLLM V1 picks for ``vllm serve`` on this GPU.
+
+    >>> v1_batch_defaults("h100-sxm", 79 * GiB), v1_batch_defaults("a100-80gb", 79 * GiB)
+    ((8192, 1024), (2048, 256))
+    """
+    large = (device_memory or 0) >= LARGE_GPU_BYTES and "a100" not in (gpu or "")
+    return V1_SERVE_DEFAULTS["large" if large else "other"]
 
 
 def cuda_reported_memory(gpu: str | None, device_memory: int | None) -> int | None:
@@ -69,14 +128,25 @@ def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> H
     return replace(hardware, device_memory=memory)
 
 
-def non_torch_bytes(gpu: str | None, tp: int) -> int:
-    """vLLM's measured non-torch memory of one rank (see :data:`NON_TORCH_TP1`).
+def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int = 1) -> int:
+    """vLLM's measured non-torch memory of one rank: the tp-1 figure of that GPU and version,
+    plus one tensor-parallel group's buffers when ``tp > 1`` (:data:`TP_GROUP_BYTES` on
+    :data:`TP_GROUP_GPUS`, else :data:`TP_GROUP_BYTES_OTHER`).
 
-    >>> round(non_torch_bytes("h100-sxm", 2) / GiB, 2)
-    3.58
+    >>> [round(non_torch_bytes("h100-sxm", tp) / GiB, 2) for tp in (1, 2, 8)]
+    [1.79, 3.58, 3.58]
+    >>> round(non_torch_bytes("h100-sxm", 4, version="0.19") / GiB, 2)
+    2.04
     """
-    base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
-    return base + (tp - 1) * NON_TORCH_PER_EXTRA_RANK
+    if version == "0.19":
+        base = NON_TORCH_PP_V019 if pp > 1 and tp == 1 else NON_TORCH_TP1_V019
+    elif version == "0.16":
+        base = NON_TORCH_TP1_V016
+    else:
+        base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
+    if tp == 1:
+        return base
+    return base + (TP_GROUP_BYTES if gpu in TP_GROUP_GPUS else TP_GROUP_BYTES_OTHER)
 
 
 def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
@@ -84,6 +154,33 @@ def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> in
     if max_num_batched_tokens is not None:
         return max_num_batched_tokens
     return max(max_model_len, MIN_BATCHED_TOKENS)
+
+
+def profile_batch(
+    version: str,
+    *,
+    gpu: str | None,
+    device_memory: int | None,
+    max_model_len: int,
+    max_num_batched_tokens: int | None,
+    max_num_seqs: int | None,
+) -> tuple[int, int]:
+    """``(tokens, sequences)`` of the profile run: the settings, else that version's defaults
+    (0.6: ``max(max_model_len, 2048)`` tokens and 256 sequences; V1: ``vllm serve``'s by GPU,
+    :func:`v1_batch_defaults`).
+
+    >>> profile_batch("0.19", gpu="h100-sxm", device_memory=79 * GiB, max_model_len=8192,
+    ...               max_num_batched_tokens=None, max_num_seqs=None)
+    (8192, 1024)
+    """
+    if version in V1_VERSIONS:
+        tokens, seqs = v1_batch_defaults(gpu, device_memory)
+    else:
+        tokens, seqs = profile_tokens(max_model_len, None), MAX_NUM_SEQS
+    return (
+        tokens if max_num_batched_tokens is None else max_num_batched_tokens,
+        seqs if max_num_seqs is None else max_num_seqs,
+    )
 
 
 def forward_peak_bytes(dims: ModelDims, *, tokens: int, tp: int, act_bytes: int) -> int:
@@ -103,9 +200,12 @@ def forward_peak_bytes(dims: ModelDims, *, tokens: int, tp: int, act_bytes: int)
     return tokens * act_bytes * (3 * dims.hidden_size + mlp)
 
 
-def sampler_peak_bytes(vocab_size: int, max_num_seqs: int = MAX_NUM_SEQS) -> int:
+def sampler_peak_bytes(
+    vocab_size: int, max_num_seqs: int = MAX_NUM_SEQS, *, version: str = "0.6"
+) -> int:
     """The profile run's sampler over ``max_num_seqs`` sequences of ``vocab_size`` logits."""
-    return max_num_seqs * vocab_size * SAMPLER_BYTES_PER_LOGIT
+    per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version == "0.19" else SAMPLER_BYTES_PER_LOGIT
+    return int(max_num_seqs * vocab_size * per_logit)
 
 
 def profile_activation_bytes(
@@ -116,12 +216,13 @@ def profile_activation_bytes(
     act_bytes: int,
     max_num_seqs: int,
     last_stage: bool,
+    version: str = "0.6",
 ) -> int:
     """vLLM's "PyTorch activation peak memory": the forward, or the sampler after it (the
     forward's tensors are freed by then), whichever is larger; the sampler only where the
     logits are (the last stage)."""
     fwd = forward_peak_bytes(dims, tokens=tokens, tp=tp, act_bytes=act_bytes)
-    samp = sampler_peak_bytes(dims.vocab_size, max_num_seqs) if last_stage else 0
+    samp = sampler_peak_bytes(dims.vocab_size, max_num_seqs, version=version) if last_stage else 0
     return max(fwd, samp)
 
 
