@@ -135,3 +135,38 @@ def test_runs_refuse_a_box_cut_in_two_dims() -> None:
     wide = SourceShard("t", "BF16", (2, 1 << 20), (Piece((0, 0), (2, 1 << 20), (0, 0)),), 0, 0)
     part = (wide, (0, 0), (0, 0), (2, 8))
     assert runs_of([part], [wide], (2, 8), 2, window=1 << 20) is None  # spans over a window
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(
+        st.tuples(st.integers(0, 3), st.integers(0, 15), st.integers(0, 15)),
+        min_size=2,
+        max_size=60,
+    ),
+    st.sampled_from([1, 2, 8]),
+)
+def test_runs_back_to_back_on_both_sides_copy_as_one(steps, width) -> None:  # type: ignore[no-untyped-def]
+    """Contiguous runs of one group, each after the last in source and in target or not (a
+    jump drawn 1 in 16 on each side: whole experts moving together, mostly): executed, the
+    target holds each run's bytes, coalesced or not."""
+    src = np.random.default_rng(len(steps)).integers(0, 256, size=8192, dtype=np.uint8)
+    src_at, dst_at, a, b = [], [], 5, 0
+    for gap, jump_src, jump_dst in steps:
+        a += (gap + 1) * width if jump_src == 0 else 0
+        b += (gap + 1) * width if jump_dst == 0 else 0
+        src_at.append(a)
+        dst_at.append(b)
+        a += width
+        b += width
+    want = np.zeros(b + width, dtype=np.uint8)
+    for x, y in zip(src_at, dst_at, strict=True):
+        want[y : y + width] = src[x : x + width]
+    for direct in (1 << 40, 0):
+        got = np.zeros_like(want)
+        saved, runs_module.DIRECT_BYTES = runs_module.DIRECT_BYTES, direct
+        try:
+            runs_module.execute(src, got, (1, width, width, width), src_at, dst_at, 0)
+        finally:
+            runs_module.DIRECT_BYTES = saved
+        assert bytes(got) == bytes(want)

@@ -103,10 +103,11 @@ def execute(
     """Copy runs of ``shape`` from ``src`` (starting at ``src_at``, less ``base``) to ``dst``
     (starting at ``dst_at``).
 
-    Many small runs: one gather into a temporary and one scatter (two copies of each byte, a
-    few numpy calls in all). Runs of ``DIRECT_BYTES`` or more (or a lone run) are copied one by
-    one, straight from ``src`` to ``dst``: there the second copy would cost more than the
-    Python per run."""
+    Many small runs: contiguous runs that follow each other in both ``src`` and ``dst`` are
+    one copy per stretch (``_coalesced``); else one gather into a temporary and one scatter
+    (two copies of each byte, a few numpy calls in all). Runs of ``DIRECT_BYTES`` or more (or
+    a lone run) are copied one by one, straight from ``src`` to ``dst``: there the second copy
+    would cost more than the Python per run."""
     rows, width, src_stride, dst_stride = shape
     if len(src_at) == 1 or rows * width >= DIRECT_BYTES:
         for a, b in zip(src_at, dst_at, strict=True):
@@ -120,9 +121,28 @@ def execute(
     at = np.asarray(src_at, dtype=np.intp)
     if base:
         at -= base
+    if rows == 1 and _coalesced(src, dst, width, at, np.asarray(dst_at, dtype=np.intp)):
+        return
     got = _view(src, shape, 2, extent(shape))[at]
     dst_span = (rows - 1) * dst_stride + width
     _view(dst, shape, 3, dst_span)[np.asarray(dst_at, dtype=np.intp)] = got
+
+
+def _coalesced(
+    src: np.ndarray, dst: np.ndarray, width: int, at: np.ndarray, to: np.ndarray
+) -> bool:
+    """Copy contiguous runs that follow each other on both sides as one copy per stretch (an
+    expert moved whole: its tensors, and the next experts', back to back in both files), when
+    that makes at most a quarter as many copies; False (nothing done) otherwise."""
+    breaks = np.flatnonzero((np.diff(at) != width) | (np.diff(to) != width)) + 1
+    if 4 * (len(breaks) + 1) > len(at):
+        return False
+    firsts = [0, *breaks.tolist()]
+    ends = [*breaks.tolist(), len(at)]
+    for i, j in zip(firsts, ends, strict=True):
+        a, b, n = int(at[i]), int(to[i]), (j - i) * width
+        dst[b : b + n] = src[a : a + n]
+    return True
 
 
 class Pending:
