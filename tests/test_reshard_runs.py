@@ -95,8 +95,8 @@ def test_runs_fill_a_target_like_slicing(case) -> None:  # type: ignore[no-untyp
         parts.append((sh, src_lo, dst_lo, sizes))
     runs = runs_of(parts, srcs, t_sizes, item, window=1 << 20)
     if runs is None:
-        # a 3-d box cut in two outer dims is not one strided run (the general path's case);
-        # a 1-d or 2-d box always is
+        # a 3-d box cut in two outer dims with a cut dim between them is not one strided run
+        # (the general path's case); a 1-d or 2-d box always is
         assert len(shape) == 3
         return
     assert len(runs) == len(parts)
@@ -132,6 +132,9 @@ def test_runs_refuse_a_box_cut_in_two_dims() -> None:
     assert runs_of([part], [sh], (2, 2, 4), 2, window=1 << 20) == ((0, 0, 0, (2, 16, 32, 16), 48),)
     part = (sh, (0, 0, 0), (0, 0, 0), (2, 2, 2))
     assert runs_of([part], [sh], (2, 2, 2), 2, window=1 << 20) is None
+    # packed experts [E, H, I]: the ep half of E and the tp half of I, H whole: E/ep · H rows
+    part = (sh, (2, 0, 2), (0, 0, 0), (2, 4, 2))
+    assert runs_of([part], [sh], (2, 4, 2), 2, window=1 << 20) == ((0, 68, 0, (8, 4, 8, 4), 60),)
     wide = SourceShard("t", "BF16", (2, 1 << 20), (Piece((0, 0), (2, 1 << 20), (0, 0)),), 0, 0)
     part = (wide, (0, 0), (0, 0), (2, 8))
     assert runs_of([part], [wide], (2, 8), 2, window=1 << 20) is None  # spans over a window

@@ -71,14 +71,26 @@ def runs_of(
         while d > 0 and sizes[d] == ls[d] == local_shape[d]:
             d -= 1
         width = math.prod(sizes[d:]) * item
-        outer = [i for i in range(d) if sizes[i] != 1]
+        # The dims before it, as (count, src stride, dst stride), inside out; a dim whose rows
+        # follow the previous dim's last row on both sides (a whole dim between them, e.g. an
+        # ep slice of packed experts [E/ep, H, I/tp]) is one longer dim. One left: one run.
+        outer: list[tuple[int, int, int]] = []
+        for i in reversed(range(d)):
+            if sizes[i] == 1:
+                continue
+            if outer:
+                count, ss, ds = outer[-1]
+                if src_strides[i] == ss * count and dst_strides[i] == ds * count:
+                    outer[-1] = (count * sizes[i], ss, ds)
+                    continue
+            outer.append((sizes[i], src_strides[i], dst_strides[i]))
         if len(outer) > 1:
             return None
         if outer:
-            i = outer[0]
-            shape: Shape = (sizes[i], width, src_strides[i], dst_strides[i])
-            if shape[2] == width and shape[3] == width:
-                shape = (1, sizes[i] * width, sizes[i] * width, sizes[i] * width)
+            count, ss, ds = outer[0]
+            shape: Shape = (count, width, ss, ds)
+            if ss == width and ds == width:
+                shape = (1, count * width, count * width, count * width)
         else:
             shape = (1, width, width, width)
         if extent(shape) > window:
