@@ -57,7 +57,7 @@ def write_data(
     return Executor(
         staging,
         paths,
-        dict(source.shards if sources is None else sources),
+        source.shards if sources is None else sources,  # looked up per fqn, never copied
         hash_name=hash_name,
         block_bytes=block_bytes,
         progress=tick,
