@@ -2,6 +2,7 @@
 
     python bench/many_tensors.py --src /work/bench-scale/mix12k --work /work/bench-scale/w
     python bench/many_tensors.py --src DIR --rounds 3 --tp 2 --ep 2
+    python bench/many_tensors.py --src DIR --work DIR --baseline ../main   # before/after
 
 Build the checkpoints first with ``bench/many_tensors_build.py`` (transformers'
 ``save_pretrained``, random bf16): ``DIR 256 16 256 512`` gives 12,403 tensors / 3.1 GB,
@@ -52,6 +53,12 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tp", type=int, default=2)
     ap.add_argument("--ep", type=int, default=2)
+    ap.add_argument(
+        "--baseline",
+        type=Path,
+        help="another checkout of shardctl (say main): its reshard, merge, verify and inspect "
+        "run too, right after this checkout's, each round (before/after, same conditions)",
+    )
     a = ap.parse_args()
     src, w = a.src.resolve(), a.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
@@ -71,9 +78,29 @@ def main() -> None:
         "verify bitwise": (f"{sh} verify {src} {split} --level bitwise > /dev/null", []),
         "inspect src": (f"{sh} inspect {src} > /dev/null", []),
     }
+    if a.baseline is not None:
+        base = a.baseline.resolve()
+        bsh = f"cd {base} && {PY} -m shardctl"
+        bsplit, bmerged = w / "split-baseline", w / "merged-baseline"
+        shardctl_steps = {
+            "reshard": f"{bsh} reshard {src} {bsplit} --tp {a.tp} --ep {a.ep}",
+            "merge": f"{bsh} reshard {bsplit} {bmerged} --format hf",
+            "verify bitwise": f"{bsh} verify {src} {bsplit} --level bitwise > /dev/null",
+            "inspect src": f"{bsh} inspect {src} > /dev/null",
+        }
+        interleaved = {}
+        for name, step in steps.items():
+            interleaved[name] = step
+            if name in shardctl_steps:
+                outs = {"reshard": [bsplit], "merge": [bmerged]}.get(name, [])
+                interleaved[f"{name} (baseline)"] = (shardctl_steps[name], outs)
+        steps = interleaved
+        extra = [bsplit, bmerged]
+    else:
+        extra = []
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
     for r in range(a.rounds + 1):  # round 0: warm-up, not counted
-        for d in (cp1, cp2, cp3, merged, split):
+        for d in (cp1, cp2, cp3, merged, split, *extra):
             shutil.rmtree(d, ignore_errors=True)
         for name, (cmd, outs) in steps.items():
             if name in ("cp -r src", f"xargs -P{cores} cp src"):
@@ -96,6 +123,11 @@ def main() -> None:
         "merge": f"{med['merge'] / med['cp -r split']:.2f}× cp -r (split)",
         "verify bitwise": f"{med['verify bitwise'] / med['cat src+split']:.2f}× cat",
     }
+    if a.baseline is not None:
+        ref = {"reshard": "cp -r src", "merge": "cp -r split", "verify bitwise": "cat src+split"}
+        for k, v in list(ratio.items()):
+            b = f"{k} (baseline)"
+            ratio[b] = f"{med[b] / med[ref[k]]:.2f}× (baseline), this checkout {v.split(',')[0]}"
     for k in steps:
         print(f"{k:24s} {med[k]:9.2f} {rss[k]:9.1f}  {ratio.get(k, '')}")
 

@@ -2,6 +2,7 @@
 
     python bench/reshard.py                  # ~4.2 GB and ~0.67 GB Llama-like, disk and /dev/shm
     python bench/reshard.py --only small --rounds 1 --no-peers      # a quick look
+    python bench/reshard.py --disk /work/me/b --shm /dev/shm/me/b   # own work dirs
 
 Checkpoints are written by transformers' ``save_pretrained`` (meta-device init, then filled), in
 ``bench/_work`` (disk) and copied to ``/dev/shm/shardctl-bench`` (tmpfs). Per location and size,
@@ -146,17 +147,19 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--no-peers", action="store_true")
     ap.add_argument("--peers-on", choices=["big", "small", "both"], default="both")
+    # separate work dirs, so that two people benchmarking at once do not delete each other's
+    ap.add_argument("--disk", type=Path, default=HERE / "_work")
+    ap.add_argument("--shm", type=Path, default=Path("/dev/shm/shardctl-bench"))
     args = ap.parse_args()
-    disk = HERE / "_work"
-    shm = Path("/dev/shm/shardctl-bench")
-    disk.mkdir(exist_ok=True)
-    shm.mkdir(exist_ok=True)
+    disk, shm = args.disk, args.shm
+    disk.mkdir(parents=True, exist_ok=True)
+    shm.mkdir(parents=True, exist_ok=True)
     rows: list[tuple[str, ...]] = []
     try:
         for size in args.only or ["small", "big"]:
             t0 = time.monotonic()
             build(disk / size, size)
-            if not (shm / size).exists():
+            if "shm" in (args.where or ["shm"]) and not (shm / size).exists():
                 shutil.copytree(disk / size, shm / size)
             print(f"# {size}: ready in {time.monotonic() - t0:.0f} s", file=sys.stderr)
             for loc in args.where or ["disk", "shm"]:

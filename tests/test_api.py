@@ -16,6 +16,7 @@ from typer.testing import CliRunner
 import shardctl
 from shardctl import api
 from shardctl.errors import UsageError
+from shardctl.io.safetensors_header import read_header
 
 REPO = Path(__file__).resolve().parents[1]
 MANIFEST = REPO / "manifests" / "llama-3-70b-tp8.yaml"
@@ -93,6 +94,10 @@ def test_reshard_result_to_json(tmp_path: Path) -> None:
     assert doc["src"] == str(src) and doc["mesh"]["tp"] == 2
     assert json.loads(json.dumps(doc)) == doc
     assert shardctl.inspect(tmp_path / "out").to_json()["layout"]["mesh"]["tp"] == 2
+    # tensor bytes: what the written headers hold, every rank file
+    written = [read_header(p) for p in (tmp_path / "out").glob("*.safetensors")]
+    assert len(written) == 2
+    assert doc["tensor_bytes"] == sum(e.nbytes for h in written for e in h.tensors)
     with pytest.raises(UsageError, match="--format"):
         shardctl.reshard(src, tmp_path / "x", format="zip")
 

@@ -24,6 +24,8 @@ CASES = {
     "gpt2": (Mesh(tp=2), Mesh(tp=4)),
     # fused gate_up / qkv: several pieces per shard, the general path inside the same batches
     "phi3": (Mesh(tp=2), Mesh(tp=4)),
+    # packed experts [E, H, 2I] cut on E (ep) and on the last dim (tp): E/ep · H strided rows
+    "gpt_oss": (Mesh(tp=2, ep=2), Mesh(tp=2)),
 }
 
 

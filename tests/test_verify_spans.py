@@ -60,6 +60,16 @@ def test_spans_match_the_block_path_clean_and_with_flips(
     # every tensor read once from SRC (spans read each plain tensor once, replicas or not)
     tensor_bytes = sum(e.nbytes for p in src.glob("*.safetensors") for e in read_header(p).tensors)
     assert figures["src_bytes"] == tensor_bytes
+    # a clean span is settled by one memcmp against what the batch fills built from SRC, so
+    # every way of filling (one strided copy, a gather, box by box) must build exactly DST
+    slow = []
+    real_compare = spans._compare_batch
+    monkeypatch.setattr(spans, "_compare_batch", lambda *a: slow.append(1) or real_compare(*a))
+    for direct in (0, 1 << 40):
+        monkeypatch.setattr(spans, "DIRECT_BYTES", direct)
+        assert _run(src, dst, monkeypatch, on=True)[0]
+    assert not slow
+    monkeypatch.setattr(spans, "_compare_batch", real_compare)
 
     # flips in expert halves (w1 S(0): contiguous; w2 S(1): strided in SRC), a replicated
     # norm, and two flips in one shard (counted together, the first named)
@@ -82,6 +92,10 @@ def test_spans_match_the_block_path_clean_and_with_flips(
     assert not ok and not ok0 and calls > 0
     assert findings == findings0  # same shards named, same counts, same first element
     assert figures == figures0 and rows == rows0
+    # the batch fills of a span (strided gather; box by box): same verdicts either way
+    for direct in (0, 1 << 40):
+        monkeypatch.setattr(spans, "DIRECT_BYTES", direct)
+        assert _run(src, dst, monkeypatch, on=True)[1] == findings
     named = [f for f in findings if f[1]]
     assert len(named) == flipped
     assert sum(f[0].startswith("2 of") for f in named) == len(files)

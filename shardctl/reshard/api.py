@@ -339,7 +339,8 @@ def _result(run: _Run, digests: dict[str, str], t0: float, extra: int) -> Reshar
     files = tuple(
         record.FileDigest(f.name, f.size, digests.get(f.name, "")) for f in the_plan.files
     )
-    tensor_bytes = sum(t.nbytes for f in the_plan.files for t in f.tensors)
+    # a file is its header then its tensors back to back (they tile the data region exactly)
+    tensor_bytes = sum(f.size - f.header_size for f in the_plan.files)
     return ReshardResult(
         dst=run.dst,
         format=the_plan.fmt,

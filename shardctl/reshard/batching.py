@@ -3,25 +3,25 @@ one pending buffer that is hashed and written with one ``pwrite``.
 
 The common small tensor (one target piece filling its local tensor, read from rectangular
 source shards: an HF tensor split ``S(d)``, or ``tp`` shards merged back) takes a short path
-(:meth:`Batching._fast`): its boxes are worked out inline and its bytes copied out of a source
-window (:mod:`shardctl.reshard.window`), so no ``Box`` object, no ``pread`` and no block
-planning per tensor. Anything else (fused parts, padding, scalars, replicas cut differently)
-goes the general way through :func:`~shardctl.reshard.boxes.plan_boxes`, which also reports
-inconsistent sources."""
+(:meth:`Batching._fast`): its kind (shapes and pieces of it and its sources) maps to byte runs
+worked out once (:mod:`shardctl.reshard.runs`), and the runs are executed later, a group at a
+time, out of source windows (:mod:`shardctl.reshard.window`) — no ``Box`` object, no ``pread``,
+no block planning and no copy call per tensor. Anything else (fused parts, padding, scalars,
+replicas cut differently) goes the general way through
+:func:`~shardctl.reshard.boxes.plan_boxes`, which also reports inconsistent sources."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
 
-import numpy as np
-
-from shardctl.blocks import flat_index, is_contiguous, scalar_shape
+from shardctl.blocks import scalar_shape
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.layout.types import LocalTensor
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import Gather
+from shardctl.reshard.runs import Pending, Run, runs_of
 from shardctl.reshard.window import Windows
 from shardctl.reshard.writer import OutFile
 
@@ -36,31 +36,25 @@ class Batching(Gather, Windows):
     sources: Mapping[str, tuple[SourceShard, ...]]
     held_key: str | None = None
     held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
+    kinds: dict[object, tuple[int, tuple[Run, ...] | None]]  # a target kind -> bytes, runs
+    pending: Pending
     progress: Callable[[int], None] | None
 
     def _buffer(self, asking: OutFile | None = None) -> bytearray:
         raise NotImplementedError  # the executor's buffer pool
 
     def _fast(self, out: OutFile, t: LocalTensor) -> bool:
-        """Append ``t`` to ``out``'s pending buffer by the short path; False (nothing done)
-        when ``t`` is not a case it handles."""
-        n = t.nbytes
-        if not 0 < n <= self.block:
+        """Append ``t`` to ``out``'s pending buffer as byte runs (:mod:`~shardctl.reshard.runs`),
+        executed later with their like; False (nothing done) when ``t`` is not a case it
+        handles."""
+        srcs = self.sources[t.fqn]
+        key = (t.dtype, t.local_shape, t.pieces, tuple([(x.local_shape, x.pieces) for x in srcs]))
+        try:
+            n, runs = self.kinds[key]
+        except KeyError:
+            n, runs = self.kinds[key] = (t.nbytes, self._runs(t, srcs))
+        if runs is None:
             return False
-        parts = self._parts(t)
-        if parts is None:
-            return False
-        s = itemsize(t.dtype)
-        shape = t.local_shape
-        win = self.window_size()
-        spans = []
-        for sh, src_lo, _dst_lo, sizes in parts:
-            ls = sh.local_shape
-            row = math.prod(ls[1:]) * s  # bytes of one index of dim 0, all later dims whole
-            length = sizes[0] * row
-            if length > win:
-                return False
-            spans.append((sh.begin + src_lo[0] * row, length))
         if out.pend is not None and (
             out.pend_len + n > self.block or t.begin != out.pend_at + out.pend_len
         ):
@@ -68,35 +62,39 @@ class Batching(Gather, Windows):
         if out.pend is None:
             out.pend = self._buffer(out)
             out.pend_at, out.pend_len = t.begin, 0
-        self._issue(out)  # reads queued by the general path go first (input checksums)
+        if out.pend_reads:
+            self._issue(out)  # reads queued by the general path go first (input checksums)
         at = out.pend_len
         buf = out.pend
-        for (sh, src_lo, dst_lo, sizes), (where, length) in zip(parts, spans, strict=True):
-            ls = sh.local_shape
-            src = self._window(sh.file, where, length)
-            if len(parts) == 1 and sizes == shape:
-                if sizes[1:] == ls[1:]:  # whole rows (an S(0) split, a whole tensor)
-                    buf[at : at + n] = src[:n]
-                    continue
-                if is_contiguous(sizes, ls):
-                    skip = flat_index((0, *src_lo[1:]), ls) * s
-                    buf[at : at + n] = src[skip : skip + n]
-                    continue
-            dst = np.frombuffer(buf, dtype=np.uint8, count=n, offset=at)
-            if len(ls) == 1:
-                dst[dst_lo[0] * s : (dst_lo[0] + sizes[0]) * s] = np.frombuffer(src, np.uint8)
-                continue
-            # Raw bytes as [rows, ..., last·itemsize]: an element is itemsize byte columns.
-            src_rows = np.frombuffer(src, np.uint8).reshape(sizes[0], *ls[1:-1], ls[-1] * s)
-            dst_rows = dst.reshape(*shape[:-1], shape[-1] * s)
-            src_box = [slice(0, sizes[0])]
-            src_box += [slice(src_lo[k], src_lo[k] + sizes[k]) for k in range(1, len(ls) - 1)]
-            src_box.append(slice(src_lo[-1] * s, (src_lo[-1] + sizes[-1]) * s))
-            dst_box = [slice(dst_lo[k], dst_lo[k] + sizes[k]) for k in range(len(ls) - 1)]
-            dst_box.append(slice(dst_lo[-1] * s, (dst_lo[-1] + sizes[-1]) * s))
-            dst_rows[tuple(dst_box)] = src_rows[tuple(src_box)]
+        windows = self.windows
+        groups = self.pending.groups
+        for k, src, dst, shape, span in runs:
+            sh = srcs[k]
+            file = sh.file
+            where = sh.begin + src
+            win = windows.get(file)
+            if win is None or where < win[0] or where + span > win[0] + win[1]:
+                # The pending runs read the windows: execute them before one is replaced.
+                self.pending.run(windows)
+                self._window(file, where, span)
+            else:
+                windows.move_to_end(file)
+            g = groups.get((file, id(buf), shape))
+            if g is None:
+                g = groups[(file, id(buf), shape)] = (buf, [], [])
+            g[1].append(where)
+            g[2].append(at + dst)
         out.pend_len += n
         return True
+
+    def _runs(self, t: LocalTensor, srcs: tuple[SourceShard, ...]) -> tuple[Run, ...] | None:
+        """``t``'s runs, when it fits a block and is a case the short path handles."""
+        if not 0 < t.nbytes <= self.block:
+            return None
+        parts = self._parts(t)
+        if parts is None:
+            return None
+        return runs_of(parts, srcs, t.local_shape, itemsize(t.dtype), self.window_size())
 
     def _parts(self, t: LocalTensor) -> list[_Part] | None:
         """The copies that fill ``t`` when it is one piece filling its local tensor and its
@@ -219,9 +217,11 @@ class Batching(Gather, Windows):
         out.pend_len += n
 
     def _flush(self, out: OutFile) -> None:
-        """Issue ``out``'s merged reads and hand its pending buffer to the writer."""
+        """Issue ``out``'s merged reads, execute the pending runs and hand its pending buffer to
+        the writer."""
         if out.pend is None:
             return
+        self.pending.run(self.windows)
         self._issue(out)
         buf, out.pend = out.pend, None
         mv = memoryview(buf)

@@ -16,7 +16,8 @@ The target shards of one fqn advance in lockstep, block by block, so all ``tp`` 
 ``S(1)`` split share one read of the source rows (a one-entry cache). Writer threads (each
 output file belongs to one) hash each buffer and ``pwrite`` it, in file order, so the digest is
 of the bytes actually written and every output file is written sequentially. Small tensors
-take a short path (``batching``: many to a buffer, copied out of source windows). Memory:
+take a short path (``batching``: many to a buffer, as byte runs executed a group at a time out
+of source windows, ``runs``). Memory:
 ``(POOL × writers + 1) × block_bytes`` plus ``window.MAX_WINDOWS × window.WINDOW`` (16 MiB).
 """
 
@@ -42,6 +43,7 @@ from shardctl.layout.types import LocalTensor
 from shardctl.reshard.batching import Batching
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import MAX_INPUT_FDS
+from shardctl.reshard.runs import Pending
 from shardctl.reshard.writer import OutFile, Writer
 
 # 1 MiB blocks stay in the CPU cache between pread, hash and pwrite: measured on tmpfs, 16 MiB
@@ -102,6 +104,8 @@ class Executor(Batching):
         self.writers = [Writer(self.pool, i, on_done) for i in range(max(1, writers))]
         self.cancelled = threading.Event()
         self.outs: list[OutFile] = []
+        self.kinds = {}
+        self.pending = Pending()
 
     # ---- public --------------------------------------------------------------------------
 

@@ -57,7 +57,7 @@ def write_data(
     return Executor(
         staging,
         paths,
-        source.shards if sources is None else sources,  # a lazy Mapping: not copied to a dict
+        source.shards if sources is None else sources,  # looked up per fqn, never copied
         hash_name=hash_name,
         block_bytes=block_bytes,
         progress=tick,

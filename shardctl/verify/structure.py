@@ -21,6 +21,7 @@ import math
 import os
 import re
 from pathlib import Path
+from typing import Any
 
 from shardctl.layout.types import Layout, Piece
 from shardctl.model.types import TensorInfo
@@ -117,19 +118,23 @@ def _slabs(shape: tuple[int, ...], distinct: list[tuple[tuple[int, ...], tuple[i
 
 
 def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) -> None:
-    groups: dict[str, dict[tuple[int, int], list[Piece]]] = {}
+    # fqn -> (pp, ep) -> the boxes that group holds, as (offsets, sizes) pairs
+    groups: dict[str, dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]]] = {}
     for rl in layout.ranks:
         at = (rl.pp, rl.ep)
         for s in rl.shards:
             held = groups.get(s.fqn)
             if held is None:
                 held = groups[s.fqn] = {}
-            pieces = held.get(at)
-            if pieces is None:
-                held[at] = list(s.pieces)
-            else:
-                pieces.extend(s.pieces)
+            boxes = held.get(at)
+            if boxes is None:
+                boxes = held[at] = []
+            boxes.extend([(p.offsets, p.sizes) for p in s.pieces])
     mesh = layout.mesh
+    # The verdict on a group's boxes depends only on the shape and the set of boxes: at 90,000
+    # tensors a few dozen kinds (an expert's w1 halves, its w2 halves, a norm's replicas), so
+    # each kind is tiled once and every other group of it costs one lookup.
+    verdicts: dict[tuple[tuple[int, ...], frozenset[Any]], str | None] = {}
     for fqn, t in src.items():
         held = groups.get(fqn)
         if not held:
@@ -137,15 +142,23 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
             continue
         shape = t.shape if t.shape else (1,)
         split_over_ep: set[int] = set()  # stages where the ep groups hold disjoint parts
-        for (pp, ep), pieces in sorted(held.items()):
-            bad = _boxes_tile(shape, _norm(pieces))
+        for (pp, ep), boxes in sorted(held.items()) if len(held) > 1 else held.items():
+            key = (shape, frozenset(boxes))
+            try:
+                bad = verdicts[key]
+            except KeyError:
+                bad = verdicts[key] = _boxes_tile(shape, _norm_boxes(boxes))
             if bad and pp not in split_over_ep:
                 if _tiles_over_ep(shape, held, pp, mesh.ep):
                     split_over_ep.add(pp)  # packed experts: E/ep rows of dim 0 per ep group
                     continue
                 level.fail(f"tp group pp={pp} ep={ep}: {bad}", fqn=fqn)
-        eps = {ep for _, ep in held}
-        stages = {pp for pp, _ in held}
+        if len(held) == 1:
+            ((pp, ep),) = held
+            eps, stages = {ep}, {pp}
+        else:
+            eps = {ep for _, ep in held}
+            stages = {pp for pp, _ in held}
         if _EXPERT.search(fqn):
             if len(eps) != 1:
                 level.fail(f"expert held by {len(eps)} ep groups, expected 1", fqn=fqn)
@@ -160,17 +173,27 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
                     )
 
 
+def _norm_boxes(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[Piece]:
+    """Boxes as pieces, a 0-d tensor's as one element of a ``(1,)`` tensor."""
+    return _norm([Piece(o, z, o) for o, z in boxes])
+
+
 def _norm(pieces: list[Piece]) -> list[Piece]:
     """A 0-d tensor's piece as one element of a ``(1,)`` tensor."""
     return [p if p.sizes else Piece((0,), (1,), (0,)) for p in pieces]
 
 
 def _tiles_over_ep(
-    shape: tuple[int, ...], held: dict[tuple[int, int], list[Piece]], pp: int, ep: int
+    shape: tuple[int, ...],
+    held: dict[tuple[int, int], list[tuple[tuple[int, ...], tuple[int, ...]]]],
+    pp: int,
+    ep: int,
 ) -> bool:
     """True when every ep group of stage ``pp`` holds a part and together, with no two groups
     overlapping, they tile the tensor (experts packed in one tensor, split over ep on dim 0)."""
-    groups = [{(p.offsets, p.sizes) for p in _norm(v)} for (s, _), v in held.items() if s == pp]
+    groups = [
+        {(p.offsets, p.sizes) for p in _norm_boxes(v)} for (s, _), v in held.items() if s == pp
+    ]
     if ep < 2 or len(groups) != ep:
         return False
     for i, a in enumerate(groups):
@@ -195,12 +218,18 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
     layers = dst.config.get("num_hidden_layers") or dst.config.get("n_layer")
     if isinstance(layers, int) and layout.stages and expect != layers:
         level.fail(f"stages cover layers 0..{expect - 1} of {layers}")
+    layer_of: dict[str, int | None] = {}  # an fqn's layer, once per fqn (tp ranks share it)
     for rl in layout.ranks:
         st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
+        if st is None or st.layers is None:
+            continue
         for s in rl.shards:
-            m = _LAYER.match(s.fqn)
-            if m and st is not None and st.layers is not None:
-                n = int(m.group(1))
+            try:
+                n = layer_of[s.fqn]
+            except KeyError:
+                m = _LAYER.match(s.fqn)
+                n = layer_of[s.fqn] = int(m.group(1)) if m else None
+            if n is not None:
                 if isinstance(layers, int) and n >= layers:  # after the stack (MTP): last stage
                     if rl.pp != len(layout.stages) - 1:
                         level.fail(

@@ -13,16 +13,13 @@ from typing import Any
 
 from shardctl.blocks import scalar_piece, scalar_shape
 from shardctl.checkpoint.source import Source
+from shardctl.dtypes import nbytes
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.compare import shard_key
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
-from shardctl.verify.bitwise.spans import (
-    Span,
-    plain_shards,
-    plain_source,
-    span_caps,
-)
+from shardctl.verify.bitwise.spans import Span, span_caps
+from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
@@ -88,18 +85,25 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 def _shards(src: Source, dst: Destination) -> tuple[list[DstShard], dict[str, list[DstShard]]]:
     """DST's shards of the tensors SRC has, sorted by (file, begin), and grouped by tensor in
     an order every DST file agrees with (``_file_order``)."""
-    names: dict[Path, str] = {}
-    for ss in dst.shards.values():
+    by_path: dict[Path, list[DstShard]] = {}
+    src_shards = src.shards
+    for fqn, ss in dst.shards.items():
+        if fqn not in src_shards:
+            continue
         for s in ss:
-            if s.path not in names:
-                names[s.path] = str(s.path)
-    ordered = sorted(
-        (s for ss in dst.shards.values() for s in ss if s.fqn in src.shards),
-        key=lambda s: (names[s.path], s.begin),
-    )
+            at = by_path.get(s.path)
+            if at is None:
+                at = by_path[s.path] = []
+            at.append(s)
+    ordered: list[DstShard] = []
+    for path in sorted(by_path, key=str):
+        ordered.extend(sorted(by_path[path], key=_begin))
     by_fqn: dict[str, list[DstShard]] = {}
     for s in ordered:
-        by_fqn.setdefault(s.fqn, []).append(s)
+        at = by_fqn.get(s.fqn)
+        if at is None:
+            at = by_fqn[s.fqn] = []
+        at.append(s)
     return ordered, {fqn: by_fqn[fqn] for fqn in _file_order(ordered)}
 
 
@@ -109,19 +113,33 @@ def _tensor_rows(
     """The level's row per tensor (shards, bytes, status ``pass``) and the padded shards."""
     per_tensor: dict[str, dict[str, Any]] = {}
     padded = 0
+    size = _Sizes()
     for fqn, shards in by_fqn.items():
-        per_tensor[fqn] = {
-            "shards": len(shards),
-            "bytes": sum(s.nbytes for s in shards),
-            "status": "pass",
-        }
-        padded += sum(
-            1
-            for s in shards
-            if not (len(s.pieces) == 1 and s.pieces[0].sizes == s.local_shape)
-            and sum(scalar_piece(p).numel for p in s.pieces) < math.prod(s.local_shape)
-        )
+        total = 0
+        for s in shards:
+            total += size(s.dtype, s.local_shape)
+            pieces = s.pieces
+            if not (len(pieces) == 1 and pieces[0].sizes == s.local_shape) and sum(
+                scalar_piece(p).numel for p in pieces
+            ) < math.prod(s.local_shape):
+                padded += 1
+        per_tensor[fqn] = {"shards": len(shards), "bytes": total, "status": "pass"}
     return per_tensor, padded
+
+
+class _Sizes(dict[tuple[str, tuple[int, ...]], int]):
+    """``(dtype, shape) -> bytes``, remembered: 90,000 tensors have a few dozen of them."""
+
+    def __call__(self, dtype: str, shape: tuple[int, ...]) -> int:
+        key = (dtype, shape)
+        n = self.get(key)
+        if n is None:
+            n = self[key] = nbytes(dtype, math.prod(shape))
+        return n
+
+
+def _begin(s: DstShard) -> int:
+    return s.begin
 
 
 def _tasks(
@@ -137,16 +155,21 @@ def _tasks(
     size = 0
     span: Span | None = None
     span_src, span_dst = span_caps()
+    sizes = _Sizes()
+    span_file = -1
     for fqn, shards in by_fqn.items():
-        plain = _plain(src, fqn, shapes[fqn], shards, span_src)
+        shape = shapes[fqn]
+        plain = _plain(src, fqn, shape, shards, span_src, sizes)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
-            path, begin, nbytes = plain
+            file, begin, nbytes = plain
             if batch:
                 yield ("blocks", batch)
                 batch, size = [], 0
-            dst_bytes = sum(s.nbytes for s in shards)
+            dst_bytes = 0
+            for s in shards:
+                dst_bytes += sizes(s.dtype, s.local_shape)
             if span is not None and (
-                span.path != path
+                span_file != file
                 or span.end != begin
                 or span.end + nbytes - span.begin > span_src
                 or span.dst_bytes + dst_bytes > span_dst
@@ -154,8 +177,10 @@ def _tasks(
                 yield ("span", span)
                 span = None
             if span is None:
-                span = Span(path, begin, begin, [])
-            span.shards.extend((s, begin - span.begin, shapes[fqn]) for s in shards)
+                span = Span(src.files[file].path, begin, begin, [])
+                span_file = file
+            at = begin - span.begin
+            span.shards.extend([(s, at, shape) for s in shards])
             span.end = begin + nbytes
             span.dst_bytes += dst_bytes
             continue
@@ -198,18 +223,41 @@ def _tasks(
 
 
 def _plain(
-    src: Source, fqn: str, shape: tuple[int, ...], shards: list[DstShard], cap: int
-) -> tuple[Path, int, int] | None:
-    """``(SRC path, begin, nbytes)`` of a tensor a span can hold, else None."""
-    if cap <= 0 or not plain_shards(shards, shape):
+    src: Source,
+    fqn: str,
+    shape: tuple[int, ...],
+    shards: list[DstShard],
+    cap: int,
+    sizes: _Sizes,
+) -> tuple[int, int, int] | None:
+    """``(SRC file index, begin, nbytes)`` of a tensor a span can hold, else None: SRC holds it
+    as one whole tensor and every DST shard is one box of it filling its local tensor (no
+    padding, no parts), of the same byte-sized dtype."""
+    if cap <= 0 or not shape or 0 in shape:
         return None
-    found = plain_source(src, fqn, shape)
-    if found is None or found[2] > cap:
+    ss = src.shards.get(fqn)
+    if not ss or len(ss) != 1:
         return None
-    dtype = src.shards[fqn][0].dtype
-    if any(s.dtype != dtype for s in shards):
+    s0 = ss[0]
+    if s0.local_shape != shape or len(s0.pieces) != 1:
         return None
-    return found
+    p = s0.pieces[0]
+    if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
+        return None
+    dtype = s0.dtype
+    if uint_of(dtype) is None:
+        return None
+    nd = len(shape)
+    for s in shards:
+        if s.dtype != dtype or len(s.pieces) != 1:
+            return None
+        q = s.pieces[0]
+        if q.sizes != s.local_shape or len(q.sizes) != nd or any(q.local_offsets):
+            return None
+    n = sizes(dtype, shape)
+    if n > cap:
+        return None
+    return s0.file, s0.begin, n
 
 
 def _file_order(ordered: list[DstShard]) -> list[str]:
@@ -228,7 +276,7 @@ def _file_order(ordered: list[DstShard]) -> list[str]:
         files.setdefault(s.path, []).append(i)
     names = list(ids)
     n = len(names)
-    if all(a <= b for seq in files.values() for a, b in itertools.pairwise(seq)):
+    if all(seq == sorted(seq) for seq in files.values()):
         return names  # every file already agrees with first appearance: that is the sort
     after: list[set[int]] = [set() for _ in range(n)]
     before = [0] * n

@@ -23,13 +23,15 @@ from typing import Any
 
 import numpy as np
 
-from shardctl.checkpoint.source import Source
+from shardctl.blocks import strides
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.compare import Out, Worker, _difference
 from shardctl.verify.boxes import equal, uint_of
 from shardctl.verify.dst import DstShard
 
 ENABLED = True  # off: every tensor takes the per-block path (tests compare the two)
+# A batch of boxes this size or more is copied box by box (see ``_fill_batch``).
+DIRECT_BYTES = 32 * 2**10
 
 
 def span_caps() -> tuple[int, int]:
@@ -50,56 +52,33 @@ class Span:
     dst_bytes: int = 0
 
 
-def plain_source(src: Source, fqn: str, shape: tuple[int, ...]) -> tuple[Path, int, int] | None:
-    """``(path, begin, nbytes)`` when SRC holds ``fqn`` as one whole tensor, else None."""
-    ss = src.shards.get(fqn)
-    if not ss or len(ss) != 1:
-        return None
-    s = ss[0]
-    if s.local_shape != shape or len(s.pieces) != 1:
-        return None
-    p = s.pieces[0]
-    if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
-        return None
-    return src.files[s.file].path, s.begin, s.nbytes
-
-
-def plain_shards(shards: list[DstShard], shape: tuple[int, ...]) -> bool:
-    """Every shard one box of the tensor, filling its local tensor (no padding, no parts)."""
-    if not shape or 0 in shape:
-        return False
-    kind = uint_of(shards[0].dtype)
-    if kind is None:
-        return False
-    for s in shards:
-        if len(s.pieces) != 1:
-            return False
-        p = s.pieces[0]
-        if p.sizes != s.local_shape or any(p.local_offsets) or len(p.sizes) != len(shape):
-            return False
-    return True
-
-
 def compare_span(span: Span, w: Worker, out: Out) -> None:
     """Read the span's SRC bytes and its DST shards; compare them batch by batch."""
     n = span.end - span.begin
     src = w.bufs.image.get(n)
     w.read(span.path, src, span.begin)
     w.src_bytes += n
-    # DST: per file, shards sorted by offset; adjacent shards read in one pread
-    by_file: dict[Path, list[tuple[DstShard, int, tuple[int, ...]]]] = {}
+    # DST: per file, shards sorted by offset; adjacent shards read in one pread. Files are told
+    # apart by their Path object's id: hashing a Path per shard costs more than the compare.
+    by_file: dict[int, list[tuple[DstShard, int, tuple[int, ...]]]] = {}
     for item in span.shards:
-        by_file.setdefault(item[0].path, []).append(item)
-    runs: list[tuple[Path, int, int, list[tuple[DstShard, int, tuple[int, ...]]]]] = []
-    for path, items in by_file.items():
-        items.sort(key=lambda it: it[0].begin)
+        k = id(item[0].path)
+        items = by_file.get(k)
+        if items is None:
+            items = by_file[k] = []
+        items.append(item)
+    runs: list[list[Any]] = []  # [path, begin, end, items]
+    for items in by_file.values():
+        items.sort(key=_begin)
+        run: list[Any] = []
         for it in items:
             s = it[0]
-            if runs and runs[-1][0] == path and runs[-1][2] == s.begin:
-                runs[-1][3].append(it)
-                runs[-1] = (path, runs[-1][1], s.begin + s.nbytes, runs[-1][3])
+            if run and run[2] == s.begin:
+                run[3].append(it)
+                run[2] = s.begin + s.nbytes
             else:
-                runs.append((path, s.begin, s.begin + s.nbytes, [it]))
+                run = [s.path, s.begin, s.begin + s.nbytes, [it]]
+                runs.append(run)
     total = sum(e - b for _, b, e, _ in runs)
     dst = w.bufs.rows.get(total)
     # batches: shards of one geometry; key -> [(src offset, dst offset in dst buffer, shard)]
@@ -110,25 +89,33 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
         w.read(path, mv, b)
         w.dst_bytes += e - b
         out.hash_reads.append((path, b, mv))
+        base = pos - b
         for s, at, shape in items:
             p = s.pieces[0]
             key = (s.dtype, shape, p.offsets, p.sizes)
-            batches.setdefault(key, []).append((at, pos + s.begin - b, s))
+            members = batches.get(key)
+            if members is None:
+                members = batches[key] = []
+            members.append((at, base + s.begin, s))
         pos += e - b
     src_u8 = np.frombuffer(src, dtype=np.uint8)
     dst_u8 = np.frombuffer(dst, dtype=np.uint8)
-    # What DST should hold, built from SRC with one strided copy per batch (every DST byte
+    # What DST should hold, built from SRC with one strided gather per batch (every DST byte
     # read belongs to exactly one shard), then one memcmp; only a span that differs is
     # compared batch by batch to name the shards.
     expected = np.frombuffer(w.bufs.copy.get(total), dtype=np.uint8)
     for (dtype, shape, offsets, sizes), members in batches.items():
         kind = uint_of(dtype)
-        assert kind is not None  # plain_shards checked it
+        assert kind is not None  # level._plain checked it
         _fill_batch(src_u8, expected, kind, shape, offsets, sizes, members)
     if equal(dst_u8, expected):
         return
     for (dtype, shape, offsets, sizes), members in batches.items():
         _compare_batch(src_u8, dst_u8, uint_of(dtype), shape, offsets, sizes, members, out)
+
+
+def _begin(item: tuple[DstShard, int, tuple[int, ...]]) -> int:
+    return item[0].begin
 
 
 def _fill_batch(
@@ -140,21 +127,54 @@ def _fill_batch(
     sizes: tuple[int, ...],
     members: list[tuple[int, int, DstShard]],
 ) -> None:
-    """Copy each member's box of SRC to where DST holds it, in ``expected``."""
-    box = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
+    """Copy each member's box of SRC to where DST holds it, in ``expected``:
+
+    - members at constant strides on both sides: one strided copy of them all;
+    - else small boxes: one gather of every member's box through a strided view of SRC (a view
+      with a row per possible start byte, indexed by the members' starts), one scatter into
+      ``expected`` — two numpy calls, however many members;
+    - else (boxes of ``DIRECT_BYTES`` or more, or one member): box by box, one copy each.
+
+    The gather works on bytes: the last dim is ``sizes[-1] · item`` byte columns, so the view
+    takes any start byte whatever the dtype."""
+    n = len(members)
     step = _regular(members)
     if step is not None:
         s_step, d_step = step
-        n = len(members)
-        into = _view(expected, members[0][1], n, d_step, kind, sizes)
-        into[...] = _view(src, members[0][0], n, s_step, kind, shape)[(slice(None), *box)]
+        whole = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
+        regular = _view(expected, members[0][1], n, d_step, kind, sizes)
+        regular[...] = _view(src, members[0][0], n, s_step, kind, shape)[(slice(None), *whole)]
         return
     item = np.dtype(kind).itemsize
-    gbytes = math.prod(shape) * item
-    lbytes = math.prod(sizes) * item
-    for s_at, d_at, _ in members:
-        into1 = expected[d_at : d_at + lbytes].view(kind).reshape(sizes)
-        into1[...] = src[s_at : s_at + gbytes].view(kind).reshape(shape)[box]
+    tensor_strides = [x * item for x in strides(shape)]
+    origin = sum(o * x for o, x in zip(offsets, tensor_strides, strict=True))
+    box = (*sizes[:-1], sizes[-1] * item)
+    span = sum((z - 1) * x for z, x in zip(sizes[:-1], tensor_strides[:-1], strict=True))
+    span += sizes[-1] * item
+    local = math.prod(box)
+    if n == 1 or local >= DIRECT_BYTES:
+        # one copy per member, straight from SRC: large boxes gain nothing from a gather
+        # (it would copy them twice, through a temporary)
+        for s_at, d_at, _ in members:
+            one = _strided(src, s_at + origin, box, tensor_strides)
+            expected[d_at : d_at + local].reshape(box)[...] = one
+        return
+    rows = _strided(src, 0, (len(src) - span + 1, *box), [1, *tensor_strides])
+    got = rows[np.fromiter((m[0] for m in members), np.intp, n) + origin]
+    into = _strided(expected, 0, (len(expected) - local + 1, local), [1, 1])
+    into[np.fromiter((m[1] for m in members), np.intp, n)] = got.reshape(n, local)
+
+
+def _strided(buf: np.ndarray, offset: int, shape: tuple[int, ...], steps: list[int]) -> np.ndarray:
+    """A byte view of ``buf`` from ``offset``: ``shape``, the last dim's step 1 byte, the others
+    ``steps`` (a trailing step for the last dim is ignored). No copy."""
+    return np.ndarray(
+        shape=shape,
+        dtype=np.uint8,
+        buffer=buf,
+        offset=offset,
+        strides=(*steps[: len(shape) - 1], 1),
+    )
 
 
 def _regular(members: list[tuple[int, int, DstShard]]) -> tuple[int, int] | None:
