@@ -490,3 +490,23 @@ def rows_by_file(table: RecordTable) -> dict[int, list[tuple[int, np.ndarray]]]:
             if rows.size:
                 out.setdefault(int(r.file[rows[0]]), []).append((i, rows))
     return out
+
+
+class Recent:
+    """The last ``size`` values a lazy mapping built, by key: a key looked up again soon gets
+    the same objects, as from a dict (the copy matches a tensor's source shards by identity
+    between two lookups of one fqn); memory stays bounded."""
+
+    def __init__(self, size: int = 256) -> None:
+        self.size = size
+        self.items: dict[Any, Any] = {}
+
+    def get(self, key: Any) -> Any:
+        return self.items.get(key)
+
+    def put(self, key: Any, value: Any) -> Any:
+        items = self.items
+        if len(items) >= self.size:
+            del items[next(iter(items))]  # the oldest (dicts keep insertion order)
+        items[key] = value
+        return value

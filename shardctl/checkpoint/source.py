@@ -146,8 +146,15 @@ class HfShards(Mapping[str, tuple[SourceShard, ...]]):
     def __init__(self, ck: CheckpointFiles) -> None:
         self._loc = ck.locations
         self._file = {id(h): i for i, h in enumerate(ck.files)}
+        self._recent = rt.Recent()
 
     def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> tuple[SourceShard, ...]:
         loc = self._loc[fqn]
         e = loc.entry
         zeros = (0,) * len(e.shape)
@@ -297,8 +304,15 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
         self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
         self._file = [array.array("q", f.astype(np.int64).tobytes()) for f in file_of]
         self._index = rt.index_of(table)
+        self._recent = rt.Recent()
 
     def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> tuple[SourceShard, ...]:
         t = self._index[fqn]  # KeyError as a dict
         table = self._t
         info = table.tensors[t]

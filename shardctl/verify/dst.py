@@ -199,8 +199,15 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
         self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
         self._index = rt.index_of(table)
         self._held = np.flatnonzero(np.diff(np.asarray(groups.start)) > 0)
+        self._recent = rt.Recent()
 
     def __getitem__(self, fqn: str) -> list[DstShard]:
+        got: list[DstShard] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> list[DstShard]:
         t = self._index[fqn]
         if self._g.count(t) == 0:
             raise KeyError(fqn)
