@@ -17,7 +17,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from shardctl.checkpoint import record
+from shardctl.checkpoint import record, record_v2
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import faults
 from shardctl.io.safetensors_header import read_header
@@ -238,11 +238,15 @@ def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
     return out
 
 
+@pytest.mark.parametrize("form", ["v2", "v1"])
 @FUZZ
 @given(data=st.data())
-def test_K7_fuzz_records(tp2: Path, tmp_path: Path, data: st.DataObject) -> None:
-    """Any record mutation: accepted, or refused with exit 3 — never another exception."""
+def test_K7_fuzz_records(tp2: Path, tmp_path: Path, data: st.DataObject, form: str) -> None:
+    """Any record mutation: accepted, or refused with exit 3 — never another exception
+    (the schema-2 record reshard writes, and the same record as schema 1)."""
     rec = json.loads((tp2 / record.RECORD_NAME).read_text())
+    if form == "v1":
+        rec = record_v2.to_v1(rec)
     for _ in range(data.draw(st.integers(1, 3))):
         paths = [p for p in _paths(rec) if p]
         path = data.draw(st.sampled_from(paths))
@@ -342,12 +346,12 @@ def test_K9_fuzz_cli_flags(
 def test_K10_real_processes(llama: Path, tp2: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad"
     shutil.copytree(tp2, bad)
-    rec = json.loads((bad / record.RECORD_NAME).read_text())
+    rec = record_v2.to_v1(json.loads((bad / record.RECORD_NAME).read_text()))
     for r in rec["ranks"][1:]:
         for s in r["shards"]:
             if s["fqn"] == "model.layers.0.mlp.gate_proj.weight":
                 s["pieces"][0]["offsets"] = [70, 0]
-    (bad / record.RECORD_NAME).write_text(json.dumps(rec))
+    (bad / record.RECORD_NAME).write_text(json.dumps(record_v2.to_v2(rec)))
     before = tree_sha(llama), tree_sha(bad)
     cases: list[tuple[tuple[str, ...], dict[str, str], int]] = [
         (("reshard", str(bad), str(tmp_path / "m"), "--format", "hf"), {}, 3),

@@ -9,7 +9,7 @@ import json
 import os
 from pathlib import Path
 
-from shardctl.checkpoint import record
+from shardctl.checkpoint import record, record_v2
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
@@ -21,7 +21,7 @@ def test_rank_header_names_rank_and_record(tmp_path: Path) -> None:
     src = make_checkpoint("mixtral", tmp_path / "src")
     out = reshard(src, tmp_path / "s", mesh=Mesh(tp=2, ep=2)).dst
     rec = record.read(out)
-    for i, r in enumerate(rec.raw["ranks"]):
+    for i, r in enumerate(record_v2.to_v1(rec.raw)["ranks"]):
         name = f"rank-{i:05d}-of-00004.safetensors"
         h = read_header(out / name)
         meta = json.loads((h.metadata or {})["shardctl"])

@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 from typer.testing import CliRunner
 
+from shardctl.checkpoint import record_v2
 from shardctl.checkpoint.source import open_source
 from shardctl.cli import app
 from shardctl.dtypes import nbytes
@@ -74,7 +75,7 @@ def _boxes_per_rank(src: Path, dst: Path) -> dict[int, dict[str, int]]:
     """Bytes per (new rank, old file name) of reshard's own boxes for the layout at ``dst``."""
     old = open_source(src)
     names = [f.path.name for f in old.files]
-    record = json.loads((dst / "shardctl.layout.json").read_text())
+    record = record_v2.to_v1(json.loads((dst / "shardctl.layout.json").read_text()))
     targets: list[tuple[int, str, list[Piece]]] = []
     for r in record["ranks"]:
         for sh in r["shards"]:

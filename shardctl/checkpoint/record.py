@@ -48,13 +48,18 @@ output needs only this record, never the rules that made it. Schema ``"shardctl.
   express, leave it out (DCP then refuses the directory instead of loading wrong values).
 
 This module reads and validates the record; ``record_write`` builds and writes it.
+
+Schema ``"shardctl.layout/2"`` (written since issue #14; ``record_v2``) has the same keys and
+meanings, with ``tensors`` and each rank's ``shards`` stored as integer columns: ~15x smaller,
+read into arrays (``record_table``) without a dict or a ``Shard`` per shard. Both are read.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from shardctl.checkpoint import record_check
 from shardctl.checkpoint.strict_json import read_json_strict
@@ -71,7 +76,12 @@ from shardctl.layout.types import (
 )
 from shardctl.model.types import TensorInfo
 
-SCHEMA = "shardctl.layout/1"
+if TYPE_CHECKING:  # numpy is imported when a record is read, not by ``import shardctl``
+    from shardctl.checkpoint import record_table as rt
+
+SCHEMA = "shardctl.layout/1"  # also the ``schema`` of the rank files' header metadata
+SCHEMA_V2 = "shardctl.layout/2"  # what reshard writes (``record_v2``)
+SCHEMAS = (SCHEMA, SCHEMA_V2)
 RECORD_NAME = "shardctl.layout.json"
 MAX_RECORD_BYTES = 256 * 2**20
 
@@ -92,12 +102,13 @@ class LayoutRecord:
     layout: Layout | None  # None for format "hf"
     tensors: tuple[TensorInfo, ...]
     padded_shapes: dict[str, tuple[int, ...]]
-    shard_files: dict[tuple[int, str], str]
+    shard_files: Mapping[tuple[int, str], str]
     hash: str
     files: tuple[FileDigest, ...]
     carried: tuple[str, ...]
     source: dict[str, Any]
     raw: dict[str, Any]
+    table: rt.RecordTable | None = None  # the shards as arrays (format "ranks")
 
 
 # ---- reading -----------------------------------------------------------------------------
@@ -131,9 +142,14 @@ def read(root: Path, *, exact_tiling: bool = True) -> LayoutRecord:
     path = root / RECORD_NAME
     where = str(path)
     obj = load_json(path)
+    if obj.get("schema") == SCHEMA_V2:
+        from shardctl.checkpoint import record_v2
+
+        return record_v2.read(obj, where, exact_tiling=exact_tiling)
     if obj.get("schema") != SCHEMA:
         raise InvalidInputError(
-            f"unknown record schema {obj.get('schema')!r}, expected {SCHEMA!r}", where=where
+            f"unknown record schema {obj.get('schema')!r}, expected {SCHEMA_V2!r} or {SCHEMA!r}",
+            where=where,
         )
     record_check.check_schema(obj, where)  # types and bounds first: nothing below trusts it
     try:
@@ -144,7 +160,86 @@ def read(root: Path, *, exact_tiling: bool = True) -> LayoutRecord:
         ) from None
     if parsed.layout is not None and exact_tiling:
         check_tiling(parsed.layout, where, parsed.tensors)
-    return parsed
+    return _with_table(parsed)
+
+
+def _with_table(parsed: LayoutRecord) -> LayoutRecord:
+    """A schema-1 record with its shards also as arrays (what the readers downstream use)."""
+    from shardctl.checkpoint import record_table as rt
+
+    layout = parsed.layout
+    if layout is None:
+        return parsed
+    table = rt.from_shards(
+        parsed.tensors,
+        [f.name for f in parsed.files],
+        [rl.shards for rl in layout.ranks],
+        [[parsed.shard_files[(i, s.fqn)] for s in rl.shards] for i, rl in enumerate(layout.ranks)],
+    )
+    # the Shard objects of the parse go: the layout's ranks become views of the arrays
+    ranks = tuple(
+        RankLayout(rl.pp, rl.ep, rl.tp, cast(tuple[Shard, ...], rt.ShardSeq(table, i)))
+        for i, rl in enumerate(layout.ranks)
+    )
+    view = Layout(
+        layout.architecture,
+        layout.mesh,
+        layout.options,
+        layout.stages,
+        ranks,
+        layout.padded_shapes,
+    )
+    return LayoutRecord(
+        **{
+            **parsed.__dict__,
+            "layout": view,
+            "shard_files": rt.ShardFiles(table, rt.index_of(table)),
+            "table": table,
+        }
+    )
+
+
+def make_layout(
+    obj: dict[str, Any], table: rt.RecordTable, padded: dict[str, tuple[int, ...]]
+) -> Layout:
+    """The ``Layout`` of a validated record whose ranks' shards are array-backed sequences."""
+    from shardctl.checkpoint import record_table as rt
+
+    m = obj["mesh"]
+    mesh = Mesh(**{a: int(m.get(a, 1)) for a in ("pp", "dp", "ep", "tp")})
+    ranks = tuple(
+        RankLayout(
+            int(r["coord"]["pp"]),
+            int(r["coord"]["ep"]),
+            int(r["coord"]["tp"]),
+            cast(tuple[Shard, ...], rt.ShardSeq(table, i)),
+        )
+        for i, r in enumerate(obj["ranks"])
+    )
+    return Layout(
+        architecture=str(obj.get("architecture", "unknown")),
+        mesh=mesh,
+        options=_options(obj),
+        stages=_stages(obj),
+        ranks=ranks,
+        padded_shapes=padded,
+    )
+
+
+def _stages(obj: dict[str, Any]) -> tuple[Stage, ...]:
+    return tuple(
+        Stage(
+            int(s["index"]), (int(s["layers"][0]), int(s["layers"][1])) if s.get("layers") else None
+        )
+        for s in obj.get("stages", [])
+    )
+
+
+def file_digests(obj: dict[str, Any], where: str) -> tuple[FileDigest, ...]:
+    return tuple(
+        FileDigest(_str(f["name"], "files[].name", where), int(f["size"]), str(f["digest"]))
+        for f in obj["files"]
+    )
 
 
 def check_tiling(layout: Layout, where: str, tensors_: tuple[TensorInfo, ...] = ()) -> None:
@@ -176,16 +271,8 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
     m = obj["mesh"]
     mesh = Mesh(**{a: int(m[a]) for a in ("pp", "dp", "ep", "tp")})
     options = _options(obj)
-    stages = tuple(
-        Stage(
-            int(s["index"]), (int(s["layers"][0]), int(s["layers"][1])) if s.get("layers") else None
-        )
-        for s in obj.get("stages", [])
-    )
-    files = tuple(
-        FileDigest(_str(f["name"], "files[].name", where), int(f["size"]), str(f["digest"]))
-        for f in obj["files"]
-    )
+    stages = _stages(obj)
+    files = file_digests(obj, where)
     shard_files: dict[tuple[int, str], str] = {}
     layout: Layout | None = None
     if fmt == "ranks":
@@ -206,7 +293,7 @@ def _parse(obj: dict[str, Any], where: str) -> LayoutRecord:
         tensors=tensors,
         padded_shapes=padded,
         shard_files=shard_files,
-        hash=_hash_name(obj["hash"], where),
+        hash=hash_name(obj["hash"], where),
         files=files,
         carried=tuple(str(c) for c in obj.get("carried", [])),
         source=dict(obj.get("source") or {}),
@@ -280,7 +367,7 @@ def _ranks(
     return tuple(ranks)
 
 
-def _hash_name(value: Any, where: str) -> str:
+def hash_name(value: Any, where: str) -> str:
     name = _str(value, "hash", where)
     if name not in HASHES:
         raise InvalidInputError(

@@ -112,6 +112,67 @@ def file_name(v: Any, field: str, where: str) -> str:
 
 def check_schema(obj: dict[str, Any], where: str) -> None:
     """Types and bounds of every field :func:`shardctl.checkpoint.record.read` uses."""
+    degrees, names = check_head(obj, where)
+    seen: set[str] = set()
+    for i, t in enumerate(_list(obj.get("tensors"), "tensors", where)):
+        w = f"tensors[{i}]"
+        t = _obj(t, w, where)
+        fqn = _text(t.get("fqn"), f"{w}.fqn", where, name=True)
+        if fqn in seen:
+            raise _fail(f"{w}.fqn", f"duplicate name {fqn!r}", where)
+        seen.add(fqn)
+        dtype = _text(t.get("dtype"), f"{w}.dtype", where)
+        if dtype not in DTYPE_BITS:
+            raise _fail(f"{w}.dtype", f"unknown dtype {dtype!r}", where)
+        shape = _shape(t.get("global_shape"), f"{w}.global_shape", where)
+        if "padded_shape" in t:
+            padded = _shape(t["padded_shape"], f"{w}.padded_shape", where)
+            if len(padded) != len(shape) or any(p < g for p, g in zip(padded, shape, strict=True)):
+                raise _fail(
+                    f"{w}.padded_shape", f"{list(padded)} smaller than {list(shape)}", where
+                )
+    ranks = check_ranks_head(obj, degrees, where)
+    if ranks:
+        _ranks(ranks, seen, names, where)
+
+
+def check_ranks_head(obj: dict[str, Any], degrees: dict[str, int], where: str) -> list[Any]:
+    """The ``ranks`` list: empty for format 'hf'; else one entry per model-parallel rank whose
+    ``rank`` and ``coord`` match its position (both schemas)."""
+    ranks = _list(obj.get("ranks", []), "ranks", where)
+    if obj.get("format") == "hf":
+        if ranks:
+            raise _fail("ranks", "format 'hf' has no rank entries", where)
+        return []
+    pp, ep, tp = degrees["pp"], degrees["ep"], degrees["tp"]
+    if len(ranks) != pp * ep * tp:
+        raise _fail(
+            "ranks",
+            f"{len(ranks)} entries for a mesh of pp {pp} × ep {ep} × tp {tp} = {pp * ep * tp} "
+            "model-parallel ranks",
+            where,
+        )
+    for i, r in enumerate(ranks):
+        w = f"ranks[{i}]"
+        r = _obj(r, w, where)
+        if "rank" in r and _int(r["rank"], f"{w}.rank", where, 0, MAX_NUMEL) != i:
+            raise _fail(f"{w}.rank", f"{r['rank']} at position {i}", where)
+        c = _obj(r.get("coord"), f"{w}.coord", where)
+        want = {"pp": i // (ep * tp), "ep": (i // tp) % ep, "tp": i % tp}
+        for axis, expect in want.items():
+            got = _int(c.get(axis), f"{w}.coord.{axis}", where, 0, MAX_AXIS)
+            if got != expect:
+                raise _fail(
+                    f"{w}.coord.{axis}",
+                    f"{got}, but rank {i} of mesh pp {pp} × ep {ep} × tp {tp} is at {expect}",
+                    where,
+                )
+    return ranks
+
+
+def check_head(obj: dict[str, Any], where: str) -> tuple[dict[str, int], set[str]]:
+    """Every field but the ``tensors`` and ``ranks`` tables (the same in both schemas); the
+    mesh degrees and the recorded file names."""
     fmt = obj.get("format")
     if fmt not in ("ranks", "hf"):
         raise _fail("format", f"expected 'ranks' or 'hf', got {fmt!r}", where)
@@ -140,24 +201,6 @@ def check_schema(obj: dict[str, Any], where: str) -> None:
             if a > b:
                 raise _fail(f"stages[{i}].layers", f"first {a} > last {b}", where)
     _source(obj.get("source"), where)
-    seen: set[str] = set()
-    for i, t in enumerate(_list(obj.get("tensors"), "tensors", where)):
-        w = f"tensors[{i}]"
-        t = _obj(t, w, where)
-        fqn = _text(t.get("fqn"), f"{w}.fqn", where, name=True)
-        if fqn in seen:
-            raise _fail(f"{w}.fqn", f"duplicate name {fqn!r}", where)
-        seen.add(fqn)
-        dtype = _text(t.get("dtype"), f"{w}.dtype", where)
-        if dtype not in DTYPE_BITS:
-            raise _fail(f"{w}.dtype", f"unknown dtype {dtype!r}", where)
-        shape = _shape(t.get("global_shape"), f"{w}.global_shape", where)
-        if "padded_shape" in t:
-            padded = _shape(t["padded_shape"], f"{w}.padded_shape", where)
-            if len(padded) != len(shape) or any(p < g for p, g in zip(padded, shape, strict=True)):
-                raise _fail(
-                    f"{w}.padded_shape", f"{list(padded)} smaller than {list(shape)}", where
-                )
     _text(obj.get("hash"), "hash", where)
     names: set[str] = set()
     for i, f in enumerate(_list(obj.get("files"), "files", where)):
@@ -172,12 +215,7 @@ def check_schema(obj: dict[str, Any], where: str) -> None:
             raise _fail(f"files[{i}].digest", "longer than 256 characters", where)
     for i, c in enumerate(_list(obj.get("carried", []), "carried", where)):
         file_name(c, f"carried[{i}]", where)
-    ranks = _list(obj.get("ranks", []), "ranks", where)
-    if fmt == "hf":
-        if ranks:
-            raise _fail("ranks", "format 'hf' has no rank entries", where)
-        return
-    _ranks(ranks, degrees, seen, names, where)
+    return degrees, names
 
 
 def _options(o: dict[str, Any], where: str) -> None:
@@ -215,32 +253,9 @@ def _source(v: Any, where: str) -> None:
         _obj(src["record"], "source.record", where)
 
 
-def _ranks(
-    ranks: list[Any], degrees: dict[str, int], fqns: set[str], files: set[str], where: str
-) -> None:
-    pp, ep, tp = degrees["pp"], degrees["ep"], degrees["tp"]
-    if len(ranks) != pp * ep * tp:
-        raise _fail(
-            "ranks",
-            f"{len(ranks)} entries for a mesh of pp {pp} × ep {ep} × tp {tp} = {pp * ep * tp} "
-            "model-parallel ranks",
-            where,
-        )
+def _ranks(ranks: list[Any], fqns: set[str], files: set[str], where: str) -> None:
     for i, r in enumerate(ranks):
         w = f"ranks[{i}]"
-        r = _obj(r, w, where)
-        if "rank" in r and _int(r["rank"], f"{w}.rank", where, 0, MAX_NUMEL) != i:
-            raise _fail(f"{w}.rank", f"{r['rank']} at position {i}", where)
-        c = _obj(r.get("coord"), f"{w}.coord", where)
-        want = {"pp": i // (ep * tp), "ep": (i // tp) % ep, "tp": i % tp}
-        for axis, expect in want.items():
-            got = _int(c.get(axis), f"{w}.coord.{axis}", where, 0, MAX_AXIS)
-            if got != expect:
-                raise _fail(
-                    f"{w}.coord.{axis}",
-                    f"{got}, but rank {i} of mesh pp {pp} × ep {ep} × tp {tp} is at {expect}",
-                    where,
-                )
         for j, s in enumerate(_list(r.get("shards"), f"{w}.shards", where)):
             if _shard_ok(s, fqns, files):
                 continue  # the checks below would all pass; they run to name what fails

@@ -1,5 +1,6 @@
 """Building and writing the layout record ``shardctl.layout.json`` (schema and fields:
-``shardctl.checkpoint.record``, which reads it)."""
+``shardctl.checkpoint.record``, which reads it). Written as schema ``"shardctl.layout/2"``
+(columns, ``record_v2``); ``build(schema=SCHEMA)`` still writes schema 1 (rows)."""
 
 from __future__ import annotations
 
@@ -12,7 +13,8 @@ from pathlib import Path
 from typing import Any
 
 from shardctl import __version__
-from shardctl.checkpoint.record import RECORD_NAME, SCHEMA, FileDigest
+from shardctl.checkpoint import record_table, record_v2
+from shardctl.checkpoint.record import RECORD_NAME, SCHEMA, SCHEMA_V2, FileDigest
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, Shard
 from shardctl.model.types import TensorInfo
 
@@ -84,22 +86,37 @@ def build(
     hash_name: str,
     files: list[FileDigest],
     carried: list[str],
+    schema: str = SCHEMA_V2,
 ) -> dict[str, Any]:
-    """The record as a dict for ``write`` (``tensors`` a ``TensorRows``, each rank's ``shards``
-    a ``RankRows``: rows made as they are written)."""
+    """The record as a dict for ``write``. Schema 2: ``tensors`` and each rank's ``shards`` are
+    column objects (``record_v2.encode``). Schema 1: ``tensors`` a ``TensorRows``, each rank's
+    ``shards`` a ``RankRows`` (rows made as they are written)."""
+    assert schema in (SCHEMA, SCHEMA_V2)
     ranks: list[dict[str, Any]] = []
+    tensor_obj: Any = TensorRows(tensors, padded_shapes)
+    columns: list[Any] = []
+    if schema == SCHEMA_V2:
+        table = record_table.from_shards(
+            tensors,
+            [f.name for f in files],
+            [rl.shards for rl in layout.ranks] if layout is not None else [],
+            [[shard_files[(i, s.fqn)] for s in rl.shards] for i, rl in enumerate(layout.ranks)]
+            if layout is not None
+            else [],
+        )
+        tensor_obj, columns = record_v2.encode(table, padded_shapes)
     if layout is not None:
         for i, rl in enumerate(layout.ranks):
             ranks.append(
                 {
                     "rank": i,
                     "coord": {"pp": rl.pp, "ep": rl.ep, "tp": rl.tp},
-                    "shards": RankRows(rl.shards, i, shard_files),
+                    "shards": columns[i] if columns else RankRows(rl.shards, i, shard_files),
                 }
             )
     opts = layout.options if layout is not None else LayoutOptions()
     return {
-        "schema": SCHEMA,
+        "schema": schema,
         "tool": {"name": "shardctl", "version": __version__},
         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "format": fmt,
@@ -116,7 +133,7 @@ def build(
             for s in (layout.stages if layout is not None else ())
         ],
         "source": source,
-        "tensors": TensorRows(tensors, padded_shapes),
+        "tensors": tensor_obj,
         "ranks": ranks,
         "hash": hash_name,
         "files": [{"name": f.name, "size": f.size, "digest": f.digest} for f in files],
@@ -196,7 +213,11 @@ def _text(record: dict[str, Any]) -> Iterator[str]:
             for i, r in enumerate(value):
                 head = {k: v for k, v in r.items() if k != "shards"}
                 yield (",\n  " if i else "  ") + one(head)[:-1] + ', "shards": '
-                yield from rows(r.get("shards", []), "   ")
+                shards = r.get("shards", [])
+                if isinstance(shards, dict):  # schema 2: one object of columns
+                    yield one(shards)
+                else:
+                    yield from rows(shards, "   ")
                 yield "}"
             yield "\n ]"
         else:

@@ -7,17 +7,22 @@ headers, the index and the record are read here — never tensor data.
 
 from __future__ import annotations
 
+import array
+import json
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardctl.checkpoint import record as rec
+from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io.safetensors_header import read_header
+from shardctl.io.safetensors_header import SafetensorsHeader, read_header
 from shardctl.layout.types import LocalTensor, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
@@ -126,65 +131,103 @@ def _input_file(path: Path, record: rec.LayoutRecord | None = None) -> InputFile
 def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = None) -> Source:
     if root.is_file():
         raise InvalidInputError("expected a checkpoint directory", where=str(root))
-    index = {h.path: i for i, h in enumerate(ck.files)}
     files = tuple(_input_file(h.path, record) for h in ck.files)
-    shards: dict[str, tuple[SourceShard, ...]] = {}
-    tensors: list[TensorInfo] = []
-    for fqn, loc in ck.locations.items():
+    tensors = tuple(
+        TensorInfo(fqn, loc.entry.shape, loc.entry.dtype) for fqn, loc in ck.locations.items()
+    )
+    model = from_tensors(root, tensors)
+    return Source(root, "hf", model, HfShards(ck), files, tuple(ck.extra_files))
+
+
+class HfShards(Mapping[str, tuple[SourceShard, ...]]):
+    """``fqn -> (its one whole-tensor SourceShard,)`` of an HF checkpoint, built per access
+    from the header entries the reader holds anyway (~300 B a tensor less at 90,000)."""
+
+    def __init__(self, ck: CheckpointFiles) -> None:
+        self._loc = ck.locations
+        self._file = {id(h): i for i, h in enumerate(ck.files)}
+        self._recent = rt.Recent()
+
+    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> tuple[SourceShard, ...]:
+        loc = self._loc[fqn]
         e = loc.entry
-        whole = Piece((0,) * len(e.shape), e.shape, (0,) * len(e.shape))
-        shards[fqn] = (
+        zeros = (0,) * len(e.shape)
+        whole = Piece(zeros, e.shape, zeros)
+        return (
             SourceShard(
-                fqn, e.dtype, e.shape, (whole,), begin=loc.file_offset, file=index[loc.path]
+                fqn,
+                e.dtype,
+                e.shape,
+                (whole,),
+                begin=loc.file_offset,
+                file=self._file[id(loc.file)],
             ),
         )
-        tensors.append(TensorInfo(fqn, e.shape, e.dtype))
-    model = from_tensors(root, tuple(tensors))
-    return Source(root, "hf", model, shards, files, tuple(ck.extra_files))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._loc)
+
+    def __len__(self) -> int:
+        return len(self._loc)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._loc
 
 
 def _from_record(root: Path) -> Source:
     record = rec.read(root)
-    layout = record.layout
-    if layout is None:  # a shardctl hf output is an ordinary HF checkpoint with a record
+    layout, table = record.layout, record.table
+    if layout is None or table is None:  # a shardctl hf output: an HF checkpoint with a record
         ck = open_checkpoint_ignoring_record(root)
         return _from_hf(root, ck, record)
-    names = sorted({f for f in record.shard_files.values()})
-    files: list[InputFile] = []
-    offsets: dict[str, dict[str, tuple[int, int, tuple[int, ...], str]]] = {}
+    used = sorted({int(k) for r in table.ranks for k in np.unique(r.file).tolist()})
+    names = sorted(table.files[k] for k in used)
     for name in names:
         path = root / name
         if path.is_symlink() or not path.is_file():
             raise InvalidInputError("recorded file missing or not a regular file", where=str(path))
+    rows_of = rt.rows_by_file(table)
+    begins = [np.zeros(len(r), dtype=np.int64) for r in table.ranks]
+    files: list[InputFile] = []
+    index = {n: k for k, n in enumerate(table.files)}
+    # one file at a time: its header (~100 B per tensor) is dropped before the next is read
+    for name in names:
+        path = root / name
         header = read_header(path)
         files.append(_input_file(path, record))
-        offsets[name] = {
-            e.name: (header.data_offset + e.begin, e.nbytes, e.shape, e.dtype)
-            for e in header.tensors
-        }
-    findex = {n: i for i, n in enumerate(names)}
-    shards: dict[str, list[SourceShard]] = {t.fqn: [] for t in record.tensors}
-    for i, rl in enumerate(layout.ranks):
-        for s in rl.shards:
-            name = record.shard_files[(i, s.fqn)]
-            got = offsets[name].get(s.fqn)
-            if got is None or got[2] != s.local_shape or got[3] != s.dtype:
-                raise InvalidInputError(
-                    f"shard {s.fqn!r} of rank {i}: file header disagrees with the record "
-                    f"(record {list(s.local_shape)} {s.dtype}, file "
-                    f"{[*got[2], got[3]] if got else 'missing'})",
-                    where=str(root / name),
-                )
-            shards[s.fqn].append(
-                SourceShard(
-                    s.fqn, s.dtype, s.local_shape, s.pieces, begin=got[0], file=findex[name]
-                )
+        held = rows_of.get(index[name], [])
+        claimed = claimed_rank(header)
+        other = sorted(i for i, _ in held if isinstance(claimed, int) and i != claimed)
+        if other:
+            raise InvalidInputError(
+                f"the record places rank {other[0]}'s shards in this file, whose header says it "
+                f"holds rank {claimed}'s: rank files renamed or swapped, or the record edited",
+                where=str(path),
             )
-    missing = [fqn for fqn, ss in shards.items() if not ss]
+        base = header.data_offset
+        entries = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
+        del header
+        for i, rows in held:
+            _begins(path, table, i, rows, entries, begins[i])
+        del entries
+    findex = {table.files[k]: names.index(table.files[k]) for k in used}
+    file_of = [
+        np.array([findex.get(n, -1) for n in table.files], dtype=np.int64)[r.file]
+        for r in table.ranks
+    ]
+    groups = rt.by_tensor(table)
+    missing = [
+        table.tensors[t].fqn
+        for t in np.flatnonzero(np.diff(np.asarray(groups.start)) == 0)[:5].tolist()
+    ]
     if missing:
-        raise InvalidInputError(
-            f"record lists tensors no rank holds: {missing[:5]}", where=str(root)
-        )
+        raise InvalidInputError(f"record lists tensors no rank holds: {missing}", where=str(root))
     carried = tuple(
         Path(n)
         for n in sorted(os.listdir(root))
@@ -199,11 +242,104 @@ def _from_record(root: Path) -> Source:
         root,
         "shardctl",
         model,
-        {k: tuple(v) for k, v in shards.items()},
+        RecordShards(table, groups, begins, file_of),
         tuple(files),
         carried,
         record,
     )
+
+
+def claimed_rank(header: SafetensorsHeader) -> int | str | None:
+    """The rank a shardctl rank file's header names (``__metadata__["shardctl"]["rank"]``);
+    None when it names none (not a shardctl rank file, or an old one); ``"unreadable"``."""
+    meta = (header.metadata or {}).get("shardctl")
+    if meta is None:
+        return None
+    try:
+        claimed = json.loads(meta).get("rank")
+    except (ValueError, AttributeError, RecursionError):
+        return "unreadable"
+    return claimed if type(claimed) is int else None
+
+
+def _begins(
+    path: Path,
+    table: rt.RecordTable,
+    i: int,
+    rows: np.ndarray,
+    entries: dict[str, tuple[int, tuple[int, ...], str]],
+    out: np.ndarray,
+) -> None:
+    """Fill ``out[rows]``, rank ``i``'s shards in file ``path``, with their absolute byte
+    offsets, each shard checked against the file's header."""
+    r = table.ranks[i]
+    tensors, ndim = table.tensors, table.ndims
+    shapes = r.local_shape[rows].tolist()
+    for j, t, shape in zip(rows.tolist(), r.tensor[rows].tolist(), shapes, strict=True):
+        info = tensors[t]
+        got = entries.get(info.fqn)
+        local = tuple(shape[: ndim[t]])
+        if got is None or got[1] != local or got[2] != info.dtype:
+            raise InvalidInputError(
+                f"shard {info.fqn!r} of rank {i}: file header disagrees with the record "
+                f"(record {list(local)} {info.dtype}, file "
+                f"{[*got[1], got[2]] if got else 'missing'})",
+                where=str(path),
+            )
+        out[j] = got[0]
+
+
+class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
+    """``fqn -> (SourceShard, ...)`` of a ``ranks`` source, built per access from the record's
+    arrays: 180,000 shards are never all objects at once unless a caller keeps them."""
+
+    def __init__(
+        self,
+        table: rt.RecordTable,
+        groups: rt.ByTensor,
+        begins: list[np.ndarray],
+        file_of: list[np.ndarray],
+    ) -> None:
+        self._t, self._g = table, groups
+        self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
+        self._file = [array.array("q", f.astype(np.int64).tobytes()) for f in file_of]
+        self._index = rt.index_of(table)
+        self._recent = rt.Recent()
+
+    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
+        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> tuple[SourceShard, ...]:
+        t = self._index[fqn]  # KeyError as a dict
+        table = self._t
+        info = table.tensors[t]
+        out = []
+        for i, j in self._g.of(t):
+            r = table.ranks[i]
+            local, pieces = rt.local_and_pieces(table, r, j)
+            out.append(
+                SourceShard(
+                    info.fqn,
+                    info.dtype,
+                    local,
+                    pieces,
+                    begin=self._begins[i][j],
+                    file=self._file[i][j],
+                )
+            )
+        return tuple(out)
+
+    def __iter__(self) -> Iterator[str]:
+        return (t.fqn for t in self._t.tensors)
+
+    def __len__(self) -> int:
+        return len(self._t.tensors)
+
+    def __contains__(self, fqn: object) -> bool:
+        return fqn in self._index
 
 
 def open_checkpoint_ignoring_record(root: Path) -> CheckpointFiles:

@@ -82,7 +82,7 @@ METADATA_KEY = "__metadata__"
 MAX_DIMS = 64  # torch refuses tensors of more dimensions
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class HeaderEntry:
     """One tensor's header record; ``begin``/``end`` are relative to the data region."""
 
@@ -119,6 +119,25 @@ class SafetensorsHeader:
         raise KeyError(name)
 
 
+def _entries(rows: list[tuple[str, str, tuple[int, ...], int, int]]) -> list[HeaderEntry]:
+    """Entries of rows checked already, built without the frozen ``__init__`` (five
+    ``object.__setattr__`` calls each: 0.5 s at 90,000 tensors): the slot descriptors are set
+    directly. Slots: ~70 B an entry instead of ~170 with a ``__dict__``."""
+    new = object.__new__
+    sets = [getattr(HeaderEntry, f).__set__ for f in ("name", "dtype", "shape", "begin", "end")]
+    s_name, s_dtype, s_shape, s_begin, s_end = sets
+    out = []
+    for name, dtype, shape, begin, end in rows:
+        e = new(HeaderEntry)
+        s_name(e, name)
+        s_dtype(e, dtype)
+        s_shape(e, shape)
+        s_begin(e, begin)
+        s_end(e, end)
+        out.append(e)
+    return out
+
+
 def read_header(path: Path, *, max_header_bytes: int | None = None) -> SafetensorsHeader:
     """Read and validate the header of the safetensors file at ``path``; reads no tensor data.
 
@@ -136,12 +155,7 @@ def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader
     pairs = decode_json(raw, where)
     fast = fast_entries(pairs, 8 + len(raw), file_size)
     if fast is not None:
-        new = object.__new__
-        tensors = []
-        for name, dtype, shape, begin, end in fast[1]:
-            e = new(HeaderEntry)  # checked already: skip the frozen __init__'s setattr calls
-            e.__dict__.update(name=name, dtype=dtype, shape=shape, begin=begin, end=end)
-            tensors.append(e)
+        tensors = _entries(fast[1])
         return SafetensorsHeader(
             path=path,
             header_len=len(raw),

@@ -110,7 +110,7 @@ def check_replaceable(dst: Path, *, shown: str | None = None) -> None:
     A shardctl output is recognized by its layout record (every output, ``ranks`` and ``hf``,
     has one at its root, written last before the commit). Anything else — a file, ``.``, a
     home directory — is exit 4 and stays untouched (RELIABILITY B8, issue 13 item 4)."""
-    from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
+    from shardctl.checkpoint.record import RECORD_NAME, SCHEMAS
 
     where = shown or str(dst)
     if not dst.is_dir() or dst.is_symlink():
@@ -132,7 +132,7 @@ def check_replaceable(dst: Path, *, shown: str | None = None) -> None:
         try:
             with open(rec, "rb") as f:
                 head = f.read(4096)
-            ok = b'"schema"' in head and SCHEMA.encode() in head
+            ok = b'"schema"' in head and any(s.encode() in head for s in SCHEMAS)
         except OSError:
             ok = False
     if not ok:

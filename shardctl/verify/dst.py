@@ -9,14 +9,18 @@ files no record mentions, a file whose header metadata says it belongs to anothe
 
 from __future__ import annotations
 
-import json
+import array
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardctl.checkpoint import record as rec
-from shardctl.checkpoint.source import open_source
+from shardctl.checkpoint import record_table as rt
+from shardctl.checkpoint.source import claimed_rank, open_source
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.safetensors_header import SafetensorsHeader, read_header
@@ -38,7 +42,7 @@ class Destination:
     root: Path
     kind: str  # "ranks" | "hf"
     tensors: dict[str, TensorInfo]  # the global tensors DST claims to hold
-    shards: dict[str, list[DstShard]]
+    shards: Mapping[str, list[DstShard]]  # a dict, or built per access (RecordDstShards)
     files: list[Path]
     config: dict[str, Any]
     record: rec.LayoutRecord | None = None
@@ -106,16 +110,17 @@ def _hf(root: Path, record: rec.LayoutRecord | None) -> Destination:
 
 
 def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
-    layout = record.layout
-    assert layout is not None
+    table = record.table
+    assert record.layout is not None and table is not None
     dest = Destination(
         root, "ranks", {t.fqn: t for t in record.tensors}, {}, [], _config(root), record
     )
-    headers: dict[str, SafetensorsHeader] = {}
-    owner: dict[str, set[int]] = {}
-    for (rank, _fqn), name in record.shard_files.items():
-        owner.setdefault(name, set()).add(rank)
-    for f in record.files:
+    tensors = table.tensors
+    keep = [np.zeros(len(r), dtype=bool) for r in table.ranks]
+    begins = [np.zeros(len(r), dtype=np.int64) for r in table.ranks]
+    rows_of = rt.rows_by_file(table)
+    # one file at a time: its header (~100 B per tensor) is dropped before the next is read
+    for k, f in enumerate(record.files):
         path = root / f.name
         if not f.name.endswith(".safetensors"):
             continue
@@ -127,83 +132,128 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
         if size != f.size:
             dest.problems.append(Finding(f"size {size} B, the record says {f.size} B", file=f.name))
         try:
-            headers[f.name] = read_header(path)
+            header = read_header(path)
         except InvalidInputError as exc:
             dest.problems.append(Finding(f"unreadable header: {exc.message}", file=f.name))
             continue
-        _check_owner(dest, headers[f.name], f.name, owner.get(f.name, set()))
-    recorded = {f.name for f in record.files}
-    for name in sorted(os.listdir(root)):
-        if name.endswith(".safetensors") and name not in recorded:
-            dest.problems.append(Finding("file not in the layout record", file=name))
-    # name -> entry per file: a linear search per shard was quadratic (200 s at 90k tensors)
-    entries = {name: {e.name: e for e in h.tensors} for name, h in headers.items()}
-    seen: dict[str, set[str]] = {}
-    paths = {name: root / name for name in headers}  # one Path per file, not per shard
-    shard_files = record.shard_files
-    for i, rl in enumerate(layout.ranks):
-        for s in rl.shards:
-            name = shard_files[(i, s.fqn)]
-            names = seen.get(name)
-            if names is None:
-                names = seen[name] = set()
-            names.add(s.fqn)
-            header = headers.get(name)
-            if header is None:
-                continue
-            entry = entries[name].get(s.fqn)
-            if entry is None:
-                dest.problems.append(Finding("missing from its file", fqn=s.fqn, rank=i, file=name))
-                continue
-            if entry.dtype != s.dtype or entry.shape != s.local_shape:
-                dest.problems.append(
-                    Finding(
-                        f"file holds {list(entry.shape)} {entry.dtype}, the record says "
-                        f"{list(s.local_shape)} {s.dtype}",
-                        fqn=s.fqn,
-                        rank=i,
-                        file=name,
+        held = rows_of.get(k, [])
+        _check_owner(dest, header, f.name, {i for i, _ in held})
+        base = header.data_offset
+        entries = {e.name: e for e in header.tensors}
+        recorded: set[str] = set()
+        for i, rows in held:
+            lists = table.ranks[i].lists()
+            rank = table.ranks[i]
+            ok, begin = keep[i], begins[i]
+            for j in rows.tolist():
+                t = lists.tensor[j]
+                info = tensors[t]
+                recorded.add(info.fqn)
+                entry = entries.get(info.fqn)
+                if entry is None:
+                    dest.problems.append(
+                        Finding("missing from its file", fqn=info.fqn, rank=i, file=f.name)
                     )
-                )
-                continue
-            held = dest.shards.get(s.fqn)
-            if held is None:
-                held = dest.shards[s.fqn] = []
-            held.append(
-                DstShard(
-                    s.fqn,
-                    s.dtype,
-                    s.local_shape,
-                    s.pieces,
-                    header.data_offset + entry.begin,
-                    path=paths[name],
-                    rank=i,
-                )
-            )
-    for name, header in headers.items():
+                    continue
+                shape = list(rt.local_and_pieces(table, rank, j)[0])
+                if entry.dtype != info.dtype or list(entry.shape) != shape:
+                    dest.problems.append(
+                        Finding(
+                            f"file holds {list(entry.shape)} {entry.dtype}, the record says "
+                            f"{shape} {info.dtype}",
+                            fqn=info.fqn,
+                            rank=i,
+                            file=f.name,
+                        )
+                    )
+                    continue
+                ok[j] = True
+                begin[j] = base + entry.begin
         for e in header.tensors:
-            if e.name not in seen.get(name, set()):
+            if e.name not in recorded:
                 dest.problems.append(
-                    Finding("tensor in the file but not in the record", fqn=e.name, file=name)
+                    Finding("tensor in the file but not in the record", fqn=e.name, file=f.name)
                 )
+        del header, entries, recorded
+    names = {f.name for f in record.files}
+    for name in sorted(os.listdir(root)):
+        if name.endswith(".safetensors") and name not in names:
+            dest.problems.append(Finding("file not in the layout record", file=name))
+    paths = [root / n for n in table.files]  # one Path per file, not per shard
+    dest.shards = RecordDstShards(table, rt.by_tensor(table, keep), begins, paths)
     return dest
 
 
+class RecordDstShards(Mapping[str, list[DstShard]]):
+    """``fqn -> [DstShard, ...]`` of a ``ranks`` DST (the shards whose file agrees with the
+    record), built per access from the record's arrays; tensors with none are absent."""
+
+    def __init__(
+        self,
+        table: rt.RecordTable,
+        groups: rt.ByTensor,
+        begins: list[np.ndarray],
+        paths: list[Path],
+    ) -> None:
+        self._t, self._g, self._paths = table, groups, paths
+        self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
+        self._index = rt.index_of(table)
+        self._held = np.flatnonzero(np.diff(np.asarray(groups.start)) > 0)
+        self._recent = rt.Recent()
+
+    def __getitem__(self, fqn: str) -> list[DstShard]:
+        got: list[DstShard] | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        return self._recent.put(fqn, self._build(fqn))
+
+    def _build(self, fqn: str) -> list[DstShard]:
+        t = self._index[fqn]
+        if self._g.count(t) == 0:
+            raise KeyError(fqn)
+        table = self._t
+        info = table.tensors[t]
+        out = []
+        for i, j in self._g.of(t):
+            r = table.ranks[i]
+            local, pieces = rt.local_and_pieces(table, r, j)
+            out.append(
+                DstShard(
+                    info.fqn,
+                    info.dtype,
+                    local,
+                    pieces,
+                    self._begins[i][j],
+                    path=self._paths[r.lists().file[j]],
+                    rank=i,
+                )
+            )
+        return out
+
+    def __iter__(self) -> Iterator[str]:
+        tensors = self._t.tensors
+        return (tensors[t].fqn for t in self._held.tolist())
+
+    def __len__(self) -> int:
+        return int(self._held.size)
+
+    def __contains__(self, fqn: object) -> bool:
+        t = self._index.get(fqn) if isinstance(fqn, str) else None
+        return t is not None and self._g.count(t) > 0
+
+
 def _check_owner(dest: Destination, header: SafetensorsHeader, name: str, ranks: set[int]) -> None:
-    """A rank file repeats its part of the record: a renamed/swapped file names another rank."""
-    meta = (header.metadata or {}).get("shardctl")
-    if meta is None:
-        return
-    try:
-        claimed = json.loads(meta).get("rank")
-    except (ValueError, AttributeError, RecursionError):
+    """A rank file repeats its part of the record: a renamed/swapped file names another rank,
+    and so does a record that places one rank's shards in another rank's file."""
+    claimed = claimed_rank(header)
+    if claimed == "unreadable":
         dest.problems.append(Finding("unreadable shardctl metadata in its header", file=name))
         return
-    if isinstance(claimed, int) and ranks and claimed not in ranks:
+    if isinstance(claimed, int) and ranks and ranks != {claimed}:
         dest.problems.append(
             Finding(
                 f"file holds rank {claimed}'s shards (its header says so) but the record assigns "
-                f"it to rank {min(ranks)}: rank files renamed or swapped",
+                f"it to rank {min(ranks - {claimed})}: rank files renamed or swapped",
                 file=name,
             )
         )
