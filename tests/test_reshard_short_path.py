@@ -42,8 +42,8 @@ def test_short_path_writes_the_general_paths_bytes(
     taken = []
     parts = batching.Batching._parts
 
-    def spy(self: batching.Batching, t: object) -> object:
-        got = parts(self, t)  # type: ignore[arg-type]
+    def spy(self: batching.Batching, t: object, srcs: object) -> object:
+        got = parts(self, t, srcs)  # type: ignore[arg-type]
         taken.append(got is not None)
         return got
 

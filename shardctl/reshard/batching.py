@@ -34,7 +34,7 @@ class Batching(Gather, Windows):
 
     block: int
     sources: Mapping[str, tuple[SourceShard, ...]]
-    held_key: str | None = None
+    held_key: object = None  # the source tuple ``held`` was made from (identity)
     held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     kinds: dict[object, tuple[int, tuple[Run, ...] | None]]  # a target kind -> bytes, runs
     pending: Pending
@@ -91,15 +91,17 @@ class Batching(Gather, Windows):
         """``t``'s runs, when it fits a block and is a case the short path handles."""
         if not 0 < t.nbytes <= self.block:
             return None
-        parts = self._parts(t)
+        parts = self._parts(t, srcs)
         if parts is None:
             return None
         return runs_of(parts, srcs, t.local_shape, itemsize(t.dtype), self.window_size())
 
-    def _parts(self, t: LocalTensor) -> list[_Part] | None:
+    def _parts(self, t: LocalTensor, srcs: tuple[SourceShard, ...]) -> list[_Part] | None:
         """The copies that fill ``t`` when it is one piece filling its local tensor and its
         sources are single-piece rectangular shards that tile that piece along one dim (the
-        first holder of a replicated piece wins, as in ``plan_boxes``); None otherwise."""
+        first holder of a replicated piece wins, as in ``plan_boxes``); None otherwise.
+        ``srcs`` is ``t``'s source tuple as the caller looked it up: the parts name its members
+        (a lazy ``Source.shards`` may build new objects on every lookup)."""
         if len(t.pieces) != 1:
             return None
         p = t.pieces[0]
@@ -107,7 +109,6 @@ class Batching(Gather, Windows):
         nd = len(shape)
         if nd == 0 or p.sizes != shape or any(p.local_offsets):
             return None
-        srcs = self.sources[t.fqn]
         if len(srcs) == 1 and len(srcs[0].pieces) == 1:
             sh = srcs[0]
             q = sh.pieces[0]
@@ -120,7 +121,7 @@ class Batching(Gather, Windows):
                     return None
                 inside.append(a - b + c)
             return [(sh, tuple(inside), (0,) * nd, shape)]
-        held = self._held(t.fqn, srcs, nd)
+        held = self._held(srcs, nd)
         if held is None:
             return None
         parts: list[_Part] = []
@@ -162,12 +163,13 @@ class Batching(Gather, Windows):
         return parts
 
     def _held(
-        self, fqn: str, srcs: tuple[SourceShard, ...], nd: int
+        self, srcs: tuple[SourceShard, ...], nd: int
     ) -> list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None:
-        """``fqn``'s distinct source pieces as ``(shard, offsets, sizes)`` (replicas: the first
-        holder), when every source is one rectangular piece of ``nd`` dims; else None. One
-        entry cached: an fqn's targets are written one after another."""
-        if self.held_key == fqn:
+        """The distinct source pieces of ``srcs`` (one tensor's sources) as ``(shard, offsets,
+        sizes)`` (replicas: the first holder), when every source is one rectangular piece of
+        ``nd`` dims; else None. One entry cached, by the tuple's identity: a tensor's targets
+        are written one after another, and the cached shards must be members of ``srcs``."""
+        if self.held_key is srcs:
             return self.held
         held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] = []
         seen: set[tuple[tuple[int, ...], tuple[int, ...]]] = set()
@@ -180,7 +182,7 @@ class Batching(Gather, Windows):
             if (q.offsets, q.sizes) not in seen:
                 seen.add((q.offsets, q.sizes))
                 held.append((sh, q.offsets, q.sizes))
-        self.held_key, self.held = fqn, (held if ok else None)
+        self.held_key, self.held = srcs, (held if ok else None)
         return self.held
 
     def _small_boxes(self, t: LocalTensor) -> list[Box] | None:
