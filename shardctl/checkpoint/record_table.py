@@ -510,3 +510,39 @@ class Recent:
             del items[next(iter(items))]  # the oldest (dicts keep insertion order)
         items[key] = value
         return value
+
+
+# ---- summaries over the columns (inspect: no Shard built) ---------------------------------
+
+
+def file_counts(table: RecordTable) -> list[int]:
+    """Shards per file, in ``table.files`` order, over every rank."""
+    total = np.zeros(len(table.files), dtype=np.int64)
+    for r in table.ranks:
+        total += np.bincount(r.file, minlength=len(table.files))[: len(table.files)]
+    return [int(x) for x in total]
+
+
+def rank_bytes(table: RecordTable, rank: int) -> int:
+    """The bytes rank ``rank`` holds: each shard's elements at its tensor's dtype, sub-byte
+    dtypes rounded up per shard (as ``Shard.nbytes``)."""
+    from shardctl.dtypes import DTYPE_BITS
+
+    r = table.ranks[rank]
+    bits = _tensor_bits(table, DTYPE_BITS)[r.tensor]
+    numel = np.prod(r.local_shape, axis=1, dtype=np.int64)  # padded dims are 1
+    return int(((bits * numel + 7) // 8).sum())
+
+
+def rank_files(table: RecordTable, rank: int) -> tuple[str, ...]:
+    """The names of the files rank ``rank``'s shards are in, sorted."""
+    used = np.unique(table.ranks[rank].file).tolist()
+    return tuple(sorted(table.files[i] for i in used))
+
+
+def _tensor_bits(table: RecordTable, bits: Mapping[str, int]) -> np.ndarray:
+    got: np.ndarray | None = table.__dict__.get("_bits")
+    if got is None:
+        got = np.array([bits[t.dtype] for t in table.tensors], dtype=np.int64)
+        object.__setattr__(table, "_bits", got)
+    return got

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections import Counter
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -181,6 +182,7 @@ def _inspect_file(path: Path) -> InspectResult:
 
 def _inspect_layout(root: Path) -> InspectResult:
     from shardctl.checkpoint import record as record_mod
+    from shardctl.checkpoint import record_table as rt
 
     rec = record_mod.read(root)
     tensors = rec.tensors
@@ -188,7 +190,11 @@ def _inspect_layout(root: Path) -> InspectResult:
     model = ModelInfo(
         architecture=rec.architecture, dims=None, tensors=tensors, dtype=dtype, source="checkpoint"
     )
-    counts: Counter[str] = Counter(name for (_rank, _fqn), name in rec.shard_files.items())
+    table = rec.table
+    if table is not None:  # the columns: no (rank, fqn) key or Shard per shard
+        counts: Mapping[str, int] = dict(zip(table.files, rt.file_counts(table), strict=True))
+    else:
+        counts = Counter(name for (_rank, _fqn), name in rec.shard_files.items())
     files = tuple(FileSummary(f.name, f.size, counts.get(f.name, 0)) for f in rec.files)
     ranks: list[RankSummary] = []
     mesh = None
@@ -201,14 +207,18 @@ def _inspect_layout(root: Path) -> InspectResult:
             for s in layout.stages
         )
         for i, r in enumerate(layout.ranks):
-            names = sorted({rec.shard_files[(i, s.fqn)] for s in r.shards})
+            if table is not None:
+                names, nbytes = rt.rank_files(table, i), rt.rank_bytes(table, i)
+            else:
+                names = tuple(sorted({rec.shard_files[(i, s.fqn)] for s in r.shards}))
+                nbytes = r.nbytes
             ranks.append(
                 RankSummary(
                     rank=i,
                     coord={"pp": r.pp, "ep": r.ep, "tp": r.tp},
                     shards=len(r.shards),
-                    bytes=r.nbytes,
-                    files=tuple(names),
+                    bytes=nbytes,
+                    files=names,
                 )
             )
     return InspectResult(
