@@ -546,3 +546,9 @@ def _tensor_bits(table: RecordTable, bits: Mapping[str, int]) -> np.ndarray:
         got = np.array([bits[t.dtype] for t in table.tensors], dtype=np.int64)
         object.__setattr__(table, "_bits", got)
     return got
+
+
+def rank_fqns(table: RecordTable, rank: int) -> list[str]:
+    """The tensor names rank ``rank``'s shards are of, in row order."""
+    tensors = table.tensors
+    return [tensors[t].fqn for t in table.ranks[rank].lists().tensor]

@@ -237,6 +237,10 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
     def __len__(self) -> int:
         return int(self._held.size)
 
+    def shard_count(self) -> int:
+        """Every shard of every tensor (``sum(map(len, values()))`` without building them)."""
+        return len(self._g.rank)
+
     def __contains__(self, fqn: object) -> bool:
         t = self._index.get(fqn) if isinstance(fqn, str) else None
         return t is not None and self._g.count(t) > 0

@@ -23,9 +23,10 @@ import re
 from pathlib import Path
 from typing import Any
 
+from shardctl.checkpoint import record_table as rt
 from shardctl.layout.types import Layout, Piece
 from shardctl.model.types import TensorInfo
-from shardctl.verify.dst import Destination
+from shardctl.verify.dst import Destination, RecordDstShards
 from shardctl.verify.result import LevelResult
 
 _LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
@@ -39,7 +40,10 @@ def check_structure(
     _names(level, src_tensors, dst)
     level.findings.extend(dst.problems)
     layout = dst.layout
-    shards = sum(len(v) for v in dst.shards.values())
+    if isinstance(dst.shards, RecordDstShards):
+        shards = dst.shards.shard_count()  # the record's columns: no shard built
+    else:
+        shards = sum(len(v) for v in dst.shards.values())
     level.figures.update(
         tensors=len(src_tensors), shards=shards, files=len(dst.files), kind=dst.kind
     )
@@ -219,31 +223,35 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
     if isinstance(layers, int) and layout.stages and expect != layers:
         level.fail(f"stages cover layers 0..{expect - 1} of {layers}")
     layer_of: dict[str, int | None] = {}  # an fqn's layer, once per fqn (tp ranks share it)
-    for rl in layout.ranks:
+    record = getattr(dst, "record", None)  # a Destination, or anything with layout and config
+    table = record.table if record is not None else None
+    for i, rl in enumerate(layout.ranks):
         st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
         if st is None or st.layers is None:
             continue
-        for s in rl.shards:
+        # the names a rank holds: from the record's columns when it has them (no shard built)
+        fqns = rt.rank_fqns(table, i) if table is not None else [s.fqn for s in rl.shards]
+        for fqn in fqns:
             try:
-                n = layer_of[s.fqn]
+                n = layer_of[fqn]
             except KeyError:
-                m = _LAYER.match(s.fqn)
-                n = layer_of[s.fqn] = int(m.group(1)) if m else None
+                m = _LAYER.match(fqn)
+                n = layer_of[fqn] = int(m.group(1)) if m else None
             if n is not None:
                 if isinstance(layers, int) and n >= layers:  # after the stack (MTP): last stage
                     if rl.pp != len(layout.stages) - 1:
                         level.fail(
                             f"layer {n} (after the {layers} decoder layers) on stage {rl.pp}, "
                             f"not the last",
-                            fqn=s.fqn,
-                            rank=layout.ranks.index(rl),
+                            fqn=fqn,
+                            rank=i,
                         )
                     continue
                 if not st.layers[0] <= n <= st.layers[1]:
                     level.fail(
                         f"layer {n} on stage {rl.pp} (layers {list(st.layers)})",
-                        fqn=s.fqn,
-                        rank=layout.ranks.index(rl),
+                        fqn=fqn,
+                        rank=i,
                     )
 
 
