@@ -24,13 +24,14 @@ from __future__ import annotations
 import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, overload
+from typing import Any, TypeVar, overload
 
 import numpy as np
 
 from shardctl.layout.types import Piece, Shard
 from shardctl.model.types import TensorInfo
 
+V = TypeVar("V")
 INDEX = np.int64  # one integer type in memory; the file picks the narrowest that fits
 
 
@@ -494,8 +495,8 @@ def rows_by_file(table: RecordTable) -> dict[int, list[tuple[int, np.ndarray]]]:
 
 class Recent:
     """The last ``size`` values a lazy mapping built, by key: a key looked up again soon gets
-    the same objects, as from a dict (the copy matches a tensor's source shards by identity
-    between two lookups of one fqn); memory stays bounded."""
+    the same objects, as from a dict (a tensor's targets look its sources up one after
+    another); memory stays bounded."""
 
     def __init__(self, size: int = 256) -> None:
         self.size = size
@@ -510,6 +511,24 @@ class Recent:
             del items[next(iter(items))]  # the oldest (dicts keep insertion order)
         items[key] = value
         return value
+
+
+class PerAccess(Mapping[str, V]):
+    """``fqn -> value`` built on access by ``_build`` (the last few kept, :class:`Recent`):
+    the lazy shard mappings of a source and a destination."""
+
+    def __init__(self) -> None:
+        self._recent = Recent()
+
+    def __getitem__(self, fqn: str) -> V:
+        got: V | None = self._recent.get(fqn)
+        if got is not None:
+            return got
+        value: V = self._recent.put(fqn, self._build(fqn))
+        return value
+
+    def _build(self, fqn: str) -> V:
+        raise NotImplementedError
 
 
 # ---- summaries over the columns (inspect: no Shard built) ---------------------------------

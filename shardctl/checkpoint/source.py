@@ -139,20 +139,14 @@ def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = 
     return Source(root, "hf", model, HfShards(ck), files, tuple(ck.extra_files))
 
 
-class HfShards(Mapping[str, tuple[SourceShard, ...]]):
+class HfShards(rt.PerAccess[tuple[SourceShard, ...]]):
     """``fqn -> (its one whole-tensor SourceShard,)`` of an HF checkpoint, built per access
     from the header entries the reader holds anyway (~300 B a tensor less at 90,000)."""
 
     def __init__(self, ck: CheckpointFiles) -> None:
+        super().__init__()
         self._loc = ck.locations
         self._file = {id(h): i for i, h in enumerate(ck.files)}
-        self._recent = rt.Recent()
-
-    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
-        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
-        if got is not None:
-            return got
-        return self._recent.put(fqn, self._build(fqn))
 
     def _build(self, fqn: str) -> tuple[SourceShard, ...]:
         loc = self._loc[fqn]
@@ -289,7 +283,7 @@ def _begins(
         out[j] = got[0]
 
 
-class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
+class RecordShards(rt.PerAccess[tuple[SourceShard, ...]]):
     """``fqn -> (SourceShard, ...)`` of a ``ranks`` source, built per access from the record's
     arrays: 180,000 shards are never all objects at once unless a caller keeps them."""
 
@@ -300,17 +294,11 @@ class RecordShards(Mapping[str, tuple[SourceShard, ...]]):
         begins: list[np.ndarray],
         file_of: list[np.ndarray],
     ) -> None:
+        super().__init__()
         self._t, self._g = table, groups
         self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
         self._file = [array.array("q", f.astype(np.int64).tobytes()) for f in file_of]
         self._index = rt.index_of(table)
-        self._recent = rt.Recent()
-
-    def __getitem__(self, fqn: str) -> tuple[SourceShard, ...]:
-        got: tuple[SourceShard, ...] | None = self._recent.get(fqn)
-        if got is not None:
-            return got
-        return self._recent.put(fqn, self._build(fqn))
 
     def _build(self, fqn: str) -> tuple[SourceShard, ...]:
         t = self._index[fqn]  # KeyError as a dict

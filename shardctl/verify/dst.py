@@ -184,7 +184,7 @@ def _ranks(root: Path, record: rec.LayoutRecord) -> Destination:
     return dest
 
 
-class RecordDstShards(Mapping[str, list[DstShard]]):
+class RecordDstShards(rt.PerAccess[list[DstShard]]):
     """``fqn -> [DstShard, ...]`` of a ``ranks`` DST (the shards whose file agrees with the
     record), built per access from the record's arrays; tensors with none are absent."""
 
@@ -195,17 +195,11 @@ class RecordDstShards(Mapping[str, list[DstShard]]):
         begins: list[np.ndarray],
         paths: list[Path],
     ) -> None:
+        super().__init__()
         self._t, self._g, self._paths = table, groups, paths
         self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
         self._index = rt.index_of(table)
         self._held = np.flatnonzero(np.diff(np.asarray(groups.start)) > 0)
-        self._recent = rt.Recent()
-
-    def __getitem__(self, fqn: str) -> list[DstShard]:
-        got: list[DstShard] | None = self._recent.get(fqn)
-        if got is not None:
-            return got
-        return self._recent.put(fqn, self._build(fqn))
 
     def _build(self, fqn: str) -> list[DstShard]:
         t = self._index[fqn]
