@@ -19,7 +19,7 @@ from shardctl.blocks import scalar_shape
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.layout.types import LocalTensor
-from shardctl.reshard.boxes import Box, plan_boxes
+from shardctl.reshard.boxes import Box, local_in, plan_boxes
 from shardctl.reshard.gather import Gather
 from shardctl.reshard.runs import Pending, Run, runs_of
 from shardctl.reshard.window import Windows
@@ -55,17 +55,10 @@ class Batching(Gather, Windows):
             n, runs = self.kinds[key] = (t.nbytes, self._runs(t, srcs))
         if runs is None:
             return False
-        if out.pend is not None and (
-            out.pend_len + n > self.block or t.begin != out.pend_at + out.pend_len
-        ):
-            self._flush(out)
-        if out.pend is None:
-            out.pend = self._buffer(out)
-            out.pend_at, out.pend_len = t.begin, 0
+        buf = self._room(out, t.begin, n)
         if out.pend_reads:
             self._issue(out)  # reads queued by the general path go first (input checksums)
         at = out.pend_len
-        buf = out.pend
         windows = self.windows
         groups = self.pending.groups
         for k, src, dst, shape, span in runs:
@@ -114,13 +107,10 @@ class Batching(Gather, Windows):
             q = sh.pieces[0]
             if len(q.sizes) != nd or len(sh.local_shape) != nd:
                 return None
-            inside = []
-            rows = zip(p.offsets, p.sizes, q.offsets, q.sizes, q.local_offsets, strict=True)
-            for a, n, b, m, c in rows:
-                if a < b or a + n > b + m:
-                    return None
-                inside.append(a - b + c)
-            return [(sh, tuple(inside), (0,) * nd, shape)]
+            inside = local_in(p, q)
+            if inside is None:
+                return None
+            return [(sh, inside, (0,) * nd, shape)]
         held = self._held(srcs, nd)
         if held is None:
             return None
@@ -205,18 +195,24 @@ class Batching(Gather, Windows):
         At 90,000 tensors this turns 180,000 thread hand-offs into ~1,500.
         """
         n = t.nbytes
+        buf = self._room(out, t.begin, n)
+        s = itemsize(t.dtype)
+        shape = scalar_shape(t.local_shape)
+        mv = memoryview(buf)[out.pend_len : out.pend_len + n]
+        self._fill(mv, s, shape, (0,) * len(shape), shape, boxes, out, out.pend_len)
+        out.pend_len += n
+
+    def _room(self, out: OutFile, begin: int, n: int) -> bytearray:
+        """``out``'s pending buffer, made the place for ``n`` bytes at file offset ``begin``:
+        flushed first when they would not fit or would not follow its bytes."""
         if out.pend is not None and (
-            out.pend_len + n > self.block or t.begin != out.pend_at + out.pend_len
+            out.pend_len + n > self.block or begin != out.pend_at + out.pend_len
         ):
             self._flush(out)
         if out.pend is None:
             out.pend = self._buffer(out)
-            out.pend_at, out.pend_len = t.begin, 0
-        s = itemsize(t.dtype)
-        shape = scalar_shape(t.local_shape)
-        mv = memoryview(out.pend)[out.pend_len : out.pend_len + n]
-        self._fill(mv, s, shape, (0,) * len(shape), shape, boxes, out, out.pend_len)
-        out.pend_len += n
+            out.pend_at, out.pend_len = begin, 0
+        return out.pend
 
     def _flush(self, out: OutFile) -> None:
         """Issue ``out``'s merged reads, execute the pending runs and hand its pending buffer to

@@ -89,11 +89,19 @@ def _inside_one(pieces: Sequence[Piece], src: SourceShard) -> list[Box] | None:
             continue
         if len(p.offsets) != len(q.offsets):
             return None
-        src_lo = []
-        rows = zip(p.offsets, p.sizes, q.offsets, q.sizes, q.local_offsets, strict=True)
-        for a, n, b, m, c in rows:
-            if a < b or a + n > b + m:
-                return None
-            src_lo.append(a - b + c)
-        boxes.append(Box(src, tuple(src_lo), p.local_offsets, p.sizes))
+        src_lo = local_in(p, q)
+        if src_lo is None:
+            return None
+        boxes.append(Box(src, src_lo, p.local_offsets, p.sizes))
     return boxes
+
+
+def local_in(p: Piece, q: Piece) -> tuple[int, ...] | None:
+    """Where ``p``'s box starts in the local tensor of the piece ``q`` it lies inside (both
+    of the same dims), or None when it does not lie wholly inside ``q``."""
+    out = []
+    for a, n, b, m, c in zip(p.offsets, p.sizes, q.offsets, q.sizes, q.local_offsets, strict=True):
+        if a < b or a + n > b + m:
+            return None
+        out.append(a - b + c)
+    return tuple(out)
