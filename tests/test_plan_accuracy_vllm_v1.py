@@ -355,6 +355,9 @@ def test_tensor_parallel_term_is_one_group_not_per_peer() -> None:
     # 24 GB GPUs: 0.20 GiB of non-torch memory in all at tp > 1; 4×A30 tp 4: 0.09)
     for gpu in ("l40s", "h100-pcie", None):
         assert non_torch_bytes(gpu, 4) - non_torch_bytes(gpu, 1) == round(0.20 * GIB)
+    # every switch-fabric part of the GPU table takes the H100 figure (towards "does not fit")
+    for gpu in ("h200", "b200", "a100-80gb", "a100-40gb", "mi300x"):
+        assert non_torch_bytes(gpu, 4) - non_torch_bytes(gpu, 1) == TP_GROUP_BYTES
 
 
 def test_vllm_version_manifest_key_and_refusal(tmp_path: Path) -> None:

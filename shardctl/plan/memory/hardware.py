@@ -42,6 +42,10 @@ class GpuPreset:
     # The size CUDA reports (``torch.cuda.mem_get_info()[1]``, vLLM's ``total_gpu_memory``),
     # where a published log gives it; the vLLM profile budgets from this, not the data sheet.
     cuda_memory: int | None = None
+    # GPUs of a node all-to-all through a switch fabric (NVSwitch on SXM parts, Infinity Fabric
+    # on MI300X), where NCCL opens many channels: the engines' per-rank communicator buffers
+    # (vLLM ``TP_GROUP_BYTES``, SGLang ``INIT_DISTRIBUTED``) are the large ones measured there.
+    switched: bool = False
 
 
 @dataclass(frozen=True)
@@ -69,6 +73,7 @@ GPUS: dict[str, GpuPreset] = {
             # vLLM PR #10511 and #12126 logs: "total_gpu_memory 79.22GiB", "can use 71.29GiB"
             # at 0.9, so the size is in [79.215, 79.2166] GiB
             cuda_memory=round(79.216 * GiB),
+            switched=True,
         ),
         GpuPreset(
             "h200",
@@ -76,6 +81,7 @@ GPUS: dict[str, GpuPreset] = {
             450 * GB,
             50 * GB,
             "H200 SXM: 141 GB HBM3e; NVLink 4 900 GB/s bidirectional; CX-7 400 Gb/s",
+            switched=True,
         ),
         GpuPreset(
             "a100-80gb",
@@ -86,6 +92,7 @@ GPUS: dict[str, GpuPreset] = {
             # "79.25 GiB total capacity" in a PyTorch OOM message on an A100 (a weak source:
             # levihsu/OOTDiffusion issue #235)
             cuda_memory=round(79.25 * GiB),
+            switched=True,
         ),
         GpuPreset(
             "a100-40gb",
@@ -93,6 +100,7 @@ GPUS: dict[str, GpuPreset] = {
             300 * GB,
             25 * GB,
             "A100 SXM4 40GB: HBM2; NVLink 3 600 GB/s bidirectional; HDR 200 Gb/s",
+            switched=True,
         ),
         GpuPreset(
             "l40s",
@@ -116,6 +124,7 @@ GPUS: dict[str, GpuPreset] = {
             900 * GB,
             50 * GB,
             "B200: 180 GB HBM3e; NVLink 5 1.8 TB/s bidirectional; CX-7 400 Gb/s",
+            switched=True,
         ),
         GpuPreset(
             "mi300x",
@@ -124,6 +133,7 @@ GPUS: dict[str, GpuPreset] = {
             50 * GB,
             "MI300X: 192 GB HBM3; Infinity Fabric 896 GB/s bidirectional peer "
             "aggregate; 400 Gb/s NIC",
+            switched=True,
         ),
     )
 }
@@ -222,6 +232,13 @@ class HardwareSpec:
             gpu=g.name,
             link=lk.name,
         )
+
+
+def switched(gpu: str | None) -> bool:
+    """Whether the preset ``gpu`` (a :data:`GPUS` name) sits on a switch fabric; False for
+    any other part and for no preset."""
+    preset = GPUS.get(gpu or "")
+    return preset is not None and preset.switched
 
 
 def gpu_preset(name: str) -> GpuPreset:

@@ -23,8 +23,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from shardctl.plan.memory.hardware import GiB
-from shardctl.plan.memory.vllm import TP_GROUP_GPUS
+from shardctl.plan.memory.hardware import GPUS, GiB
 
 # ``ServerArgs.__post_init__`` (python/sglang/srt/server_args.py, 0.4.x): the default
 # ``mem_fraction_static`` by tensor-parallel size (world size in later 0.4 releases).
@@ -45,13 +44,14 @@ INIT_TP1_OTHER = round(0.35 * GiB)
 #   Chaudhary, 2025-09-14, found through the code search). SGLang's "GB" are GiB
 #   (``get_available_gpu_memory`` divides by 1 << 30). Taken as one group's buffers, the same at
 #   every tp > 1, as vLLM's logs show on H100 (vllm.py, ``TP_GROUP_BYTES``), and for the same
-#   GPUs as vLLM's figure (``TP_GROUP_GPUS``: NVSwitch parts and MI300X, measured on H100 only);
+#   GPUs as vLLM's figure (``GpuPreset.switched``: NVSwitch parts and MI300X; measured on
+#   H100 only);
 # - any other GPU 0.13 GiB: "Init torch distributed ends. mem usage=0.13 GB" (SGLang log,
 #   4×L4 over PCIe, 2025-03-08).
 # - h200 1.96 GiB: "[TP0] Init torch distributed ends. mem usage=1.96 GB" (1.77-2.01 over the 8
 #   ranks; sgl-project/sglang PR #11716, 2025-10-16, 8 GPUs with 137 GB free: H200, tp 8).
 #   Whether the gap to the H100 figure is the GPU or the SGLang release is not known.
-INIT_DISTRIBUTED: dict[str, int] = {gpu: round(1.25 * GiB) for gpu in TP_GROUP_GPUS}
+INIT_DISTRIBUTED: dict[str, int] = {g: round(1.25 * GiB) for g, p in GPUS.items() if p.switched}
 INIT_DISTRIBUTED["h200"] = round(1.96 * GiB)
 INIT_DISTRIBUTED_OTHER = round(0.13 * GiB)
 # What loading allocates beyond the weights' bytes (rotary caches, workspaces): "mem usage" of

@@ -20,7 +20,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from shardctl.model.types import ModelDims
-from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec
+from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 
 # Which vLLM's accounting the profile follows (``workload.vllm_version``):
 # - "0.6": V0 as of PR #10511 (v0.6.5; the rows of issue 15's table): non-torch counted from
@@ -67,14 +67,14 @@ NON_TORCH_PP_V019 = round(0.07 * GiB)
 # Llama-3.3-70B-FP8). Measured on H100 only; other GPUs take the same figure (towards "does not
 # fit"); ``workload.non_torch_memory`` overrides.
 TP_GROUP_BYTES = round(1.79 * GiB)
-# GPUs that take it: NVSwitch (SXM) parts, where NCCL opens many NVLink channels (its buffers are
-# NCCL_BUFFSIZE per channel and protocol), measured on H100 SXM only; MI300X unmeasured (towards
-# "does not fit"). Any other GPU (PCIe cards, no preset): 0.20 GiB, the most non-torch memory
-# two tp > 1 logs over PCIe show in all — vLLM PR #14447 (davidsyoung, 2025-04-12; V0, 24 GB
-# GPUs, "non_torch_memory takes 0.20GiB" on every worker) and a vLLM 0.11.1 issue on 4×A30
+# GPUs that take it: the switched ones of the GPU table (``GpuPreset.switched``: NVSwitch SXM
+# parts and MI300X), where NCCL opens many channels (its buffers are NCCL_BUFFSIZE per channel
+# and protocol), measured on H100 SXM only; MI300X unmeasured (towards "does not fit"). Any
+# other GPU (PCIe cards, no preset): 0.20 GiB, the most non-torch memory two tp > 1 logs over
+# PCIe show in all — vLLM PR #14447 (davidsyoung, 2025-04-12; V0, 24 GB GPUs,
+# "non_torch_memory takes 0.20GiB" on every worker) and a vLLM 0.11.1 issue on 4×A30
 # ("OPT-2.7B OOM while OPT-6.7B works fine", tp 4: "non-torch forward increase memory:
 # 0.09GiB").
-TP_GROUP_GPUS = ("h100-sxm", "h200", "b200", "a100-80gb", "a100-40gb", "mi300x")
 TP_GROUP_BYTES_OTHER = round(0.20 * GiB)
 
 # The sampler of vLLM's profile run: ``max_num_seqs`` dummy sequences (default 256) sampled with
@@ -131,7 +131,7 @@ def engine_hardware(hardware: HardwareSpec, engine: str, *, training: bool) -> H
 def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int = 1) -> int:
     """vLLM's measured non-torch memory of one rank: the tp-1 figure of that GPU and version,
     plus one tensor-parallel group's buffers when ``tp > 1`` (:data:`TP_GROUP_BYTES` on
-    :data:`TP_GROUP_GPUS`, else :data:`TP_GROUP_BYTES_OTHER`).
+    :func:`~shardctl.plan.memory.hardware.switched` GPUs, else :data:`TP_GROUP_BYTES_OTHER`).
 
     >>> [round(non_torch_bytes("h100-sxm", tp) / GiB, 2) for tp in (1, 2, 8)]
     [1.79, 3.58, 3.58]
@@ -146,7 +146,7 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
         base = NON_TORCH_TP1.get(gpu or "", NON_TORCH_TP1_OTHER)
     if tp == 1:
         return base
-    return base + (TP_GROUP_BYTES if gpu in TP_GROUP_GPUS else TP_GROUP_BYTES_OTHER)
+    return base + (TP_GROUP_BYTES if switched(gpu) else TP_GROUP_BYTES_OTHER)
 
 
 def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
