@@ -15,6 +15,7 @@ from pathlib import Path
 import pytest
 
 from shardctl.checkpoint import plan_files, record
+from shardctl.checkpoint.summary import inspect_path as inspect
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
@@ -50,6 +51,12 @@ def test_ten_thousand_tensors_round_trip(
     assert len(split.files) > 4
     result = verify(moe, split.dst, level="bitwise")
     assert result.ok, result
+    # inspect reads the record's columns: the same per-rank bytes and counts as the shards give
+    doc = inspect(split.dst).to_json()
+    assert rec.layout is not None
+    assert [r["bytes"] for r in doc["layout"]["ranks"]] == [rl.nbytes for rl in rec.layout.ranks]
+    shards = sum(len(rl.shards) for rl in rec.layout.ranks)
+    assert sum(f["tensors"] for f in doc["files"]) == shards > 20_000
     merged = reshard(split.dst, tmp_path / "hf", fmt="hf")
     same_checkpoint(moe, merged.dst)
     back = verify(moe, merged.dst, level="bitwise")
