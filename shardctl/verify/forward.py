@@ -228,8 +228,9 @@ def compare(
         bounds=limit,
         sharded_vs_unsharded=metrics.errors(sharded, unsharded).as_dict(),
     )
+    rows = []
     for m, value in err_s.as_dict().items():
-        level.rows.append(
+        rows.append(
             {
                 "figure": m,
                 "sharded": value,
@@ -238,6 +239,7 @@ def compare(
                 "status": "fail" if m in over else "pass",
             }
         )
+    level.rows = [*level.rows, *rows]
     if over:
         worst = over[0]
         level.fail(

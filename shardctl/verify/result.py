@@ -19,6 +19,7 @@ per-tensor / per-rank lines of the report table.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from copy import deepcopy
 from dataclasses import asdict, dataclass, field, fields, is_dataclass
 from typing import Any
@@ -51,7 +52,8 @@ class LevelResult:
     status: str = "not-run"
     figures: dict[str, Any] = field(default_factory=dict)
     findings: list[Finding] = field(default_factory=list)
-    rows: list[dict[str, Any]] = field(default_factory=list)
+    # a list, or a lazy sequence (the bitwise level's ``TensorRows``: 90,000 tensors)
+    rows: Sequence[dict[str, Any]] = field(default_factory=list)
     seconds: float = 0.0
 
     @property
@@ -114,7 +116,7 @@ def _level_json(lv: LevelResult) -> dict[str, Any]:
     }
 
 
-def _rows(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def _rows(rows: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
     return [{k: v if type(v) in _ATOMS else _plain(v) for k, v in row.items()} for row in rows]
 
 

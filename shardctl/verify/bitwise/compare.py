@@ -54,6 +54,10 @@ class Worker:
         self.dst_bytes = 0
         self.bufs = Buffers()
 
+    def release(self) -> None:
+        """Drop the task buffers (the run is over; a hash's tail reads into ``gap``)."""
+        self.bufs = Buffers()
+
     def read(self, path: Path, buf: memoryview, offset: int) -> None:
         pread_into(self.fds(path), buf, offset, path)
 
