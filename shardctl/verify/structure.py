@@ -23,10 +23,13 @@ import re
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from shardctl.checkpoint import record_table as rt
 from shardctl.layout.types import Layout, Piece
 from shardctl.model.types import TensorInfo
 from shardctl.verify.dst import Destination, RecordDstShards
+from shardctl.verify.kinds import dense, shard_kinds
 from shardctl.verify.result import LevelResult
 
 _LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
@@ -49,7 +52,10 @@ def check_structure(
     )
     if layout is not None:
         level.figures.update(mesh=layout.mesh.as_dict())
-        _coverage(level, layout, src_tensors)
+        table = dst.record.table if dst.record is not None else None
+        # the record's columns settle a clean layout; anything else is worded shard by shard
+        if table is None or not coverage_clean(layout, table, src_tensors):
+            _coverage(level, layout, src_tensors)
         _stages(level, layout, dst)
     elif dst.kind == "hf":
         for fqn, ss in dst.shards.items():
@@ -175,6 +181,92 @@ def _coverage(level: LevelResult, layout: Layout, src: dict[str, TensorInfo]) ->
                         f"{sorted(have)} of {mesh.ep}",
                         fqn=fqn,
                     )
+
+
+def coverage_clean(layout: Layout, table: rt.RecordTable, src: dict[str, TensorInfo]) -> bool:
+    """True when :func:`_coverage` would find nothing, decided on the record's columns: every
+    tensor SRC has is held, each ``(pp, ep)`` group's boxes of it tile it, an expert sits in one
+    ep group and anything else in every ep group of its stages. False: ``_coverage`` decides
+    (and words each finding). At 180,000 shards: ~0.1 s instead of ~1.3 s, no shard built.
+
+    A group's verdict depends only on the tensor's shape and its set of boxes, so the
+    ``(tensor, group)`` pairs are folded into kinds (shape id, box-set ids) and each kind is
+    tiled once by the same ``_boxes_tile``."""
+    mesh = layout.mesh
+    if len(layout.ranks) != len(table.ranks):
+        return False
+    index = rt.index_of(table)
+    n = len(table.tensors)
+    shape_ids: dict[tuple[int, ...], int] = {}
+    sid = np.full(n, -1, dtype=np.int64)  # the SRC shape of each tensor SRC has, as an id
+    for fqn, info in src.items():
+        at = index.get(fqn)
+        if at is None:
+            return False  # "no rank holds it"
+        sid[at] = shape_ids.setdefault(info.shape if info.shape else (1,), len(shape_ids))
+    shapes = list(shape_ids)
+    group_ids: dict[tuple[int, int], int] = {}
+    box_ids: dict[tuple[Any, ...], int] = {}
+    cols: list[tuple[np.ndarray, np.ndarray, np.ndarray]] = []
+    for rl, r in zip(layout.ranks, table.ranks, strict=True):
+        kinds = shard_kinds(table, r)
+        if kinds is None:
+            return False
+        gid = group_ids.setdefault((rl.pp, rl.ep), len(group_ids))
+        boxset = np.array(
+            [
+                box_ids.setdefault(tuple((p.offsets, p.sizes) for p in pieces), len(box_ids))
+                for _, pieces in kinds[1]
+            ],
+            dtype=np.int64,
+        )
+        ids = np.frombuffer(kinds[0], dtype=np.int32)
+        cols.append((r.tensor, np.full(len(r), gid, dtype=np.int64), boxset[ids]))
+    if not cols:
+        return not src
+    t = np.concatenate([c[0] for c in cols])
+    g = np.concatenate([c[1] for c in cols])
+    b = np.concatenate([c[2] for c in cols])
+    ng, nb = max(1, len(group_ids)), max(1, len(box_ids))
+    if n * ng * nb >= 2**62:
+        return False
+    mine = sid[t] >= 0  # tensors SRC lacks are "extra" (``_names``), not covered here
+    held = np.zeros(n, dtype=bool)
+    held[t[mine]] = True
+    if int(held.sum()) != len(src):
+        return False  # "no rank holds it"
+    u = np.unique((t[mine] * ng + g[mine]) * nb + b[mine])  # distinct (tensor, group, box set)
+    tg, bb = u // nb, u % nb
+    starts = np.flatnonzero(np.r_[True, tg[1:] != tg[:-1]])
+    counts = np.diff(np.r_[starts, u.size])
+    kinds_of = np.full((starts.size, int(counts.max()) + 1), -1, dtype=np.int64)
+    kinds_of[:, 0] = sid[tg[starts] // ng]
+    kinds_of[
+        np.repeat(np.arange(starts.size), counts), 1 + np.arange(u.size) - np.repeat(starts, counts)
+    ] = bb
+    sets = list(box_ids)
+    for row in kinds_of[dense(kinds_of)[1]].tolist():
+        boxes = [box for k in row[1:] if k >= 0 for box in sets[k]]
+        if _boxes_tile(shapes[row[0]], _norm_boxes(boxes)) is not None:
+            return False  # a gap, an overlap, or experts packed over ep: worded by _coverage
+    # ep groups: an expert in one, anything else in every ep group of each of its stages
+    pp_of = np.array([pp for pp, _ in group_ids], dtype=np.int64)
+    ep_of = np.array([ep for _, ep in group_ids], dtype=np.int64)
+    tt, gg = tg[starts] // ng, tg[starts] % ng  # the distinct (tensor, group) pairs
+    eps = int(ep_of.max()) + 1
+    te = np.unique(tt * eps + ep_of[gg])  # distinct (tensor, ep)
+    ep_count = np.bincount(te // eps, minlength=n)
+    fqns = [x.fqn for x in table.tensors]
+    expert = np.fromiter((_EXPERT.search(f) is not None for f in fqns), dtype=bool, count=n)
+    if (ep_count[expert & held] != 1).any():
+        return False
+    if mesh.ep > 1:
+        stages = int(pp_of.max()) + 1
+        tpe = np.unique((tt * stages + pp_of[gg]) * eps + ep_of[gg])  # distinct (t, pp, ep)
+        tp_, per = np.unique(tpe // eps, return_counts=True)
+        if (per[~expert[tp_ // stages]] != mesh.ep).any():
+            return False
+    return True
 
 
 def _norm_boxes(boxes: list[tuple[tuple[int, ...], tuple[int, ...]]]) -> list[Piece]:
