@@ -26,6 +26,7 @@ from shardctl.errors import EnvironmentFailure, InvalidInputError, UsageError
 from shardctl.gcpause import gc_paused
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.verify.bitwise.level import check_bitwise
+from shardctl.verify.boxes import give_back_heap
 from shardctl.verify.dst import Destination, open_destination
 from shardctl.verify.result import LEVELS, LevelResult, VerifyResult
 from shardctl.verify.sharded import ShardedCheckpoint
@@ -82,6 +83,7 @@ def verify(
     # --- end dcp-optim ---
     source = open_source(src)
     dest = open_destination(dst)
+    give_back_heap()  # the headers' and the record's parse, dropped (see boxes.give_back_heap)
     result = VerifyResult(str(src), str(dst), level, [LevelResult(n) for n in LEVELS])
     result.environment = {"launcher": launcher}
     wanted = LEVELS[: LEVELS.index(level) + 1]
@@ -92,6 +94,7 @@ def verify(
     result.levels[0] = structure
     if not structure.ok or "bitwise" not in wanted:
         return result
+    give_back_heap()
     bitwise = check_bitwise(source, dest, hashes=hashes)
     note = str(structure.figures.get("source_identity", ""))
     if not bitwise.ok and note.startswith("original changed"):

@@ -17,6 +17,7 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +44,26 @@ class Scratch:
         if self._buf.size < nbytes:
             self._buf = np.empty(max(nbytes, 2 * self._buf.size), dtype=np.uint8)
         return memoryview(self._buf.data)[:nbytes]
+
+
+def give_back_heap() -> None:
+    """Return the C heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
+
+    Opening 90,000 tensors on both sides parses ~15 MB of JSON and drops most of it; glibc
+    keeps the freed pages, and the buffers the bitwise level then allocates come on top:
+    ~20 MiB of peak RSS that holds nothing. Called between phases, it costs ~1 ms."""
+    trim = _TRIM[0]
+    if trim is None:
+        try:
+            trim = ctypes.CDLL("libc.so.6").malloc_trim
+        except (OSError, AttributeError):
+            trim = False
+        _TRIM[0] = trim
+    if trim:
+        trim(0)
+
+
+_TRIM: list[Any] = [None]
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path | None = None) -> None:

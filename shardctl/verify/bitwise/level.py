@@ -17,7 +17,7 @@ from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
 from shardctl.verify.bitwise.spans import Span, span_caps
 from shardctl.verify.bitwise.walk import Sizes, walk
-from shardctl.verify.boxes import uint_of
+from shardctl.verify.boxes import give_back_heap, uint_of
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
@@ -27,6 +27,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     level = LevelResult("bitwise")
     t0 = time.perf_counter()
     tour = walk(src, dst)  # the shards, tensor by tensor, built as the tasks reach them
+    give_back_heap()  # the walk's sort, done
     hash_name = dst.record.hash if dst.record and hashes else None
     feeds: dict[Path, Feed] = {}
     if hash_name and dst.record is not None:
@@ -36,7 +37,8 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     shapes = {t.fqn: t.shape for t in src.model.tensors}
     workers, results = run_tasks(_tasks(src, tour.pairs(), shapes), src, feeds)
     for w in workers:
-        w.release()  # the buffers (~40 MiB with 2 threads) before the findings are worded
+        w.release()  # the buffers (~30 MiB with 2 threads) before the findings are worded
+    give_back_heap()
     # only a shard that differs needs its element count (the message's "n of m elements")
     keys = {r[1] for r in results}
     compared = tour.numel(keys) if keys else {}
