@@ -199,3 +199,30 @@ def test_a_header_in_another_writers_order_is_parsed_and_passes(cks: Checkpoints
     assert not dest.problems
     result = verify(cks.ckpt("llama"), dst, level="structure")
     assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+
+
+def test_stage_placement_on_columns_agrees_with_the_shard_walk(cks: Checkpoints) -> None:
+    dest = open_destination(cks.resharded("llama", Mesh(pp=2, tp=2)))
+    assert dest.layout is not None and dest.record is not None and dest.record.table is not None
+    layout, table = dest.layout, dest.record.table
+    layers = dest.config["num_hidden_layers"]
+    clean = LevelResult("structure")
+    structure._stages(clean, layout, dest)
+    assert not clean.findings and structure._stages_clean(layout, table, layers)
+    # stage 0 claims one layer more than it holds, stage 1 one less: layer h's tensors sit on
+    # stage 1 outside its range
+    (s0, s1) = layout.stages
+    assert s0.layers is not None and s1.layers is not None
+    h = s1.layers[0]
+    shifted = dataclasses.replace(
+        layout,
+        stages=(
+            dataclasses.replace(s0, layers=(s0.layers[0], h)),
+            dataclasses.replace(s1, layers=(h + 1, s1.layers[1])),
+        ),
+    )
+    slow = LevelResult("structure")
+    structure._stages(slow, shifted, dest)
+
+    assert any(f"layer {h} on stage 1" in f.message for f in slow.findings)
+    assert not structure._stages_clean(shifted, table, layers)

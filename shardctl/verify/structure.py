@@ -317,6 +317,8 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
     layer_of: dict[str, int | None] = {}  # an fqn's layer, once per fqn (tp ranks share it)
     record = getattr(dst, "record", None)  # a Destination, or anything with layout and config
     table = record.table if record is not None else None
+    if table is not None and _stages_clean(layout, table, layers):
+        return
     for i, rl in enumerate(layout.ranks):
         st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
         if st is None or st.layers is None:
@@ -345,6 +347,34 @@ def _stages(level: LevelResult, layout: Layout, dst: Destination) -> None:
                         fqn=fqn,
                         rank=i,
                     )
+
+
+def _stages_clean(layout: Layout, table: rt.RecordTable, layers: Any) -> bool:
+    """True when every rank's layer tensors lie in its stage's layers (those after the stack
+    on the last stage), decided on the record's columns: one name match per tensor, not one
+    per shard. False: the loop in :func:`_stages` decides and words each finding."""
+    if len(layout.ranks) != len(table.ranks):
+        return False
+    layer = np.fromiter(
+        (int(m.group(1)) if (m := _LAYER.match(t.fqn)) else -1 for t in table.tensors),
+        dtype=np.int64,
+        count=len(table.tensors),
+    )
+    last = len(layout.stages) - 1
+    for rl, r in zip(layout.ranks, table.ranks, strict=True):
+        st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
+        if st is None or st.layers is None:
+            continue
+        n = layer[r.tensor]
+        n = n[n >= 0]
+        if isinstance(layers, int):
+            after = n >= layers  # after the decoder stack (MTP): the last stage's
+            if after.any() and rl.pp != last:
+                return False
+            n = n[~after]
+        if ((n < st.layers[0]) | (n > st.layers[1])).any():
+            return False
+    return True
 
 
 def _source_identity(
