@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import mmap
 import os
 import sys
 from collections import OrderedDict
@@ -42,7 +43,10 @@ class Scratch:
 
     def get(self, nbytes: int) -> memoryview:
         if self._buf.size < nbytes:
-            self._buf = np.empty(max(nbytes, 2 * self._buf.size), dtype=np.uint8)
+            # its own mapping, not the C heap: given back whole when dropped, where a heap
+            # block freed by one thread stays in that thread's arena (~15 MiB a thread)
+            size = max(nbytes, 2 * self._buf.size)
+            self._buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
         return memoryview(self._buf.data)[:nbytes]
 
 

@@ -175,7 +175,7 @@ def run_tasks(
     lock = threading.Lock()
     numbered = enumerate(tasks)
     n = threads()
-    pipe = _Pipeline(n + 2, feeds)
+    pipe = _Pipeline(n + 1, feeds)  # one set hashing while each thread fills one
     results: list[tuple[int, tuple[Any, ...], dict[str, Any], str, int, Any]] = []
     workers = [Worker() for _ in range(n)]
 
