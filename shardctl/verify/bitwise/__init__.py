@@ -21,8 +21,7 @@ block order, by whichever thread finds the hashing free (``_Pipeline``), so a fi
 its bytes in order while the next blocks are already being read. Memory: threads + 1 buffer
 sets, each one SRC image (``BLOCK_BYTES``), the DST rows of one block (``DST_CAP_BYTES``) and a
 copy buffer, each its own mapping (given back whole) — bounded, whatever the model size
-(~20 MiB of buffers with 2 threads at 90,000 tensors: a set was ~7 MiB there; threads + 2
-sets measured the same speed within the noise and ~8 MiB more).
+(~20 MiB of buffers with 2 threads at 90,000 tensors, where a set is ~7 MiB).
 
 Where the time goes (4.2 GB llama, HF -> TP4, page cache warm, 2 cores): reading SRC and DST
 costs what ``cat`` costs (~0.9 CPU-s), comparing ~0.3, Python ~0.15, and the record hashes
