@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from shardctl.blocks import scalar_piece, scalar_shape
-from shardctl.checkpoint.source import Source
+from shardctl.checkpoint.source import HfShards, Source
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
@@ -170,16 +170,22 @@ def _plain(
     padding, no parts), of the same byte-sized dtype."""
     if cap <= 0 or not shape or 0 in shape:
         return None
-    ss = src.shards.get(fqn)
-    if not ss or len(ss) != 1:
-        return None
-    s0 = ss[0]
-    if s0.local_shape != shape or len(s0.pieces) != 1:
-        return None
-    p = s0.pieces[0]
-    if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
-        return None
-    dtype = s0.dtype
+    if isinstance(src.shards, HfShards):  # one whole shard per tensor: no object built
+        got = src.shards.whole(fqn)
+        if got is None or got[3] != shape:
+            return None
+        file, begin, dtype, _ = got
+    else:
+        ss = src.shards.get(fqn)
+        if not ss or len(ss) != 1:
+            return None
+        s0 = ss[0]
+        if s0.local_shape != shape or len(s0.pieces) != 1:
+            return None
+        p = s0.pieces[0]
+        if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
+            return None
+        file, begin, dtype = s0.file, s0.begin, s0.dtype
     if uint_of(dtype) is None:
         return None
     nd = len(shape)
@@ -192,7 +198,7 @@ def _plain(
     n = sizes(dtype, shape)
     if n > cap:
         return None
-    return s0.file, s0.begin, n
+    return file, begin, n
 
 
 def _findings(
