@@ -35,7 +35,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
         feeds = {p: Feed(p, hash_name) for p in dst.files if p.name in digests}
 
     shapes = {t.fqn: t.shape for t in src.model.tensors}
-    workers, results = run_tasks(_tasks(src, tour.pairs(), shapes), src, feeds)
+    workers, results = run_tasks(_tasks(src, tour.triples(), shapes), src, feeds)
     for w in workers:
         w.release()  # the buffers (~30 MiB with 2 threads) before the findings are worded
     give_back_heap()
@@ -77,7 +77,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
 
 def _tasks(
     src: Source,
-    by_fqn: Iterable[tuple[str, list[DstShard]]],
+    by_fqn: Iterable[tuple[str, list[DstShard], int]],  # with the shards' bytes
     shapes: dict[str, tuple[int, ...]],
 ) -> Iterator[tuple[Any, ...]]:
     """The tasks, in order: ``("span", Span)`` (plain small tensors, ``spans.py``),
@@ -92,7 +92,7 @@ def _tasks(
     span_src, span_dst = span_caps()
     sizes = Sizes()
     span_file = -1
-    for fqn, shards in by_fqn:
+    for fqn, shards, dst_bytes in by_fqn:
         shape = shapes[fqn]
         plain = _plain(src, fqn, shape, shards, span_src, sizes)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
@@ -100,9 +100,6 @@ def _tasks(
             if batch:
                 yield ("blocks", batch)
                 batch, size = [], 0
-            dst_bytes = 0
-            for s in shards:
-                dst_bytes += sizes(s.dtype, s.local_shape)
             if span is not None and (
                 span_file != file
                 or span.end != begin

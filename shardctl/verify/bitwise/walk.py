@@ -104,6 +104,15 @@ class TensorRows(Sequence[dict[str, Any]]):
     __hash__ = None  # type: ignore[assignment]
 
 
+def _bytes_and_padded(s: DstShard) -> tuple[int, bool]:
+    """A shard's bytes, and whether its pieces leave local elements uncovered (padding)."""
+    pieces = s.pieces
+    padded = not (len(pieces) == 1 and pieces[0].sizes == s.local_shape) and sum(
+        scalar_piece(p).numel for p in pieces
+    ) < math.prod(s.local_shape)
+    return nbytes(s.dtype, math.prod(s.local_shape)), padded
+
+
 class Walk:
     """The tensors in order, each with its DST shards (sorted by file path, then offset);
     counts and rows are recorded as :meth:`pairs` hands them out."""
@@ -116,20 +125,31 @@ class Walk:
         self.padded = 0
 
     def pairs(self) -> Iterator[tuple[str, list[DstShard]]]:
-        size = Sizes()
+        for fqn, shards, _ in self.triples():
+            yield fqn, shards
+
+    def triples(self) -> Iterator[tuple[str, list[DstShard], int]]:
+        """``(fqn, shards, their bytes)``; each shard's bytes and padding are worked out once
+        per kind (its dtype, local shape and pieces object), not once per shard."""
         rows = self.rows
+        seen: dict[tuple[str, tuple[int, ...], int], tuple[int, bool, Any]] = {}
         for fqn, shards in self._items:
             total = 0
             for s in shards:
-                total += size(s.dtype, s.local_shape)
                 pieces = s.pieces
-                if not (len(pieces) == 1 and pieces[0].sizes == s.local_shape) and sum(
-                    scalar_piece(p).numel for p in pieces
-                ) < math.prod(s.local_shape):
+                key = (s.dtype, s.local_shape, id(pieces))
+                got = seen.get(key)
+                if got is None:
+                    if len(seen) >= 4096:
+                        seen.clear()
+                    # the pieces object rides along, so its id is not reused while cached
+                    got = seen[key] = (*_bytes_and_padded(s), pieces)
+                total += got[0]
+                if got[1]:
                     self.padded += 1
             rows.add(fqn, len(shards), total)
             self.shards += len(shards)
-            yield fqn, shards
+            yield fqn, shards, total
 
     def numel(self, keys: set[tuple[Any, ...]]) -> dict[tuple[Any, ...], int]:
         """The elements each shard ``shard_key`` names holds (a message's "n of m")."""
