@@ -281,8 +281,9 @@ def _workload_section() -> dict[str, Any]:
                 "GPU memory (>= 0.5.3).",
             },
             "vllm_version": {
-                "enum": ["0.6", "0.16", "0.19", 0.6, 0.16, 0.19],
-                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.16 the "
+                "enum": ["0.2", "0.6", "0.16", "0.19", 0.2, 0.6, 0.16, 0.19],
+                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.2 V0 of "
+                "December 2023 (all-reduce outputs kept at tp > 1), 0.16 the "
                 "V1 engine as measured at 0.15-0.16, 0.19 V1 from 0.17 (non-torch from "
                 "init_snapshot, vllm serve's batch defaults).",
             },

@@ -114,6 +114,15 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         "activations.profile_tokens": tokens,
         "kv_cache.bytes_per_token": stage_kv_per_token(ctx, st),
     }
+    if w.vllm_version == "0.2" and m.tp > 1 and st.num_layers:
+        # December 2023: the all-reduced outputs were never reused within the profile run
+        # (record_stream), so they sit under the forward's and the sampler's peak.
+        retained = vllm.retained_allreduce_bytes(
+            d, tokens=tokens, num_layers=st.num_layers, first_stage=st.index == 0,
+            act_bytes=ctx.nb,
+        )  # fmt: skip
+        detail["activations.retained_allreduce"] = retained
+        peak += retained
     return kv, peak, detail
 
 

@@ -23,6 +23,13 @@ from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 
 # Which vLLM's accounting the profile follows (``workload.vllm_version``):
+# - "0.2": V0 of December 2023 (v0.2.5-v0.2.6, torch 2.1.1; vLLM PR #2031's rows): the 0.6
+#   terms as they were then — ``Worker.profile_num_available_blocks`` charged
+#   ``total − free`` after the profile run (``torch.cuda.mem_get_info``, PR #2031), the profile
+#   forward ran ``max(max_model_len, 2048)`` tokens (``SchedulerConfig``) and the sampler 256
+#   sequences — plus, when tp > 1, every row-parallel all-reduce output of that forward
+#   (:func:`retained_allreduce_bytes`): NCCL's ``record_stream`` kept them from reuse (vLLM
+#   issue #2150), fixed by ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (PR #2151, torch >= 2.1.2);
 # - "0.6": V0 as of PR #10511 (v0.6.5; the rows of issue 15's table): non-torch counted from
 #   before the instance (CUDA context included), sampler over 256 sequences, profile forward over
 #   ``max(max_model_len, 2048)`` tokens;
@@ -37,7 +44,7 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 #   2.23 and 0.13 at v0.17, 0.25 from v0.18). Which earlier V1 releases did the same is not
 #   established: the July 2025 Qwen3-235B log agrees with it (+2.5 % in KV bytes), a vLLM
 #   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not.
-VLLM_VERSIONS = ("0.6", "0.16", "0.19")
+VLLM_VERSIONS = ("0.2", "0.6", "0.16", "0.19")
 V1_VERSIONS = ("0.16", "0.19")
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
@@ -206,6 +213,37 @@ def sampler_peak_bytes(
     """The profile run's sampler over ``max_num_seqs`` sequences of ``vocab_size`` logits."""
     per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version == "0.19" else SAMPLER_BYTES_PER_LOGIT
     return int(max_num_seqs * vocab_size * per_logit)
+
+
+def allreduce_count(num_layers: int, *, first_stage: bool) -> int:
+    """All-reduces of one profile forward over a stage: two per decoder layer (attention's
+    ``o_proj`` and the MLP's ``down_proj``, both ``RowParallelLinear``) and one after the
+    vocabulary-parallel embedding on the first stage."""
+    return 2 * num_layers + (1 if first_stage else 0)
+
+
+def retained_allreduce_bytes(
+    dims: ModelDims, *, tokens: int, num_layers: int, first_stage: bool, act_bytes: int
+) -> int:
+    """vLLM 0.2's extra profile memory at tp > 1: each all-reduce's ``[tokens, hidden]`` output
+    stays reserved until the profile ends.
+
+    In December 2023 vLLM all-reduced with ``torch.distributed.all_reduce`` on NCCL, and torch
+    < 2.1.2's ``ProcessGroupNCCL`` called ``record_stream`` on the tensor, so the caching
+    allocator would not hand its block out again until the host saw the NCCL stream's event —
+    the host runs ahead of the GPU through the whole forward, so none was reused: "when using
+    TP, the activation memory for all reduce is not reused" (vLLM issue #2150, Llama-70B
+    TP 8). ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: needs torch >= 2.1.2).
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(8192, 80, 64, 8, 128, 28672, 32000, False)
+    >>> retained_allreduce_bytes(d, tokens=4096, num_layers=80, first_stage=True,
+    ...                          act_bytes=2) / GiB
+    10.0625
+    """
+    count = allreduce_count(num_layers, first_stage=first_stage)
+    return count * tokens * dims.hidden_size * act_bytes
 
 
 def profile_activation_bytes(
