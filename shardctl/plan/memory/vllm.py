@@ -29,7 +29,7 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 #   forward ran ``max(max_model_len, 2048)`` tokens (``SchedulerConfig``) and the sampler 256
 #   sequences — plus, when tp > 1, every row-parallel all-reduce output of that forward
 #   (:func:`retained_allreduce_bytes`): NCCL's ``record_stream`` kept them from reuse (vLLM
-#   issue #2150), fixed by ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (PR #2151, torch >= 2.1.2);
+#   issue #2150), fixed by ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (PR #2151, 2023-12-17);
 # - "0.6": V0 as of PR #10511 (v0.6.5; the rows of issue 15's table): non-torch counted from
 #   before the instance (CUDA context included), sampler over 256 sequences, profile forward over
 #   ``max(max_model_len, 2048)`` tokens;
@@ -234,7 +234,8 @@ def retained_allreduce_bytes(
     the host runs ahead of the GPU through the whole forward, so none was reused: "when using
     TP, the activation memory for all reduce is not reused" (vLLM issue #2150, Llama-70B
     TP 8). ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
-    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: needs torch >= 2.1.2).
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: back on torch 2.0.1,
+    which lacks the variable, gone with 2.1.2).
 
     >>> from shardctl.model.types import ModelDims
     >>> d = ModelDims(8192, 80, 64, 8, 128, 28672, 32000, False)
