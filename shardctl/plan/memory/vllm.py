@@ -43,9 +43,26 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 #   Sensitivity": Qwen3-14B on H100, activation 5.64 GiB and non-torch 0.13 at v0.15-v0.16,
 #   2.23 and 0.13 at v0.17, 0.25 from v0.18). Which earlier V1 releases did the same is not
 #   established: the July 2025 Qwen3-235B log agrees with it (+2.5 % in KV bytes), a vLLM
-#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not.
-VLLM_VERSIONS = ("0.2", "0.6", "0.16", "0.19")
-V1_VERSIONS = ("0.16", "0.19")
+#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not;
+# - "0.21": the V1 engine from 0.21.0: "0.19"'s terms, and the CUDA-graph memory vLLM estimates
+#   during the profile is subtracted before the KV cache is sized ("CUDA graph memory
+#   profiling is enabled (default since v0.21.0)", ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``;
+#   the estimate of vLLM PR #30515, off by default until then): :data:`CUDA_GRAPH_ESTIMATE_V021`
+#   unless ``workload.cuda_graph_memory`` gives the logged "Estimated CUDA graph memory".
+VLLM_VERSIONS = ("0.2", "0.6", "0.16", "0.19", "0.21")
+V1_VERSIONS = ("0.16", "0.19", "0.21")
+# Versions that price like "0.19" apart from the CUDA-graph estimate.
+V019_LIKE = ("0.19", "0.21")
+# vLLM >= 0.21's default CUDA-graph estimate per rank, when the workload does not give the
+# logged figure. vLLM measures it (``profile_cudagraph_memory``: it captures the first two graphs
+# of each mode against a small dummy KV cache and extrapolates the second one's increase to the
+# rest), so it is a reading, not a formula: 0.84 GiB is what vLLM 0.19 logged as the estimate
+# for Llama-3.1-8B and CodeLlama-7B on H100 at the default capture sizes (1-512,
+# FULL_AND_PIECEWISE): "CUDA graph pool memory: 0.91 GiB (actual), 0.84 GiB (estimated)"
+# (llm-d-planner accuracy/results/v0.19.0/logs, commit d3121e05). The same sweep logs 1.6 GiB
+# for Granite-3.1-2B (actual 0.84), and public logs range from 0.05 to 33 GiB: set
+# ``cuda_graph_memory`` from the log where it matters.
+CUDA_GRAPH_ESTIMATE_V021 = round(0.84 * GiB)
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM 0.6 measured it on that GPU:
@@ -145,7 +162,7 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     >>> round(non_torch_bytes("h100-sxm", 4, version="0.19") / GiB, 2)
     2.04
     """
-    if version == "0.19":
+    if version in V019_LIKE:
         base = NON_TORCH_PP_V019 if pp > 1 and tp == 1 else NON_TORCH_TP1_V019
     elif version == "0.16":
         base = NON_TORCH_TP1_V016
@@ -154,6 +171,16 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     if tp == 1:
         return base
     return base + (TP_GROUP_BYTES if switched(gpu) else TP_GROUP_BYTES_OTHER)
+
+
+def default_cuda_graph_bytes(version: str) -> int:
+    """CUDA-graph memory vLLM subtracts before sizing the KV cache when the workload does not say:
+    the estimate from 0.21 on, else 0 (graphs are captured after the KV cache is allocated).
+
+    >>> default_cuda_graph_bytes("0.19"), round(default_cuda_graph_bytes("0.21") / GiB, 2)
+    (0, 0.84)
+    """
+    return CUDA_GRAPH_ESTIMATE_V021 if version == "0.21" else 0
 
 
 def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
@@ -211,7 +238,7 @@ def sampler_peak_bytes(
     vocab_size: int, max_num_seqs: int = MAX_NUM_SEQS, *, version: str = "0.6"
 ) -> int:
     """The profile run's sampler over ``max_num_seqs`` sequences of ``vocab_size`` logits."""
-    per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version == "0.19" else SAMPLER_BYTES_PER_LOGIT
+    per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version in V019_LIKE else SAMPLER_BYTES_PER_LOGIT
     return int(max_num_seqs * vocab_size * per_logit)
 
 
