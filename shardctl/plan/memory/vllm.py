@@ -274,6 +274,39 @@ def retained_allreduce_bytes(
     return count * tokens * dims.hidden_size * act_bytes
 
 
+# ``VLLM_FUSED_MOE_CHUNK_SIZE`` default (vllm/envs.py): the fused-MoE kernel runs at most this
+# many tokens at a time, so its workspaces are sized for ``min(tokens, 16384)``.
+FUSED_MOE_CHUNK_SIZE = 16 * 1024
+
+
+def moe_workspace_bytes(
+    *, tokens: int, hidden: int, expert_intermediate: int, topk: int, tp: int, act_bytes: int
+) -> int:
+    """The V1 fused-MoE kernel's workspace after the profile forward (16-bit experts).
+
+    ``FusedMoEModularKernel._allocate_buffers`` (vllm/model_executor/layers/fused_moe/
+    modular_kernel.py) takes ``workspace13``, ``workspace2`` and the output from the worker's
+    ``WorkspaceManager`` (vllm/v1/worker/workspace.py, ``get_simultaneous``): one buffer that
+    grows to the largest request and is kept for the life of the worker — so it is still
+    allocated while the profile's sampler runs, and torch's peak counts it on top. With one
+    chunk workspace13 and the output share memory: ``max(ws13, out) + ws2`` elements in the
+    activation dtype. ``TritonExperts.workspace_shapes`` (M tokens, N = 2·I/tp for gated
+    experts, K = hidden): ws13 ``(M, topk, max(I/tp, K))``, ws2 ``(M, topk, max(N, K))``,
+    output ``(M, K)``.
+
+    >>> round(moe_workspace_bytes(tokens=8192, hidden=2048, expert_intermediate=768, topk=8,
+    ...                           tp=1, act_bytes=2) / GiB, 3)  # Qwen3-30B-A3B
+    0.5
+    """
+    m = min(tokens, FUSED_MOE_CHUNK_SIZE)
+    i = expert_intermediate // tp
+    ws13 = m * topk * max(i, hidden)
+    ws2 = m * topk * max(2 * i, hidden)
+    out = tokens * hidden
+    elems = max(ws13, out) + ws2 if tokens <= m else ws13 + ws2 + out
+    return elems * act_bytes
+
+
 def profile_activation_bytes(
     dims: ModelDims,
     *,
