@@ -257,10 +257,11 @@ def retained_allreduce_bytes(
 
     In December 2023 vLLM all-reduced with ``torch.distributed.all_reduce`` on NCCL, and torch
     < 2.1.2's ``ProcessGroupNCCL`` called ``record_stream`` on the tensor, so the caching
-    allocator would not hand its block out again until the host saw the NCCL stream's event —
-    the host runs ahead of the GPU through the whole forward, so none was reused: "when using
-    TP, the activation memory for all reduce is not reused" (vLLM issue #2150, Llama-70B
-    TP 8). ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
+    allocator would not hand its block out again until the host saw the NCCL stream's event
+    (pytorch PR #76861): "when using TP, the activation memory for all reduce is not reused"
+    (vLLM issue #2150, Llama-70B TP 8). That none is reused within the profile forward (the
+    host ahead of the GPU throughout) is this function's assumption; two all-reduces per layer
+    is Llama's layout (a layer with parallel attention and MLP, as Falcon's, reduces once). ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
     ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: back on torch 2.0.1,
     which lacks the variable, gone with 2.1.2).
 
