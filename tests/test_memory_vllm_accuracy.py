@@ -186,13 +186,16 @@ def test_non_torch_and_cuda_graphs_are_settable() -> None:
     batch=st.integers(1, 64),
     tp=st.sampled_from([1, 2, 4]),
     gpu=st.sampled_from(["h100-sxm", "a100-80gb"]),
+    version=st.sampled_from(["0.2", "0.6"]),
 )
 @settings(max_examples=60, deadline=None)
-def test_vllm_verdict_is_the_capacity(length: int, batch: int, tp: int, gpu: str) -> None:
+def test_vllm_verdict_is_the_capacity(
+    length: int, batch: int, tp: int, gpu: str, version: str
+) -> None:
     # The one verdict and the capacity agree: the workload fits exactly when its sequences,
     # each rounded up to whole blocks, fit in the blocks vLLM would allocate.
     model = ModelInfo("llama", LLAMA3_8B, (), "BF16", "inline")
-    w = Workload(batch_size=batch, sequence_length=length, engine="vllm")
+    w = Workload(batch_size=batch, sequence_length=length, engine="vllm", vllm_version=version)
     plan = estimate(model, Mesh(tp=tp), split_layers(32, 1), hardware=HardwareSpec.preset(gpu),
                     workload=w)  # fmt: skip
     cap = _capacity(plan)
