@@ -261,7 +261,8 @@ def retained_allreduce_bytes(
     (pytorch PR #76861): "when using TP, the activation memory for all reduce is not reused"
     (vLLM issue #2150, Llama-70B TP 8). That none is reused within the profile forward (the
     host ahead of the GPU throughout) is this function's assumption; two all-reduces per layer
-    is Llama's layout (a layer with parallel attention and MLP, as Falcon's, reduces once). ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
+    is Llama's layout (a layer with parallel attention and MLP, as Falcon's, reduces once).
+    ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
     ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: back on torch 2.0.1,
     which lacks the variable, gone with 2.1.2).
 
