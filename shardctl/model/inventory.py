@@ -18,7 +18,10 @@ holds the most bytes.
 from __future__ import annotations
 
 import math
+from collections import deque
 from collections.abc import Mapping
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -122,10 +125,20 @@ def from_checkpoint(
             where=str(root),
             hint="merge it back with shardctl reshard, or inspect its layout record",
         )
-    tensors = tuple(
-        TensorInfo(fqn, loc.entry.shape, loc.entry.dtype) for fqn, loc in ck.locations.items()
-    )
-    return from_tensors(root if root.is_dir() else root.parent, tensors)
+    return from_tensors(root if root.is_dir() else root.parent, tensor_infos(ck))
+
+
+def tensor_infos(ck: CheckpointFiles) -> tuple[TensorInfo, ...]:
+    """Every tensor of an opened HF checkpoint, in ``ck.locations`` order (file, then offset).
+
+    Built column by column without the frozen ``__init__`` (three ``object.__setattr__``
+    per tensor, run by ``map`` in C): at 90,000 tensors the per-tensor loop was ~0.1 s."""
+    entries = [loc.entry for loc in ck.locations.values()]
+    out = list(map(object.__new__, repeat(TensorInfo, len(entries))))
+    for field in ("fqn", "shape", "dtype"):
+        column = map(attrgetter("name" if field == "fqn" else field), entries)
+        deque(map(object.__setattr__, out, repeat(field), column), maxlen=0)
+    return tuple(out)
 
 
 def from_tensors(

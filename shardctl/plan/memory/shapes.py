@@ -119,14 +119,13 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
         )
         norm_bias = has("norm", "ln_")
         positions = next((t.shape[0] for t in model.tensors if t.fqn.endswith("wpe.weight")), 0)
-        norms = [t for t in model.tensors if len(t.shape) == 1 and _is_norm(t.fqn)]
+        # _is_norm needs "norm" or "ln_" in the name: one pass picks those (a few hundred
+        # of 90,000 expert tensors), the finer tests run on them only
+        named = [t for t in model.tensors if "norm" in t.fqn or "ln_" in t.fqn]
+        norms = [t for t in named if len(t.shape) == 1 and _is_norm(t.fqn)]
         layer_norm = sum(t.numel for t in norms if _first_layer(t.fqn))
         final_norm = sum(t.numel for t in norms if not _in_layer(t.fqn))
-        heads = [
-            t
-            for t in model.tensors
-            if len(t.shape) == 2 and _is_norm(t.fqn) and _first_layer(t.fqn)
-        ]
+        heads = [t for t in named if len(t.shape) == 2 and _is_norm(t.fqn) and _first_layer(t.fqn)]
         q_head = sum(t.shape[1] for t in heads if t.shape[0] == dims.num_heads)
         kv_head = sum(t.shape[1] for t in heads if t.shape[0] != dims.num_heads)
         return ModelShape(
