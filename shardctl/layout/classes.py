@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import re
 import weakref
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import attrgetter
@@ -37,7 +37,7 @@ from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelInfo
 
 # ``resolve._NUMBER`` over names joined by newlines: a whole number ends at a dot, a newline
-# (the end of its name) or the end of the text.
+# (the end of its name) or the end of the text; the group makes ``split`` keep the number.
 _NUMBER_LINES = re.compile(r"\.(\d+)(?=[.\n]|\Z)")
 # The quantized-group anchors' name endings (shardctl.quant.groups): a model with one takes
 # the per-tensor path.
@@ -97,8 +97,10 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
 
     if not resolve._number_blind(compile_rules(tuple(rules), preset(arch), arch)):
         return None
-    patterns = _NUMBER_LINES.sub(".#", joined).split("\n")
-    numbers = _NUMBER_LINES.findall(joined)
+    # one pass: the text between whole numbers, and the numbers (every other piece)
+    pieces = _NUMBER_LINES.split(joined)
+    numbers = pieces[1::2]
+    patterns = ".#".join(pieces[0::2]).split("\n")
     if len(patterns) != n:
         return None
     dims = model.dims
@@ -182,15 +184,15 @@ def _slot(regex: re.Pattern[str], name: str) -> int | None:
     return slot
 
 
-def _column(numbers: list[str], starts: list[int], slots: object) -> list[int | None]:
+def _column(numbers: list[str], starts: list[int], slots: Iterable[int | None]) -> list[int | None]:
     """Each name's number at its pattern's slot (None where the pattern has no such slot)."""
     text = [
         numbers[start + slot] if slot is not None else None
-        for start, slot in zip(starts, slots, strict=False)  # type: ignore[call-overload]
+        for start, slot in zip(starts, slots, strict=False)  # starts has one more: the end
     ]
-    value = {s: int(s) for s in set(text) if s is not None}
-    value[None] = None  # type: ignore[index]
-    return list(map(value.__getitem__, text))  # type: ignore[arg-type]
+    value: dict[str | None, int | None] = {s: int(s) for s in set(text) if s is not None}
+    value[None] = None
+    return list(map(value.__getitem__, text))
 
 
 __all__ = ["RuleClasses", "classes_of", "rule_classes"]

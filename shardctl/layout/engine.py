@@ -175,7 +175,7 @@ def _staged_by_class(
         if ep > 1:
             _check_ep(ep, rc.num_experts)
         specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
-        numels: list[list[int]] = []
+        numels: list[Sequence[int]] = []
         fixed: list[tuple[int, ...]] = []  # the stages of a class without layer numbers
         for t in rc.rules:
             key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
@@ -183,18 +183,21 @@ def _staged_by_class(
             if hit is None:
                 hit = specs[key] = _split_spec(t, tp, options)
             numels.append(local_numels(hit[0], tp))
-            on = (
+            fixed.append(
                 ()
                 if t.layer is not None
                 else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
             )
-            fixed.append(on)
     except LayoutError:
         return None
     layer_stage = stage_of_layers(stages, rc.num_layers)
-    stage_of = {x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers}
+    stage_of: dict[int | None, int] = {
+        x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers
+    }
     per_rank = rc.num_experts // ep if rc.num_experts else 1
-    ep_of = {x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None}
+    ep_of: dict[int | None, int] = {
+        x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None
+    }
     layers, experts = map(stage_of.get, rc.layers), map(ep_of.get, rc.experts)
     counts = Counter(zip(rc.of, layers, experts, strict=True))
     totals = [0] * mesh.model_parallel
