@@ -268,3 +268,14 @@ def test_the_scanner_takes_canonical_headers_with_or_without_metadata() -> None:
             assert scanned is not None
             assert scanned[1] == ["a", "b"]  # file order
             assert scanned[0] == ({"format": "pt", "k": "v"} if meta else None)
+
+
+def test_a_checkpoint_written_by_save_pretrained_takes_the_text_scanner() -> None:
+    """examples/tiny-llama is transformers' own ``save_pretrained`` output."""
+    from shardctl.io.header_raw import read_raw
+
+    path = Path(__file__).resolve().parent.parent / "examples/tiny-llama/model.safetensors"
+    raw, size = read_raw(path, sh.DEFAULT_MAX_HEADER_BYTES)
+    scanned = scan_entries(raw, 8 + len(raw), size)
+    assert scanned is not None and len(scanned[1]) > 10
+    assert _outcome(raw, size) == _strict(raw, size)

@@ -20,6 +20,7 @@ intermediate ``f``, tp degree ``t`` (Shoeybi et al. 2019, Megatron-LM §3)::
 from __future__ import annotations
 
 from dataclasses import dataclass
+from operator import attrgetter
 
 from shardctl.archs import MemoryFlags, find
 from shardctl.errors import LayoutError
@@ -104,7 +105,7 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
     """Bias and norm flags from the inventory's tensor names, else from the config."""
     assert model.dims is not None
     dims = model.dims
-    names = [t.fqn for t in model.tensors]
+    names = list(map(attrgetter("fqn"), model.tensors))
     cfg = model.config
     if names:
         biases = [n for n in names if n.endswith(".bias")]  # one pass, not one per question
@@ -118,7 +119,8 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             "up_proj", "gate_up_proj", "c_fc", "down_proj", "mlp.c_proj", "dense_h_to_4h", "fc1"
         )
         norm_bias = has("norm", "ln_")
-        positions = next((t.shape[0] for t in model.tensors if t.fqn.endswith("wpe.weight")), 0)
+        wpe = [i for i, n in enumerate(names) if n.endswith("wpe.weight")]
+        positions = model.tensors[wpe[0]].shape[0] if wpe else 0
         # _is_norm needs "norm" or "ln_" in the name: one pass picks those (a few hundred
         # of 90,000 expert tensors), the finer tests run on them only
         named = [t for t in model.tensors if "norm" in t.fqn or "ln_" in t.fqn]
