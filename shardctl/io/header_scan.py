@@ -71,7 +71,7 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
     rows = _ENTRY.findall(text, start, end)
     if not rows:
         return None
-    seps, names, dtypes, shape_texts, begin_texts, end_texts = map(list, zip(*rows, strict=True))
+    seps, names, dtypes, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
     n = len(rows)
     covered = n * _FIXED + sum(
         sum(map(len, column)) for column in (names, dtypes, shape_texts, begin_texts, end_texts)
@@ -84,7 +84,8 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
         return None
     if len(set(names)) != n or "" in names or METADATA_KEY in names:
         return None
-    if not set(dtypes) <= DTYPE_BITS.keys():
+    kinds = set(dtypes)
+    if not kinds <= DTYPE_BITS.keys():
         return None
     shape_of: dict[str, tuple[int, ...]] = {}
     for s in set(shape_texts):
@@ -94,24 +95,31 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
         if len(shape) > MAX_DIMS:
             return None
         shape_of[s] = shape
-    size_of: dict[tuple[str, str], int] = {}
-    for dtype, s in set(zip(dtypes, shape_texts, strict=True)):
-        numel = 1
-        for d in shape_of[s]:
-            numel *= d
-        bits = DTYPE_BITS[dtype] * numel
-        size_of[dtype, s] = bits // 8 if bits % 8 == 0 else -1  # -1: no span can match it
-    begins = list(map(int, begin_texts))
     ends = list(map(int, end_texts))
-    if list(map(size_of.__getitem__, zip(dtypes, shape_texts, strict=True))) != list(
-        map(sub, ends, begins)
-    ):
-        return None  # also catches end < begin: a negative span never equals a size
+    # Integers are canonical here (no sign, no leading zero): equal texts are equal numbers,
+    # so a header in file order needs only its ends converted.
+    if begin_texts[0] == "0" and begin_texts[1:] == end_texts[:-1]:
+        begins = [0, *ends[:-1]]
+    else:
+        begins = list(map(int, begin_texts))
+    # dtype × shape must be end − begin bytes (also catches end < begin: a negative span never
+    # equals a size); one dtype (the common case) is priced per shape text, with no pairs
+    if len(kinds) == 1:
+        (dtype,) = kinds
+        by_shape = {s: _size(dtype, shape) for s, shape in shape_of.items()}
+        sizes = list(map(by_shape.__getitem__, shape_texts))
+    else:
+        pairs = list(zip(dtypes, shape_texts, strict=True))
+        size_of = {(d, s): _size(d, shape_of[s]) for d, s in set(pairs)}
+        sizes = list(map(size_of.__getitem__, pairs))
+    if sizes != list(map(sub, ends, begins)):
+        return None
     shapes = list(map(shape_of.__getitem__, shape_texts))
+    names_l, dtypes_l = list(names), list(dtypes)
     if not (begins[0] == 0 and begins[1:] == ends[:-1]):
         order = sorted(range(n), key=lambda i: (begins[i], ends[i]))
-        names = [names[i] for i in order]
-        dtypes = [dtypes[i] for i in order]
+        names_l = [names[i] for i in order]
+        dtypes_l = [dtypes[i] for i in order]
         shapes = [shapes[i] for i in order]
         begins = [begins[i] for i in order]
         ends = [ends[i] for i in order]
@@ -119,4 +127,13 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
             return None  # gap or overlap
     if data_offset + ends[-1] != file_size:
         return None
-    return metadata, names, dtypes, shapes, begins, ends
+    return metadata, names_l, dtypes_l, shapes, begins, ends
+
+
+def _size(dtype: str, shape: tuple[int, ...]) -> int:
+    """The bytes of ``dtype × shape``; -1 (no span matches it) for a fraction of a byte."""
+    numel = 1
+    for d in shape:
+        numel *= d
+    bits = DTYPE_BITS[dtype] * numel
+    return bits // 8 if bits % 8 == 0 else -1

@@ -32,7 +32,7 @@ from shardctl.dtypes import normalize_dtype
 from shardctl.errors import InvalidInputError
 from shardctl.gcpause import gc_paused
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
-from shardctl.model.types import ModelInfo, TensorInfo, bytes_by_dtype
+from shardctl.model.types import ModelInfo, TensorInfo, bytes_by_dtype, numel_by_dtype
 
 DEFAULT_DTYPE = "BF16"
 MAX_CONFIG_BYTES = 10 * 2**20
@@ -153,9 +153,10 @@ def from_tensors(
         architecture = model_type
     architecture = architecture or "unknown"
     dims = dims_from_config(config, where=str(config_path)) if architecture in SUPPORTED else None
-    by_bytes = bytes_by_dtype(tensors)
+    numels = numel_by_dtype(tensors)
+    by_bytes = bytes_by_dtype(tensors, numels)
     dominant = min(by_bytes, key=lambda d: (-by_bytes[d], d)) if by_bytes else None
-    return ModelInfo(
+    model = ModelInfo(
         architecture=architecture,
         dims=dims,
         tensors=tensors,
@@ -163,6 +164,9 @@ def from_tensors(
         source="checkpoint",
         config=MappingProxyType(config),
     )
+    # the counts just made are the model's own (its cached properties): not counted again
+    model.__dict__.update(numel_by_dtype=numels, bytes_by_dtype=by_bytes)
+    return model
 
 
 def from_parameters(n: int, dtype: str) -> ModelInfo:
