@@ -2,7 +2,9 @@
 
 ``build_layout`` is the one function ``plan``, ``reshard`` and ``verify`` ask; it reads shapes
 only (never tensor data, never torch). ``rank_weight_bytes`` is its fast path for ``plan`` and
-the layout search: the same resolution, but only byte counts, no ``Shard`` objects.
+the layout search: the same resolution, but only byte counts, no ``Shard`` objects — and, where
+:mod:`shardctl.layout.classes` applies (names that differ only in layer/expert numbers), no
+per-tensor object at all.
 
 Per tensor: rules → placement on tp (with parts, heads, vocab padding), its stages (decoder
 layer → ``assign_layers``; others by the rule's ``stage``), and its ep rank (experts
