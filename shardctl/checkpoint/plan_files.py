@@ -16,7 +16,7 @@ import math
 import operator
 import zlib
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import attrgetter
@@ -24,6 +24,7 @@ from typing import overload
 
 from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
 from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
+from shardctl.checkpoint.record_table import PlannedFiles
 from shardctl.dtypes import nbytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
@@ -217,10 +218,10 @@ def _all_rectangular(part: Sequence[Shard]) -> bool:
 
 def rank_files(
     layout: Layout, order: dict[str, int], max_shard_size: int
-) -> tuple[list[OutputFile], dict[tuple[int, str], str]]:
+) -> tuple[list[OutputFile], Mapping[tuple[int, str], str]]:
     """Per-rank files; also ``(rank, fqn) -> file name`` for the record."""
     files: list[OutputFile] = []
-    where: dict[tuple[int, str], str] = {}
+    placed: list[tuple[list[int], list[int], list[str]]] = []  # per rank: PlannedFiles' input
     world = len(layout.ranks)
     for i, rl in enumerate(layout.ranks):
         keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
@@ -228,18 +229,22 @@ def rank_files(
             shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
         else:
             shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+            keys = sorted(keys)
         sizes = _sizes(shards)
         runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
         base = f"rank-{i:05d}-of-{world:05d}"
+        names: list[str] = []
         for k, (a, b) in enumerate(runs):
             name = f"{base}.safetensors"
             if len(runs) > 1:
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+            names.append(name)
             part = shards[a:b]
             meta = _rank_meta(layout, i, name, part)
             files.append(_file_of(name, part, meta, i, sizes=sizes[a:b]))
-            where.update(zip(zip(repeat(i), map(_FQN, part)), repeat(name)))
-    return files, where
+        placed.append((keys, [a for a, _ in runs], names))
+    # (rank, fqn) -> name as a dict was ~110 B a shard (40 MB at 360,000): see PlannedFiles
+    return files, PlannedFiles(order, placed)
 
 
 def hf_files(
