@@ -72,7 +72,7 @@ class FileTensors(Sequence[LocalTensor]):
         pieces: Sequence[tuple[Piece, ...]] | None,
     ) -> None:
         self.objs, self.begins, self.pieces = objs, begins, pieces
-        self.whole: dict[tuple[int, ...], tuple[Piece, ...]] = {}  # see ``fields``
+        self.whole: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[Piece, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self.objs)
@@ -112,12 +112,13 @@ class FileTensors(Sequence[LocalTensor]):
             shape = o.local_shape if isinstance(o, Shard) else o.shape
         elif isinstance(o, Shard):
             shape, pieces = o.local_shape, o.pieces
-        else:  # a whole tensor: one pieces object per shape (the engine caches by identity)
-            shape = o.shape
-            got = self.whole.get(shape)
+        else:  # a whole tensor: one shape and pieces object per shape (the engine caches by
+            # identity; each TensorInfo has its own shape tuple)
+            got = self.whole.get(o.shape)
             if got is None:
-                got = self.whole[shape] = (Piece((0,) * len(shape), shape, (0,) * len(shape)),)
-            pieces = got
+                z = (0,) * len(o.shape)
+                got = self.whole[o.shape] = (o.shape, (Piece(z, o.shape, z),))
+            shape, pieces = got
         return o.fqn, o.dtype, shape, pieces, self.begins[i]
 
 
