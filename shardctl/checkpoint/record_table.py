@@ -170,12 +170,25 @@ def from_shards(
         offs: list[tuple[int, ...]] = []
         sizs: list[tuple[int, ...]] = []
         locs: list[tuple[int, ...]] = []
+        # the same combos by identity first: a layout shares its shape and pieces objects
+        # among a class's shards, and hashing pieces by value is most of this loop's cost;
+        # ``held`` keeps the objects the ids name alive (bounded: past it, by value only)
+        by_id: dict[tuple[int, int, int], int] = {}
+        held: list[tuple[tuple[int, ...], tuple[Piece, ...]]] = []
         for j, s in enumerate(shards):
             tensor[j] = tindex[s.fqn]
             file[j] = findex[names[j]]
             placement[j] = places.setdefault(s.placement, len(places))
-            key = (len(s.global_shape), s.local_shape, s.pieces)
+            ik = (len(s.global_shape), id(s.local_shape), id(s.pieces))
+            cid = by_id.get(ik)
+            if cid is not None:
+                ids[j] = cid
+                continue
+            key = (ik[0], s.local_shape, s.pieces)
             cid = combos.get(key)
+            if len(by_id) < CACHE_LIMIT:
+                held.append((s.local_shape, s.pieces))
+                by_id[ik] = cid if cid is not None else len(c_local)
             if cid is None:
                 cid = combos[key] = len(c_local)
                 nd = key[0]
