@@ -92,3 +92,43 @@ def test_record_from_planned_files_is_the_record_from_the_dict(moe: Path) -> Non
         return record_write._dumps(rec).decode()
 
     assert build(the_plan.shard_files) == build(_naive(the_plan.files))
+
+
+def test_copy_walk_merges_as_heapq_does(moe: Path, tmp_path: Path) -> None:
+    """The engine's walk over a batch of output files (one ``np.lexsort`` over planned files)
+    yields the targets in the order and with the fields the ``heapq.merge`` of their
+    ``LocalTensor`` lists gives (the path any other file list still takes)."""
+    import os
+    from dataclasses import replace
+
+    from shardctl.reshard.copy import Executor
+    from shardctl.reshard.writer import OutFile
+
+    source = open_source(moe)
+    the_plan = plan(source, mesh=Mesh(tp=2, ep=2), max_shard_size=1024)
+    order = {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    ex = Executor(tmp_path, [f.path for f in source.files], source.shards, hash_name="sha256")
+    planned = [OutFile(tmp_path / f.name, f, "sha256", ex.writers[0]) for f in the_plan.files]
+    plain = [
+        OutFile(
+            tmp_path / ("plain-" + f.name),
+            replace(f, tensors=list(f.tensors)),
+            "sha256",
+            ex.writers[0],
+        )
+        for f in the_plan.files
+    ]
+    try:
+        fast = [(o.file.name, f, last) for o, f, last in ex._walk(planned, order)]
+        slow = [(o.file.name, f, last) for o, f, last in ex._walk(plain, order)]
+    finally:
+        for o in planned + plain:
+            os.close(o.fd)
+    assert len(fast) == sum(len(f.tensors) for f in the_plan.files) > 100
+    assert fast == slow
+    # each fqn's targets are adjacent (what the engine's groups need), files end once each
+    fqns = [f[0] for _, f, _ in fast]
+    assert len({x for x in fqns}) == len(
+        [x for i, x in enumerate(fqns) if i == 0 or x != fqns[i - 1]]
+    )
+    assert sum(last for _, _, last in fast) == len(the_plan.files)
