@@ -268,7 +268,10 @@ def _workload_section() -> dict[str, Any]:
             ),
             "block_size": _int("vLLM KV block size in tokens (default 16)."),
             "non_torch_memory": _size("vLLM non-torch memory per rank (default: measured)."),
-            "cuda_graph_memory": _size("CUDA graph memory charged before the KV cache (0)."),
+            "cuda_graph_memory": _size(
+                "CUDA graph memory charged before the KV cache (default 0; vllm_version 0.21: "
+                "vLLM's estimate, 0.84 GiB per rank unless given)."
+            ),
             "mem_fraction_static": {
                 "type": "number",
                 "exclusiveMinimum": 0,
@@ -281,10 +284,12 @@ def _workload_section() -> dict[str, Any]:
                 "GPU memory (>= 0.5.3).",
             },
             "vllm_version": {
-                "enum": ["0.6", "0.16", "0.19", 0.6, 0.16, 0.19],
-                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.16 the "
+                "enum": ["0.2", "0.6", "0.16", "0.19", "0.21", 0.2, 0.6, 0.16, 0.19, 0.21],
+                "description": "vLLM accounting: 0.6 V0 start-up profile (default), 0.2 V0 of "
+                "December 2023 (all-reduce outputs kept at tp > 1), 0.16 the "
                 "V1 engine as measured at 0.15-0.16, 0.19 V1 from 0.17 (non-torch from "
-                "init_snapshot, vllm serve's batch defaults).",
+                "init_snapshot, vllm serve's batch defaults), 0.21 V1 from 0.21 (0.19 with the "
+                "CUDA-graph estimate subtracted).",
             },
             "free_gpu_memory_fraction": {
                 "type": "number",

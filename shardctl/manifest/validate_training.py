@@ -73,10 +73,12 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         block_size=get(section, "block_size", path, read_positive, 16),
         profile_tokens=get(section, "max_num_batched_tokens", path, read_positive, None),
         non_torch_memory=get(section, "non_torch_memory", path, read_size, None),
-        cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, 0),
+        cuda_graph_memory=get(section, "cuda_graph_memory", path, read_size, None),
         mem_fraction_static=get(section, "mem_fraction_static", path, _fraction, None),
         sglang_version=get(section, "sglang_version", path, enum(("0.4", "0.5")), "0.4"),
-        vllm_version=get(section, "vllm_version", path, enum(("0.6", "0.16", "0.19")), "0.6"),
+        vllm_version=get(
+            section, "vllm_version", path, enum(("0.2", "0.6", "0.16", "0.19", "0.21")), "0.6"
+        ),
         free_gpu_memory_fraction=get(section, "free_gpu_memory_fraction", path, _fraction, 0.9),
         tokens_per_block=get(section, "tokens_per_block", path, read_positive, 32),
         only_weights=mode == "weights-only",

@@ -29,7 +29,12 @@ from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.states import training_states
 from shardctl.plan.memory.terms import inference_terms, training_terms
 from shardctl.plan.memory.trtllm import TrtllmOverhead, kv_reserve_bytes
-from shardctl.plan.memory.vllm import VllmOverhead, non_torch_bytes, profile_batch
+from shardctl.plan.memory.vllm import (
+    VllmOverhead,
+    default_cuda_graph_bytes,
+    non_torch_bytes,
+    profile_batch,
+)
 
 
 def _dense_bytes(dtype: str) -> int:
@@ -195,7 +200,10 @@ class Context:
             self.hw.gpu, self.mesh.tp, version=w.vllm_version, pp=self.mesh.pp
         )
         non_torch = measured if w.non_torch_memory is None else w.non_torch_memory
-        return VllmOverhead(non_torch=non_torch, cuda_graphs=w.cuda_graph_memory)
+        graphs = w.cuda_graph_memory
+        if graphs is None:
+            graphs = default_cuda_graph_bytes(w.vllm_version) if self.vllm else 0
+        return VllmOverhead(non_torch=non_torch, cuda_graphs=graphs)
 
     def trtllm_overhead(self, used: int) -> TrtllmOverhead:
         """TensorRT-LLM's non-torch memory, CUDA graphs, and the ``1 − fraction`` of what the

@@ -60,9 +60,11 @@ class Workload:
     (``non_torch_memory`` overrides it), the profile run's forward over ``profile_tokens``
     tokens (vLLM's ``max_num_batched_tokens``; ``None`` = V0's ``max(sequence_length, 2048)``)
     and its sampler over ``max_num_seqs`` sequences (``None``: the version's default),
-    ``vllm_version`` ("0.6" V0, "0.16" V1 as at 0.15-0.16, "0.19" V1 from 0.17),
-    ``cuda_graph_memory`` (0: captured after
-    the KV cache, as V0 does, or ``enforce_eager``), KV in blocks of ``block_size`` tokens.
+    ``vllm_version`` ("0.6" V0, "0.2" V0 of December 2023, "0.16" V1 as at 0.15-0.16, "0.19"
+    V1 from 0.17, "0.21" V1 from 0.21),
+    ``cuda_graph_memory`` (``None``: the version's —
+    0, graphs captured after the KV cache, except "0.21"'s estimate; 0 also for
+    ``enforce_eager``), KV in blocks of ``block_size`` tokens.
     ``sequence_length`` is then vLLM's ``max_model_len``.
 
     ``engine`` ``"sglang"`` (:mod:`shardctl.plan.memory.sglang`): ``mem_fraction_static``
@@ -87,7 +89,7 @@ class Workload:
     block_size: int = 16
     profile_tokens: int | None = None
     non_torch_memory: int | None = None
-    cuda_graph_memory: int = 0
+    cuda_graph_memory: int | None = None
     mem_fraction_static: float | None = None
     sglang_version: str = "0.4"
     vllm_version: str = "0.6"
@@ -106,12 +108,13 @@ class Workload:
             )
         if self.max_num_seqs is not None:
             _positive(self.max_num_seqs, "workload.max_num_seqs")
-        if self.vllm_version not in ("0.6", "0.16", "0.19"):
+        if self.vllm_version not in ("0.2", "0.6", "0.16", "0.19", "0.21"):
             raise InvalidInputError(
-                f"expected '0.6', '0.16' or '0.19', got {self.vllm_version!r}",
+                f"expected '0.2', '0.6', '0.16', '0.19' or '0.21', got {self.vllm_version!r}",
                 where="workload.vllm_version",
-                hint="0.6: V0's start-up profile (the default); 0.16: the V1 engine as at "
-                "0.15-0.16; 0.19: V1 from 0.17",
+                hint="0.6: V0's start-up profile (the default); 0.2: V0 of December 2023; "
+                "0.16: the V1 engine as at 0.15-0.16; 0.19: V1 from 0.17; 0.21: V1 from 0.21 "
+                "(CUDA-graph estimate subtracted)",
             )
         _positive(self.block_size, "workload.block_size")
         _positive(self.tokens_per_block, "workload.tokens_per_block")

@@ -114,7 +114,43 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         "activations.profile_tokens": tokens,
         "kv_cache.bytes_per_token": stage_kv_per_token(ctx, st),
     }
+    if w.vllm_version == "0.2" and m.tp > 1 and st.num_layers:
+        # December 2023: the all-reduced outputs were never reused within the profile run
+        # (record_stream), so they sit under the forward's and the sampler's peak.
+        retained = vllm.retained_allreduce_bytes(
+            d, tokens=tokens, num_layers=st.num_layers, first_stage=st.index == 0,
+            act_bytes=ctx.nb,
+        )  # fmt: skip
+        detail["activations.retained_allreduce"] = retained
+        peak += retained
+    moe = _vllm_moe_workspace(ctx, st, tokens)
+    if moe:
+        detail["activations.moe_workspace"] = moe
+        peak += moe
     return kv, peak, detail
+
+
+def _vllm_moe_workspace(ctx: Context, st: Stage, tokens: int) -> int:
+    """V1's persistent fused-MoE workspace (:func:`.vllm.moe_workspace_bytes`) on a stage with
+    MoE layers, for 16-bit experts (the Triton path whose shapes are read; quantized experts run
+    other kernels with their own buffers, not modelled)."""
+    assert ctx.shape is not None
+    d, w, m = ctx.shape.dims, ctx.workload, ctx.mesh
+    quantized = (
+        ctx.quant.method != "none"
+        or bool(ctx.quant.overrides)
+        or "quantization_config" in ctx.model.config
+        or ctx.dtype != ctx.model.dtype
+    )
+    if w.vllm_version not in vllm.V1_VERSIONS or not d.num_experts or not st.num_layers:
+        return 0
+    if quantized:
+        return 0
+    expert_i = ctx.model.config.get("moe_intermediate_size") or d.intermediate_size
+    return vllm.moe_workspace_bytes(
+        tokens=tokens, hidden=d.hidden_size, expert_intermediate=int(expert_i),
+        topk=d.experts_per_token, tp=m.tp, act_bytes=ctx.nb,
+    )  # fmt: skip
 
 
 def sglang_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:

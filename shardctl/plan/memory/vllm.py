@@ -23,6 +23,13 @@ from shardctl.model.types import ModelDims
 from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 
 # Which vLLM's accounting the profile follows (``workload.vllm_version``):
+# - "0.2": V0 of December 2023 (v0.2.5-v0.2.6, torch 2.1.1; vLLM PR #2031's rows): the 0.6
+#   terms as they were then — ``Worker.profile_num_available_blocks`` charged
+#   ``total − free`` after the profile run (``torch.cuda.mem_get_info``, PR #2031), the profile
+#   forward ran ``max(max_model_len, 2048)`` tokens (``SchedulerConfig``) and the sampler 256
+#   sequences — plus, when tp > 1, every row-parallel all-reduce output of that forward
+#   (:func:`retained_allreduce_bytes`): NCCL's ``record_stream`` kept them from reuse (vLLM
+#   issue #2150), fixed by ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (PR #2151, 2023-12-17);
 # - "0.6": V0 as of PR #10511 (v0.6.5; the rows of issue 15's table): non-torch counted from
 #   before the instance (CUDA context included), sampler over 256 sequences, profile forward over
 #   ``max(max_model_len, 2048)`` tokens;
@@ -36,9 +43,26 @@ from shardctl.plan.memory.hardware import GPUS, GiB, HardwareSpec, switched
 #   Sensitivity": Qwen3-14B on H100, activation 5.64 GiB and non-torch 0.13 at v0.15-v0.16,
 #   2.23 and 0.13 at v0.17, 0.25 from v0.18). Which earlier V1 releases did the same is not
 #   established: the July 2025 Qwen3-235B log agrees with it (+2.5 % in KV bytes), a vLLM
-#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not.
-VLLM_VERSIONS = ("0.6", "0.16", "0.19")
-V1_VERSIONS = ("0.16", "0.19")
+#   0.11.1 log (4×A30, OPT-2.7B, tp 4: "torch peak memory increase: 0.22GiB") does not;
+# - "0.21": the V1 engine from 0.21.0: "0.19"'s terms, and the CUDA-graph memory vLLM estimates
+#   during the profile is subtracted before the KV cache is sized ("CUDA graph memory
+#   profiling is enabled (default since v0.21.0)", ``VLLM_MEMORY_PROFILER_ESTIMATE_CUDAGRAPHS``;
+#   the estimate of vLLM PR #30515, off by default until then): :data:`CUDA_GRAPH_ESTIMATE_V021`
+#   unless ``workload.cuda_graph_memory`` gives the logged "Estimated CUDA graph memory".
+VLLM_VERSIONS = ("0.2", "0.6", "0.16", "0.19", "0.21")
+V1_VERSIONS = ("0.16", "0.19", "0.21")
+# Versions that price like "0.19" apart from the CUDA-graph estimate.
+V019_LIKE = ("0.19", "0.21")
+# vLLM >= 0.21's default CUDA-graph estimate per rank, when the workload does not give the
+# logged figure. vLLM measures it (``profile_cudagraph_memory``: it captures the first two graphs
+# of each mode against a small dummy KV cache and extrapolates the second one's increase to the
+# rest), so it is a reading, not a formula: 0.84 GiB is what vLLM 0.19 logged as the estimate
+# for Llama-3.1-8B and CodeLlama-7B on H100 at the default capture sizes (1-512,
+# FULL_AND_PIECEWISE): "CUDA graph pool memory: 0.91 GiB (actual), 0.84 GiB (estimated)"
+# (llm-d-planner accuracy/results/v0.19.0/logs, commit d3121e05). The same sweep logs 1.6 GiB
+# for Granite-3.1-2B (actual 0.84), and public logs range from 0.05 to 33 GiB: set
+# ``cuda_graph_memory`` from the log where it matters.
+CUDA_GRAPH_ESTIMATE_V021 = round(0.84 * GiB)
 
 # Non-torch memory of one rank at tp = 1 (CUDA context, cuBLAS workspace, allocator slack outside
 # torch's counters), as vLLM 0.6 measured it on that GPU:
@@ -138,7 +162,7 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     >>> round(non_torch_bytes("h100-sxm", 4, version="0.19") / GiB, 2)
     2.04
     """
-    if version == "0.19":
+    if version in V019_LIKE:
         base = NON_TORCH_PP_V019 if pp > 1 and tp == 1 else NON_TORCH_TP1_V019
     elif version == "0.16":
         base = NON_TORCH_TP1_V016
@@ -147,6 +171,16 @@ def non_torch_bytes(gpu: str | None, tp: int, *, version: str = "0.6", pp: int =
     if tp == 1:
         return base
     return base + (TP_GROUP_BYTES if switched(gpu) else TP_GROUP_BYTES_OTHER)
+
+
+def default_cuda_graph_bytes(version: str) -> int:
+    """CUDA-graph memory vLLM subtracts before sizing the KV cache when the workload does not say:
+    the estimate from 0.21 on, else 0 (graphs are captured after the KV cache is allocated).
+
+    >>> default_cuda_graph_bytes("0.19"), round(default_cuda_graph_bytes("0.21") / GiB, 2)
+    (0, 0.84)
+    """
+    return CUDA_GRAPH_ESTIMATE_V021 if version == "0.21" else 0
 
 
 def profile_tokens(max_model_len: int, max_num_batched_tokens: int | None) -> int:
@@ -204,8 +238,75 @@ def sampler_peak_bytes(
     vocab_size: int, max_num_seqs: int = MAX_NUM_SEQS, *, version: str = "0.6"
 ) -> int:
     """The profile run's sampler over ``max_num_seqs`` sequences of ``vocab_size`` logits."""
-    per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version == "0.19" else SAMPLER_BYTES_PER_LOGIT
+    per_logit = SAMPLER_BYTES_PER_LOGIT_V019 if version in V019_LIKE else SAMPLER_BYTES_PER_LOGIT
     return int(max_num_seqs * vocab_size * per_logit)
+
+
+def allreduce_count(num_layers: int, *, first_stage: bool) -> int:
+    """All-reduces of one profile forward over a stage: two per decoder layer (attention's
+    ``o_proj`` and the MLP's ``down_proj``, both ``RowParallelLinear``) and one after the
+    vocabulary-parallel embedding on the first stage."""
+    return 2 * num_layers + (1 if first_stage else 0)
+
+
+def retained_allreduce_bytes(
+    dims: ModelDims, *, tokens: int, num_layers: int, first_stage: bool, act_bytes: int
+) -> int:
+    """vLLM 0.2's extra profile memory at tp > 1: each all-reduce's ``[tokens, hidden]`` output
+    stays reserved until the profile ends.
+
+    In December 2023 vLLM all-reduced with ``torch.distributed.all_reduce`` on NCCL, and torch
+    < 2.1.2's ``ProcessGroupNCCL`` called ``record_stream`` on the tensor, so the caching
+    allocator would not hand its block out again until the host saw the NCCL stream's event
+    (pytorch PR #76861): "when using TP, the activation memory for all reduce is not reused"
+    (vLLM issue #2150, Llama-70B TP 8). That none is reused within the profile forward (the
+    host ahead of the GPU throughout) is this function's assumption; two all-reduces per layer
+    is Llama's layout (a layer with parallel attention and MLP, as Falcon's, reduces once).
+    ``mem_get_info`` after the run (PR #2031) sees every such block. Fixed by
+    ``TORCH_NCCL_AVOID_RECORD_STREAMS=1`` (vLLM PR #2151; issue #2248: back on torch 2.0.1,
+    which lacks the variable, gone with 2.1.2).
+
+    >>> from shardctl.model.types import ModelDims
+    >>> d = ModelDims(8192, 80, 64, 8, 128, 28672, 32000, False)
+    >>> retained_allreduce_bytes(d, tokens=4096, num_layers=80, first_stage=True,
+    ...                          act_bytes=2) / GiB
+    10.0625
+    """
+    count = allreduce_count(num_layers, first_stage=first_stage)
+    return count * tokens * dims.hidden_size * act_bytes
+
+
+# ``VLLM_FUSED_MOE_CHUNK_SIZE`` default (vllm/envs.py): the fused-MoE kernel runs at most this
+# many tokens at a time, so its workspaces are sized for ``min(tokens, 16384)``.
+FUSED_MOE_CHUNK_SIZE = 16 * 1024
+
+
+def moe_workspace_bytes(
+    *, tokens: int, hidden: int, expert_intermediate: int, topk: int, tp: int, act_bytes: int
+) -> int:
+    """The V1 fused-MoE kernel's workspace after the profile forward (16-bit experts).
+
+    ``FusedMoEModularKernel._allocate_buffers`` (vllm/model_executor/layers/fused_moe/
+    modular_kernel.py) takes ``workspace13``, ``workspace2`` and the output from the worker's
+    ``WorkspaceManager`` (vllm/v1/worker/workspace.py, ``get_simultaneous``): one buffer that
+    grows to the largest request and is kept for the life of the worker — so it is still
+    allocated while the profile's sampler runs, and torch's peak counts it on top. With one
+    chunk workspace13 and the output share memory: ``max(ws13, out) + ws2`` elements in the
+    activation dtype. ``TritonExperts.workspace_shapes`` (M tokens, N = 2·I/tp for gated
+    experts, K = hidden): ws13 ``(M, topk, max(I/tp, K))``, ws2 ``(M, topk, max(N, K))``,
+    output ``(M, K)``.
+
+    >>> round(moe_workspace_bytes(tokens=8192, hidden=2048, expert_intermediate=768, topk=8,
+    ...                           tp=1, act_bytes=2) / GiB, 3)  # Qwen3-30B-A3B
+    0.5
+    """
+    m = min(tokens, FUSED_MOE_CHUNK_SIZE)
+    i = expert_intermediate // tp
+    ws13 = m * topk * max(i, hidden)
+    ws2 = m * topk * max(2 * i, hidden)
+    out = tokens * hidden
+    elems = max(ws13, out) + ws2 if tokens <= m else ws13 + ws2 + out
+    return elems * act_bytes
 
 
 def profile_activation_bytes(
