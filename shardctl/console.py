@@ -101,10 +101,27 @@ def safe_streams() -> None:
                 pass
 
 
+_freezing: list[bool] = []
+
+
+def _freeze_at_exit() -> None:
+    """At interpreter exit, before its last cyclic collection, move every object still alive
+    out of the collector's sight (``gc.freeze``): shutdown then does not walk a 90k-tensor
+    inventory once more (~0.1 s of CPU on ``plan``); reference counting still frees them.
+    ``atexit`` runs before that collection, and only when the process really ends."""
+    if not _freezing:
+        import atexit
+        import gc
+
+        atexit.register(gc.freeze)
+        _freezing.append(True)
+
+
 def run_cli(fn: Callable[[], object]) -> None:
     """Run ``fn`` (the typer app, called with ``standalone_mode=False``) and exit with the
     documented code; never a bare traceback, never a multi-line usage box."""
     safe_streams()
+    _freeze_at_exit()
     signal.signal(signal.SIGINT, _raise_interrupted)
     signal.signal(signal.SIGTERM, _raise_interrupted)
     try:

@@ -18,6 +18,7 @@ from shardctl.errors import InvalidInputError
 from shardctl.io import safetensors_header as sh
 from shardctl.io.header_fast import fast_entries
 from shardctl.io.header_raw import decode_json
+from shardctl.io.header_scan import scan_entries
 
 
 def _compact(text: str) -> bytes:
@@ -42,12 +43,23 @@ def _fast(raw: bytes, size: int) -> Any:
 
 
 def _strict(raw: bytes, size: int) -> Any:
-    real = sh.fast_entries
+    real, scan = sh.fast_entries, sh.scan_entries
     sh.fast_entries = lambda *a: None  # type: ignore[assignment]
+    sh.scan_entries = lambda *a: None  # type: ignore[assignment]
     try:
         return _outcome(raw, size)
     finally:
-        sh.fast_entries = real
+        sh.fast_entries, sh.scan_entries = real, scan
+
+
+def _no_scan(raw: bytes, size: int) -> Any:
+    """The reader without the text scanner (the pair-list fast path and the strict reader)."""
+    scan = sh.scan_entries
+    sh.scan_entries = lambda *a: None  # type: ignore[assignment]
+    try:
+        return _outcome(raw, size)
+    finally:
+        sh.scan_entries = scan
 
 
 def test_a_file_written_by_safetensors_takes_the_fast_path() -> None:
@@ -63,6 +75,29 @@ def test_a_file_written_by_safetensors_takes_the_fast_path() -> None:
     raw = blob[8 : 8 + n]
     assert _fast(raw, len(blob)) is not None
     assert _outcome(raw, len(blob)) == _strict(raw, len(blob))
+    # the escaped quote in the metadata is not for the text scanner: it hands the header over
+    assert scan_entries(raw, 8 + len(raw), len(blob)) is None
+
+
+def test_a_plain_safetensors_file_takes_the_text_scanner() -> None:
+    tensors = {
+        "w": np.arange(6, dtype=np.float32).reshape(2, 3),
+        "v": np.ones(3, dtype=np.float16),
+        "é": np.zeros((0,), dtype=np.int64),
+        "s": np.array(7, dtype=np.int8),
+        "q": np.zeros((2, 0, 3), dtype=np.uint8),
+    }
+    for metadata in ({"format": "pt"}, None):
+        blob = save(tensors, metadata=metadata)
+        n = int.from_bytes(blob[:8], "little")
+        raw = blob[8 : 8 + n]
+        assert scan_entries(raw, 8 + len(raw), len(blob)) is not None
+        taken = _outcome(raw, len(blob))
+        assert taken == _strict(raw, len(blob)) == _no_scan(raw, len(blob))
+        assert sorted(e.name for e in taken.tensors) == sorted(tensors)
+        assert [(e.begin, e.end) for e in taken.tensors] == sorted(
+            (e.begin, e.end) for e in taken.tensors
+        )
 
 
 ENTRY = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
@@ -110,6 +145,7 @@ def test_what_the_strict_reader_refuses_the_fast_path_hands_over(
     raw = _compact(text)
     size = 8 + len(raw) + data
     assert _fast(raw, size) is None
+    assert scan_entries(raw, 8 + len(raw), size) is None
     with pytest.raises(InvalidInputError, match=fragment):
         sh.parse_header(raw, path=Path("mem"), file_size=size)
 
@@ -158,4 +194,88 @@ def _headers(draw: st.DrawFn) -> tuple[bytes, int]:
 @given(_headers())
 def test_fast_and_strict_decide_alike(case: tuple[bytes, int]) -> None:
     raw, size = case
+    assert _outcome(raw, size) == _strict(raw, size) == _no_scan(raw, size)
+
+
+E4 = '{"dtype":"F32","shape":[1],"data_offsets":[0,4]}'
+E8 = '{"dtype":"F32","shape":[1],"data_offsets":[4,8]}'
+
+
+@pytest.mark.parametrize(
+    "text,data",
+    [
+        (f'{{"a":{E4},"b":{E8}}}', 8),  # the canonical form: taken (the control case)
+        (f'{{"a":{E4}{{"b":{E8}}}', 8),  # no comma between entries
+        (f'{{"a":{E4},,"b":{E8}}}', 8),  # two commas
+        (f'{{"a":{E4},x"b":{E8}}}', 8),  # junk between entries
+        (f'{{"a":{E4}, "b":{E8}}}', 8),  # whitespace between entries
+        (f' {{"a":{E4},"b":{E8}}}', 8),  # whitespace before the object
+        (f'{{"a":{E4},"b":{E8}}}}}', 8),  # a brace too many
+        (f'{{"a":{E4},"b":{E8}', 8),  # no closing brace
+        (f'{{"a":{E4},"b":{E8}}} x', 8),  # text after the object
+        (f'{{"a":{E4},"a":{E8}}}', 8),  # duplicate name
+        (f'{{"a":{E4},"__metadata__":{E8}}}', 8),  # a tensor named __metadata__
+        (f'{{"__metadata__":{{"k":"1"}},"__metadata__":{E4}}}', 4),
+        (f'{{"__metadata__":{{"k":"1","k":"2"}},"a":{E4}}}', 4),  # duplicate metadata key
+        (f'{{"__metadata__":{{"k":"1"}}"a":{E4}}}', 4),  # no comma after the metadata
+        (f'{{"__metadata__":{{"k":"1"}},{{"a":{E4}}}', 4),  # a brace for a comma
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,04]}}', 4),  # leading zero
+        ('{"a":{"dtype":"F32","shape":[01],"data_offsets":[0,4]}}', 4),
+        ('{"a":{"dtype":"F32","shape":[1,],"data_offsets":[0,4]}}', 4),  # trailing comma
+        ('{"a":{"dtype":"F32","shape":[,1],"data_offsets":[0,4]}}', 4),
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4.0]}}', 4),  # a float
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[4,0]}}', 4),  # end before begin
+        ('{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,4]}}', 4),  # wrong size
+        ('{"a":{"dtype":"X9","shape":[1],"data_offsets":[0,4]}}', 4),  # unknown dtype
+        (r'{"a\u0062":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),  # escapes
+        (r'{"a\n":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),
+        (r'{"a\ud800":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),
+        (r'{"a\tb":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),
+        ('{"a\tb":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),  # a raw tab
+        (r'{"a\"":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}', 4),
+        (
+            '{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]},"b":{"dtype":"F32","shape":[1],'
+            '"data_offsets":[0,4]}}',
+            4,
+        ),  # aliases
+        (f'{{"b":{E8},"a":{E4}}}', 8),  # out of file order (legal: sorted)
+        (f'{{"a":{E4},"b":{E8}}}', 12),  # trailing bytes
+        (f'{{"a":{E4},"b":{E8}}}', 4),  # truncated
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4],"x":1}}', 4),  # unknown field
+        ('{"a":{"shape":[1],"dtype":"F32","data_offsets":[0,4]}}', 4),  # another key order
+        ('{"a":{"dtype":"F32","shape":[1],"data_offsets":[0,4]}}\t', 4),  # JSON space after
+    ],
+)
+def test_the_text_scanner_takes_only_what_the_strict_reader_takes_alike(
+    text: str, data: int
+) -> None:
+    raw = _compact(text)
+    size = 8 + len(raw) + data
+    scanned = scan_entries(raw, 8 + len(raw), size)
+    strict = _strict(raw, size)
+    if scanned is not None:
+        assert _outcome(raw, size) == strict  # taken: the same entries
+        assert not isinstance(strict, tuple)
+    assert _outcome(raw, size) == strict
+
+
+def test_the_scanner_takes_canonical_headers_with_or_without_metadata() -> None:
+    for text, data in ((f'{{"a":{E4},"b":{E8}}}', 8), (f'{{"b":{E8},"a":{E4}}}', 8)):
+        for meta in ("", '"__metadata__":{"format":"pt","k":"v"},'):
+            raw = _compact(text[:1] + meta + text[1:])
+            size = 8 + len(raw) + data
+            scanned = scan_entries(raw, 8 + len(raw), size)
+            assert scanned is not None
+            assert scanned[1] == ["a", "b"]  # file order
+            assert scanned[0] == ({"format": "pt", "k": "v"} if meta else None)
+
+
+def test_a_checkpoint_written_by_save_pretrained_takes_the_text_scanner() -> None:
+    """examples/tiny-llama is transformers' own ``save_pretrained`` output."""
+    from shardctl.io.header_raw import read_raw
+
+    path = Path(__file__).resolve().parent.parent / "examples/tiny-llama/model.safetensors"
+    raw, size = read_raw(path, sh.DEFAULT_MAX_HEADER_BYTES)
+    scanned = scan_entries(raw, 8 + len(raw), size)
+    assert scanned is not None and len(scanned[1]) > 10
     assert _outcome(raw, size) == _strict(raw, size)

@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 
 from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
 from shardctl.io.safetensors_header import HeaderEntry, header_bytes
+from shardctl.layout import classes as classes_mod
 from shardctl.layout import resolve as resolve_mod
 from shardctl.layout.engine import build_layout, staged_weight_bytes
 from shardctl.layout.rules import Matcher, compile_rules
@@ -45,6 +46,7 @@ def _both(
     options: LayoutOptions = LayoutOptions(),  # noqa: B008
 ) -> tuple[tuple[object, ...], tuple[object, ...]]:
     """The layout by name pattern, and by tensor (a fresh resolution each: no cache hit)."""
+    classes_mod._CACHE.clear()
     resolve_mod._CACHE.clear()
     fast = build_layout(model, mesh, rules=rules, options=options)
     fast_bytes = staged_weight_bytes(model, mesh, rules=rules, options=options)
@@ -54,6 +56,7 @@ def _both(
         slow = build_layout(model, mesh, rules=rules, options=options)
         slow_bytes = staged_weight_bytes(model, mesh, rules=rules, options=options)
     resolve_mod._CACHE.clear()
+    classes_mod._CACHE.clear()
     return (*_snapshot(fast), fast_bytes), (*_snapshot(slow), slow_bytes)
 
 

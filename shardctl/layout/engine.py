@@ -2,7 +2,9 @@
 
 ``build_layout`` is the one function ``plan``, ``reshard`` and ``verify`` ask; it reads shapes
 only (never tensor data, never torch). ``rank_weight_bytes`` is its fast path for ``plan`` and
-the layout search: the same resolution, but only byte counts, no ``Shard`` objects.
+the layout search: the same resolution, but only byte counts, no ``Shard`` objects — and, where
+:mod:`shardctl.layout.classes` applies (names that differ only in layer/expert numbers), no
+per-tensor object at all.
 
 Per tensor: rules → placement on tp (with parts, heads, vocab padding), its stages (decoder
 layer → ``assign_layers``; others by the rule's ``stage``), and its ep rank (experts
@@ -11,6 +13,7 @@ contiguous: expert ``e`` on ep rank ``e // (E / ep)``; everything else replicate
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -130,6 +133,9 @@ def staged_weight_bytes(
     options: LayoutOptions = LayoutOptions(),  # noqa: B008 - frozen, safe as a default
 ) -> tuple[tuple[Stage, ...], dict[tuple[int, int, int], int]]:
     """The stages and :func:`rank_weight_bytes` of one resolution (``plan`` needs both)."""
+    by_class = _staged_by_class(model, mesh, rules, options)
+    if by_class is not None:
+        return by_class
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     # A tensor's bytes per rank depend only on its (shared) split spec, dtype and packing, and
@@ -151,6 +157,66 @@ def staged_weight_bytes(
     return res.stages, _by_coord(totals, mesh)
 
 
+def _staged_by_class(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], options: LayoutOptions
+) -> tuple[tuple[Stage, ...], dict[tuple[int, int, int], int]] | None:
+    """:func:`staged_weight_bytes` from the tensor classes (:mod:`shardctl.layout.classes`):
+    no per-tensor object at all. Each tensor's stage and ep rank come from its layer and
+    expert numbers through two small maps, the tensors are counted per (class, stage, ep
+    rank) in one C-level pass, and each count is priced once. None (the per-tensor path
+    decides, and raises its own error) for any model or error that path handles itself."""
+    from shardctl.layout.classes import rule_classes
+
+    _check_options(mesh, options)
+    rc = rule_classes(model, rules)
+    if rc is None:
+        return None
+    tp, ep = mesh.tp, mesh.ep
+    try:
+        stages = assign_layers(rc.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
+        if ep > 1:
+            _check_ep(ep, rc.num_experts)
+        specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
+        numels: list[Sequence[int]] = []
+        fixed: list[tuple[int, ...]] = []  # the stages of a class without layer numbers
+        for t in rc.rules:
+            key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
+            hit = specs.get(key)
+            if hit is None:
+                hit = specs[key] = _split_spec(t, tp, options)
+            numels.append(local_numels(hit[0], tp))
+            fixed.append(
+                ()
+                if t.layer is not None
+                else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
+            )
+    except LayoutError:
+        return None
+    layer_stage = stage_of_layers(stages, rc.num_layers)
+    stage_of: dict[int | None, int] = {
+        x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers
+    }
+    per_rank = rc.num_experts // ep if rc.num_experts else 1
+    ep_of: dict[int | None, int] = {
+        x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None
+    }
+    layers, experts = map(stage_of.get, rc.layers), map(ep_of.get, rc.experts)
+    counts = Counter(zip(rc.of, layers, experts, strict=True))
+    totals = [0] * mesh.model_parallel
+    for (c, stage, ep_rank), count in counts.items():
+        t = rc.rules[c]
+        if t.layer is not None:
+            if stage is None:
+                return None  # not a layer of the stack (rule_classes checked: never)
+            on: tuple[int, ...] = (stage,)
+        else:
+            on = fixed[c]
+        share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
+        sizes = [nbytes(t.info.dtype, n // share) * count for n in numels[c]]
+        _add_at(totals, on, None if t.packed or t.expert is None else ep_rank, sizes, tp, ep)
+    return stages, _by_coord(totals, mesh)
+
+
 def rank_totals(
     res: Resolution, mesh: Mesh, sizes_of: Callable[[TensorPlan], Sequence[int]]
 ) -> dict[tuple[int, int, int], int]:
@@ -167,8 +233,20 @@ def rank_totals(
 
 def _add(totals: list[int], t: TensorPlan, sizes: Sequence[int], tp: int, ep: int) -> None:
     """``sizes[r]`` onto tp rank ``r`` of every stage and ep rank holding ``t``."""
-    eps = range(ep) if t.ep_rank is None else (t.ep_rank,)
-    for p in t.stages:
+    _add_at(totals, t.stages, t.ep_rank, sizes, tp, ep)
+
+
+def _add_at(
+    totals: list[int],
+    stages: Sequence[int],
+    ep_rank: int | None,
+    sizes: Sequence[int],
+    tp: int,
+    ep: int,
+) -> None:
+    """``sizes[r]`` onto tp rank ``r`` of ``stages`` on ``ep_rank`` (None: every ep rank)."""
+    eps = range(ep) if ep_rank is None else (ep_rank,)
+    for p in stages:
         for e in eps:
             base = (p * ep + e) * tp
             for r in range(tp):

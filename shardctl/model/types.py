@@ -18,9 +18,11 @@ from typing import Any
 from shardctl.dtypes import DTYPE_BITS, nbytes
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class TensorInfo:
-    """One tensor as stored on disk: ``model.layers.0.mlp.down_proj.weight [4096, 14336] BF16``."""
+    """One tensor as stored on disk: ``model.layers.0.mlp.down_proj.weight [4096, 14336] BF16``.
+
+    Slots: ~60 B a tensor instead of ~160 with a ``__dict__`` (90,000 of them per model)."""
 
     fqn: str
     shape: tuple[int, ...]

@@ -14,17 +14,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Mapping
+from typing import Any
 
 from shardctl.blocks import scalar_shape
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
-from shardctl.layout.types import LocalTensor
+from shardctl.layout.types import LocalTensor, Piece
 from shardctl.reshard.boxes import Box, local_in, plan_boxes
 from shardctl.reshard.gather import Gather
 from shardctl.reshard.runs import Pending, Run, runs_of
 from shardctl.reshard.window import Windows
 from shardctl.reshard.writer import OutFile
 
+# A target's (fqn, dtype, local_shape, pieces, begin): a LocalTensor's fields, unboxed.
+Fields = tuple[str, str, tuple[int, ...], tuple[Piece, ...], int]
+# A target's sources as ``(local_shape, pieces)`` each: with the target's own, its kind.
+SourceKind = tuple[tuple[tuple[int, ...], tuple[Piece, ...]], ...]
+# Entries of the identity caches (``kind_ids``, ``source_kinds``) before they are cleared.
+KIND_IDS = 4096
 # One copy of the short path: (source shard, source-local start, target-local start, sizes).
 _Part = tuple[SourceShard, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
 
@@ -37,25 +44,49 @@ class Batching(Gather, Windows):
     held_key: object = None  # the source tuple ``held`` was made from (identity)
     held: list[tuple[SourceShard, tuple[int, ...], tuple[int, ...]]] | None = None
     kinds: dict[object, tuple[int, tuple[Run, ...] | None]]  # a target kind -> bytes, runs
+    # the same by identity (``_fast``): (dtype, ids of shape, pieces, source kind) -> (bytes,
+    # runs, the objects named)
+    kind_ids: dict[tuple[str, int, int, int], tuple[Any, ...]]
+    # a source kind by the ids of its shapes and pieces -> (the shared tuple, the objects)
+    source_kinds: dict[tuple[int, ...], tuple[SourceKind, SourceKind]]
+    source_kind_values: dict[SourceKind, SourceKind]
     pending: Pending
     progress: Callable[[int], None] | None
 
     def _buffer(self, asking: OutFile | None = None) -> bytearray:
         raise NotImplementedError  # the executor's buffer pool
 
-    def _fast(self, out: OutFile, t: LocalTensor) -> bool:
-        """Append ``t`` to ``out``'s pending buffer as byte runs (:mod:`~shardctl.reshard.runs`),
-        executed later with their like; False (nothing done) when ``t`` is not a case it
-        handles."""
-        srcs = self.sources[t.fqn]
-        key = (t.dtype, t.local_shape, t.pieces, tuple([(x.local_shape, x.pieces) for x in srcs]))
-        try:
-            n, runs = self.kinds[key]
-        except KeyError:
-            n, runs = self.kinds[key] = (t.nbytes, self._runs(t, srcs))
+    def _fast(
+        self,
+        out: OutFile,
+        f: Fields,
+        srcs: tuple[SourceShard, ...],
+        kind: SourceKind,
+    ) -> bool:
+        """Append target ``f`` to ``out``'s pending buffer as byte runs
+        (:mod:`~shardctl.reshard.runs`), executed later with their like; False (nothing done)
+        when it is not a case the short path handles. ``srcs``: its sources as looked up
+        (``self.sources[fqn]``); ``kind``: their ``(local_shape, pieces)``, once per fqn."""
+        # By identity first: a split shares its shape and pieces objects among every target of
+        # a class, and hashing the pieces by value (dataclasses) was ~20% of this path. The
+        # entry holds the objects its ids name, so no id is reused while it is cached.
+        ik = (f[1], id(f[2]), id(f[3]), id(kind))
+        hit = self.kind_ids.get(ik)
+        if hit is not None:
+            n, runs = hit[0], hit[1]
+        else:
+            key = (f[1], f[2], f[3], kind)
+            try:
+                n, runs = self.kinds[key]
+            except KeyError:
+                t = LocalTensor(*f)
+                n, runs = self.kinds[key] = (t.nbytes, self._runs(t, srcs))
+            if len(self.kind_ids) >= KIND_IDS:
+                self.kind_ids.clear()
+            self.kind_ids[ik] = (n, runs, f[2], f[3], kind)
         if runs is None:
             return False
-        buf = self._room(out, t.begin, n)
+        buf = self._room(out, f[4], n)
         if out.pend_reads:
             self._issue(out)  # reads queued by the general path go first (input checksums)
         at = out.pend_len
@@ -79,6 +110,22 @@ class Batching(Gather, Windows):
             g[2].append(at + dst)
         out.pend_len += n
         return True
+
+    def _source_kind(self, srcs: tuple[SourceShard, ...]) -> SourceKind:
+        """``srcs``' ``(local_shape, pieces)``, as one shared tuple per distinct value (what
+        ``_fast`` keys by identity): looked up by the ids of the objects (a record source
+        shares them among every shard of a class), by value when they are new."""
+        ids = tuple([id(x.pieces) for x in srcs] + [id(x.local_shape) for x in srcs])
+        hit = self.source_kinds.get(ids)
+        if hit is not None:
+            return hit[0]
+        value = tuple([(x.local_shape, x.pieces) for x in srcs])
+        got = self.source_kind_values.setdefault(value, value)
+        if len(self.source_kinds) >= KIND_IDS:
+            self.source_kinds.clear()
+            self.source_kind_values = {got: got}
+        self.source_kinds[ids] = (got, value)  # ``value`` holds the objects ``ids`` name
+        return got
 
     def _runs(self, t: LocalTensor, srcs: tuple[SourceShard, ...]) -> tuple[Run, ...] | None:
         """``t``'s runs, when it fits a block and is a case the short path handles."""

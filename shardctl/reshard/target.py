@@ -27,7 +27,7 @@ class Plan:
     fmt: str
     layout: Layout | None
     files: tuple[plan_files.OutputFile, ...]
-    shard_files: dict[tuple[int, str], str]
+    shard_files: Mapping[tuple[int, str], str]  # (rank, fqn) -> file name
     index: bytes | None
     # engine formats (--format vllm): the copy engine reads these instead of the source's own
     sources: Mapping[str, tuple[SourceShard, ...]] | None = None

@@ -9,11 +9,15 @@ Mixtral: 46.7B total, 12.9B active with E = 8, k = 2).
 
 from __future__ import annotations
 
+import math
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from itertools import repeat
+from operator import attrgetter, contains
 
 from shardctl.layout.types import Stage
-from shardctl.model.types import TensorInfo, numel_by_dtype
+from shardctl.model.types import TensorInfo
 from shardctl.plan.memory.shapes import ModelShape, stage_counts
 
 
@@ -46,9 +50,13 @@ def moe_params(shape: ModelShape, tensors: Sequence[TensorInfo] = ()) -> MoePara
     d = shape.dims
     e, k = d.num_experts, d.experts_per_token
     if tensors:
-        # per (dtype, shape) pair, not per tensor: 90,000 experts share a few shapes
-        total = sum(numel_by_dtype(tuple(tensors)).values())
-        expert = sum(numel_by_dtype(tuple(t for t in tensors if ".experts." in t.fqn)).values())
+        # per (shape, expert or not) pair, not per tensor: 90,000 experts share a few shapes;
+        # one C-level counting pass (C-speed hashing), multiplied out once per pair
+        names = map(attrgetter("fqn"), tensors)
+        experts = map(contains, names, repeat(".experts."))
+        pairs = Counter(zip(map(attrgetter("shape"), tensors), experts, strict=True))
+        total = sum(math.prod(s) * n for (s, _), n in pairs.items())
+        expert = sum(math.prod(s) * n for (s, is_expert), n in pairs.items() if is_expert)
     else:
         c = stage_counts(shape, Stage(0, (0, d.num_layers - 1)), 1, 1, 1)
         total, expert = c.total, c.expert

@@ -104,10 +104,16 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
     """Bias and norm flags from the inventory's tensor names, else from the config."""
     assert model.dims is not None
     dims = model.dims
-    names = [t.fqn for t in model.tensors]
     cfg = model.config
-    if names:
-        biases = [n for n in names if n.endswith(".bias")]  # one pass, not one per question
+    if model.tensors:
+        # One pass picks the few tensors the questions below look at (each needs one of these
+        # words in its name; 90,000 expert tensors have none), the finer tests run on those.
+        picked = [
+            t
+            for t in model.tensors
+            if "bias" in t.fqn or "norm" in t.fqn or "ln_" in t.fqn or "wpe.weight" in t.fqn
+        ]
+        biases = [t.fqn for t in picked if t.fqn.endswith(".bias")]
 
         def has(*parts: str) -> bool:
             return any(any(p in n for p in parts) for n in biases)
@@ -118,15 +124,12 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             "up_proj", "gate_up_proj", "c_fc", "down_proj", "mlp.c_proj", "dense_h_to_4h", "fc1"
         )
         norm_bias = has("norm", "ln_")
-        positions = next((t.shape[0] for t in model.tensors if t.fqn.endswith("wpe.weight")), 0)
-        norms = [t for t in model.tensors if len(t.shape) == 1 and _is_norm(t.fqn)]
+        positions = next((t.shape[0] for t in picked if t.fqn.endswith("wpe.weight")), 0)
+        named = [t for t in picked if "norm" in t.fqn or "ln_" in t.fqn]  # as _is_norm needs
+        norms = [t for t in named if len(t.shape) == 1 and _is_norm(t.fqn)]
         layer_norm = sum(t.numel for t in norms if _first_layer(t.fqn))
         final_norm = sum(t.numel for t in norms if not _in_layer(t.fqn))
-        heads = [
-            t
-            for t in model.tensors
-            if len(t.shape) == 2 and _is_norm(t.fqn) and _first_layer(t.fqn)
-        ]
+        heads = [t for t in named if len(t.shape) == 2 and _is_norm(t.fqn) and _first_layer(t.fqn)]
         q_head = sum(t.shape[1] for t in heads if t.shape[0] == dims.num_heads)
         kv_head = sum(t.shape[1] for t in heads if t.shape[0] != dims.num_heads)
         return ModelShape(
@@ -141,7 +144,7 @@ def shape_from_model(model: ModelInfo, *, vocab_padding: str = "tp") -> ModelSha
             final_norm,
             q_head,
             kv_head,
-            head_bias=any(n == "lm_head.bias" for n in names),
+            head_bias="lm_head.bias" in biases,
         )
     # No tensor names: the family file says what its config implies.
     family = find(model.architecture)

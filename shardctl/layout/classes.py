@@ -1,0 +1,198 @@
+"""Tensors by *class*: the rules' half of a layout without one object per tensor.
+
+90,000 expert tensors are a dozen classes — names that differ only in their whole numbers
+(layer, expert), with one shape and dtype. ``resolve_rules`` already places the first tensor
+of a class and copies its result to the others; here the copies are never made. The names
+are read as columns, with one regular-expression pass over all of them at once:
+
+- each tensor's class (its name pattern ``model.layers.#.mlp.experts.#.w1.weight``, shape,
+  dtype, and whether it trails the decoder stack) and its first tensor;
+- its layer and expert numbers, taken from the same position (the pattern's slot) that
+  :func:`~shardctl.layout.pipeline.layer_index` and the expert rule read in its first tensor.
+
+The first tensors go through ``resolve_rules`` itself (a model of those tensors only), so
+their placement is the one the per-tensor path gives; the checks that depend on every
+tensor's numbers (layer and expert ranges) run on the columns. Anything the per-tensor path
+handles one by one — quantized groups, rules that see numbers, a name holding ``#`` or a
+newline — or any error returns ``None``: the per-tensor path then decides (and words the
+error exactly as before).
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, replace
+from itertools import accumulate
+from operator import attrgetter
+
+from shardctl.errors import LayoutError
+from shardctl.gcpause import gc_paused
+from shardctl.layout import resolve
+from shardctl.layout.pipeline import _LAYER
+from shardctl.layout.resolve import _EXPERT, _NUMBER, TensorRule
+from shardctl.layout.rules import compile_rules
+from shardctl.layout.types import RuleSpec
+from shardctl.model.types import ModelInfo
+
+# ``resolve._NUMBER`` over names joined by newlines: a whole number ends at a dot, a newline
+# (the end of its name) or the end of the text; the group makes ``split`` keep the number.
+_NUMBER_LINES = re.compile(r"\.(\d+)(?=[.\n]|\Z)")
+# The quantized-group anchors' name endings (shardctl.quant.groups): a model with one takes
+# the per-tensor path.
+_ANCHOR_ENDS = (".weight_scale_inv", ".qweight", ".weight_packed", ".weight_scale", "_blocks")
+
+
+@dataclass(frozen=True)
+class RuleClasses:
+    """Every tensor's class and numbers, in ``model.tensors`` order.
+
+    ``rules[c]`` is class ``c``'s first tensor as ``resolve_rules`` places it; a tensor of
+    class ``c`` has its own ``layers[i]`` where ``rules[c].layer`` is not None, its own
+    ``experts[i]`` where ``rules[c].expert`` is not None, and is otherwise placed alike.
+    """
+
+    rules: tuple[TensorRule, ...]
+    of: list[int]  # class per tensor
+    layers: list[int | None]  # layer_index of each name (None: no layer number)
+    experts: list[int | None]  # expert index of each name (None: no expert number)
+    num_layers: int
+    num_experts: int
+    tied: bool
+
+
+_CACHE: dict[tuple[int, tuple[RuleSpec, ...]], tuple[weakref.ref[ModelInfo], RuleClasses | None]]
+_CACHE = {}
+_CACHE_SIZE = 16
+
+
+def rule_classes(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | None:
+    """:func:`classes_of`, cached per ``(model object, rules)`` (the layout search asks for
+    hundreds of meshes of one model)."""
+    key = (id(model), tuple(rules))
+    hit = _CACHE.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    result = classes_of(model, key[1])
+    if len(_CACHE) >= _CACHE_SIZE:
+        _CACHE.clear()
+    _CACHE[key] = (weakref.ref(model), result)
+    return result
+
+
+@gc_paused
+def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | None:
+    """The classes of ``model``'s tensors, or None where the per-tensor path must decide."""
+    tensors = model.tensors
+    n = len(tensors)
+    if n == 0:
+        return None
+    names = list(map(attrgetter("fqn"), tensors))
+    joined = "\n".join(names)
+    if "#" in joined or joined.count("\n") != n - 1:
+        return None  # "#" is the number's stand-in; a newline would split a name
+    arch = model.architecture
+    from shardctl.layout.presets import preset
+
+    if not resolve._number_blind(compile_rules(tuple(rules), preset(arch), arch)):
+        return None
+    # one pass: the text between whole numbers, and the numbers (every other piece)
+    pieces = _NUMBER_LINES.split(joined)
+    numbers = pieces[1::2]
+    patterns = ".#".join(pieces[0::2]).split("\n")
+    if len(patterns) != n:
+        return None
+    dims = model.dims
+    first_mtp = dims.num_layers if dims is not None and dims.mtp_layers else None
+
+    # Each pattern's number slots: where its layer and expert numbers sit among its numbers.
+    first_of_pattern = dict(zip(reversed(patterns), range(n - 1, -1, -1), strict=True))
+    count = {p: p.count("#") for p in first_of_pattern}
+    starts = list(accumulate(map(count.__getitem__, patterns), initial=0))
+    try:
+        layer_slot = {p: _slot(_LAYER, names[i]) for p, i in first_of_pattern.items()}
+        expert_slot = {p: _slot(_EXPERT, names[i]) for p, i in first_of_pattern.items()}
+    except _NoSlot:
+        return None
+    layers = _column(numbers, starts, map(layer_slot.__getitem__, patterns))
+    experts = _column(numbers, starts, map(expert_slot.__getitem__, patterns))
+
+    if first_mtp is not None:
+        trailing = [x is not None and x >= first_mtp for x in layers]
+    else:
+        trailing = [False] * n
+    keys = list(
+        zip(
+            patterns,
+            map(attrgetter("shape"), tensors),
+            map(attrgetter("dtype"), tensors),
+            trailing,
+            strict=True,
+        )
+    )
+    firsts = dict(zip(reversed(keys), range(n - 1, -1, -1), strict=True))
+    order = sorted(firsts.values())  # classes in order of first appearance
+    index = {keys[i]: c for c, i in enumerate(order)}
+    of = list(map(index.__getitem__, keys))
+    reps = tuple(tensors[i] for i in order)
+    if any(t.fqn.endswith(_ANCHOR_ENDS) for t in reps):
+        return None  # quantized members are placed one by one, with their group
+    try:
+        placed = resolve.resolve_rules(replace(model, tensors=reps), rules)
+    except LayoutError:
+        return None  # the per-tensor path raises it, naming the tensor it names
+    if len(placed.tensors) != len(reps):
+        return None
+    classes = placed.tensors
+
+    # The checks resolve_rules makes on every tensor's numbers, on the columns.
+    layer_on = {c for c, t in enumerate(classes) if t.layer is not None}
+    expert_on = {c for c, t in enumerate(classes) if t.expert is not None}
+    seen_layers = set(zip(of, layers, strict=True))
+    used = [x for c, x in seen_layers if c in layer_on and x is not None]
+    num_layers = dims.num_layers if dims is not None else (max(used) + 1 if used else 0)
+    if any(x >= num_layers for x in used):
+        return None
+    if first_mtp is not None and dims is not None:
+        last = first_mtp + dims.mtp_layers
+        if any(c not in layer_on and x is not None and x >= last for c, x in seen_layers):
+            return None
+    num_experts = dims.num_experts if dims is not None else 0
+    if num_experts:
+        seen = {x for c, x in set(zip(of, experts, strict=True)) if c in expert_on}
+        if any(x is None or x >= num_experts for x in seen):
+            return None
+    return RuleClasses(classes, of, layers, experts, num_layers, num_experts, placed.tied)
+
+
+class _NoSlot(Exception):
+    """A name whose layer or expert number is not one of its whole numbers."""
+
+
+def _slot(regex: re.Pattern[str], name: str) -> int | None:
+    """Which of ``name``'s whole numbers ``regex`` (group 1) reads, or None when it reads
+    none. The names of one pattern differ only in those numbers, so it reads the same slot
+    in each."""
+    m = regex.search(name)
+    if m is None:
+        return None
+    slot = len(_NUMBER.findall(name, 0, m.start(1)))
+    found = _NUMBER.findall(name)
+    if slot >= len(found) or found[slot] != "." + m.group(1):
+        raise _NoSlot(name)  # not that whole number: the slot would mean nothing
+    return slot
+
+
+def _column(numbers: list[str], starts: list[int], slots: Iterable[int | None]) -> list[int | None]:
+    """Each name's number at its pattern's slot (None where the pattern has no such slot)."""
+    text = [
+        numbers[start + slot] if slot is not None else None
+        for start, slot in zip(starts, slots, strict=False)  # starts has one more: the end
+    ]
+    value: dict[str | None, int | None] = {s: int(s) for s in set(text) if s is not None}
+    value[None] = None
+    return list(map(value.__getitem__, text))
+
+
+__all__ = ["RuleClasses", "classes_of", "rule_classes"]
