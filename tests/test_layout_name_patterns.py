@@ -223,3 +223,20 @@ def _prod(shape: tuple[int, ...]) -> int:
     for s in shape:
         out *= s
     return out
+
+
+def test_reshard_drops_its_cached_rules(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """A rule per tensor (~20 MB at 90k tensors) is cached per model; reshard forgets its
+    source's once the layout is built, and ``forget`` also clears entries of dead models."""
+    from shardctl.api import reshard
+    from tests._models import make_checkpoint
+
+    model = _model("llama")
+    resolve_mod.model_rules(model, ())
+    assert any(ref() is model for ref, _ in resolve_mod._CACHE.values())
+    resolve_mod.forget(model)
+    assert not any(ref() is model for ref, _ in resolve_mod._CACHE.values())
+    src = make_checkpoint("mixtral", tmp_path / "hf")
+    resolve_mod._CACHE.clear()
+    reshard(src, tmp_path / "tp2", mesh={"tp": 2, "ep": 2})
+    assert resolve_mod._CACHE == {}
