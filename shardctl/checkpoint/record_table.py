@@ -273,10 +273,38 @@ def _shared(table: RecordTable) -> dict[Any, Any]:
     return got
 
 
+def dense(key: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """``(ids, first)`` of the rows of the 2-d integer array ``key``: ``ids[j]`` numbers row
+    ``j``'s distinct value (in the order of the rows' codes), ``first[i]`` a row holding
+    value ``i``. Columns are folded into one int64 code (``code * span + value``), the code
+    renumbered densely only when the next column would overflow it; one sort at the end
+    (``np.unique(axis=0)`` sorts rows as raw bytes: ~0.2 s for 45,000 rows of ~10 integers,
+    this ~6 ms)."""
+    n = key.shape[0]
+    code = np.zeros(n, dtype=np.int64)
+    hi = 1  # every code is below hi
+    for col in key.T:
+        if n == 0:
+            break
+        lo = int(col.min())
+        span = int(col.max()) - lo + 1
+        if hi * span >= 2**62:
+            code = np.unique(code, return_inverse=True)[1].ravel()
+            hi = int(code.max()) + 1
+            if hi * span >= 2**62:  # a column of huge values: its ranks instead
+                col = np.unique(col, return_inverse=True)[1].ravel()
+                lo, span = 0, int(col.max()) + 1
+        code = code * span + (col - lo)
+        hi *= span
+    _, first, ids = np.unique(code, return_index=True, return_inverse=True)
+    return ids.ravel(), first
+
+
 def boxes_of(table: RecordTable, r: RankTable) -> tuple[Sequence[int], list[Any]]:
     """Every shard's ``(local_shape, pieces)`` as an id into a list of distinct ones, worked
-    out once per rank with ``np.unique`` (an MoE rank of 45,000 shards has a few dozen).
-    ``None`` where a rank has too many distinct ones to keep (then built per access)."""
+    out once per rank with :func:`dense` (an MoE rank of 45,000 shards has a few dozen).
+    ``([], [])`` where a rank has more than ``CACHE_LIMIT`` distinct ones (then built per
+    access)."""
     got: tuple[Sequence[int], list[Any]] | None = r.__dict__.get("_boxes")
     if got is not None:
         return got
@@ -298,12 +326,12 @@ def boxes_of(table: RecordTable, r: RankTable) -> tuple[Sequence[int], list[Any]
                 r.local_offsets[k].reshape(rows.size, c * width),
             ]
         )
-        uniq, inverse = np.unique(key, axis=0, return_inverse=True)
-        ids[rows] = inverse.ravel() + len(combos)
-        if len(combos) + len(uniq) > CACHE_LIMIT:
+        local_ids, firsts = dense(key)
+        if len(combos) + len(firsts) > CACHE_LIMIT:
             combos = []
             break
-        for row in uniq.tolist():
+        ids[rows] = local_ids + len(combos)
+        for row in key[firsts].tolist():
             d = row[0]
             local = tuple(row[1 : 1 + d])
             base = 1 + width
