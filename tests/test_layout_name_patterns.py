@@ -233,10 +233,10 @@ def test_reshard_drops_its_cached_rules(tmp_path) -> None:  # type: ignore[no-un
 
     model = _model("llama")
     resolve_mod.model_rules(model, ())
-    assert any(ref() is model for ref, _ in resolve_mod._CACHE.values())
+    assert any(ref() is model for ref, _ in resolve_mod._CACHE.entries.values())
     resolve_mod.forget(model)
-    assert not any(ref() is model for ref, _ in resolve_mod._CACHE.values())
+    assert not any(ref() is model for ref, _ in resolve_mod._CACHE.entries.values())
     src = make_checkpoint("mixtral", tmp_path / "hf")
     resolve_mod._CACHE.clear()
     reshard(src, tmp_path / "tp2", mesh={"tp": 2, "ep": 2})
-    assert resolve_mod._CACHE == {}
+    assert resolve_mod._CACHE.entries == {}

@@ -21,7 +21,6 @@ error exactly as before).
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import accumulate
@@ -30,6 +29,7 @@ from operator import attrgetter
 from shardctl.errors import LayoutError
 from shardctl.gcpause import gc_paused
 from shardctl.layout import resolve
+from shardctl.layout.permodel import PerModel
 from shardctl.layout.pipeline import _LAYER
 from shardctl.layout.resolve import _EXPERT, _NUMBER, TensorRule
 from shardctl.layout.rules import compile_rules
@@ -62,23 +62,10 @@ class RuleClasses:
     tied: bool
 
 
-_CACHE: dict[tuple[int, tuple[RuleSpec, ...]], tuple[weakref.ref[ModelInfo], RuleClasses | None]]
-_CACHE = {}
-_CACHE_SIZE = 16
-
-
 def rule_classes(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | None:
     """:func:`classes_of`, cached per ``(model object, rules)`` (the layout search asks for
     hundreds of meshes of one model)."""
-    key = (id(model), tuple(rules))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    result = classes_of(model, key[1])
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.clear()
-    _CACHE[key] = (weakref.ref(model), result)
-    return result
+    return _CACHE(model, rules)
 
 
 @gc_paused
@@ -196,3 +183,6 @@ def _column(numbers: list[str], starts: list[int], slots: Iterable[int | None]) 
 
 
 __all__ = ["RuleClasses", "classes_of", "rule_classes"]
+
+
+_CACHE: PerModel[RuleClasses | None] = PerModel(classes_of)

@@ -8,11 +8,11 @@ and the rules, so it is computed once per ``(model, rules)`` and cached.
 from __future__ import annotations
 
 import re
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from shardctl.errors import LayoutError
+from shardctl.layout.permodel import PerModel
 from shardctl.layout.pipeline import layer_index
 from shardctl.layout.placement import Resolved, resolve_placement
 from shardctl.layout.presets import conv1d as is_conv1d
@@ -63,28 +63,15 @@ class ModelRules:
     tied: bool  # no lm_head on disk: the embedding table is also the head
 
 
-_CACHE: dict[tuple[int, tuple[RuleSpec, ...]], tuple[weakref.ref[ModelInfo], ModelRules]] = {}
-_CACHE_SIZE = 16
-
-
 def model_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     """:func:`resolve_rules`, cached per ``(model object, rules)``."""
-    key = (id(model), tuple(rules))
-    hit = _CACHE.get(key)
-    if hit is not None and hit[0]() is model:
-        return hit[1]
-    result = resolve_rules(model, key[1])
-    if len(_CACHE) >= _CACHE_SIZE:
-        _CACHE.clear()
-    _CACHE[key] = (weakref.ref(model), result)
-    return result
+    return _CACHE(model, rules)
 
 
 def forget(model: ModelInfo) -> None:
     """Drop :func:`model_rules`' cached results for ``model`` (a rule per tensor: ~20 MB at
     90,000 tensors), for a caller that has built its layout and will not ask again."""
-    for key in [k for k, (ref, _) in _CACHE.items() if ref() is model or ref() is None]:
-        del _CACHE[key]
+    _CACHE.forget(model)
 
 
 def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
@@ -422,3 +409,6 @@ def _expert_index(fqn: str) -> int | None:
     # the leftmost match: at the start, else after a dot (a literal-led search is ~3× faster)
     m = (_EXPERT if fqn.startswith("experts.") else _EXPERT_DOT).search(fqn)
     return None if m is None else int(m.group(1))
+
+
+_CACHE: PerModel[ModelRules] = PerModel(resolve_rules)
