@@ -26,6 +26,7 @@ from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec
 from shardctl.model.inventory import from_config
 from shardctl.model.types import ModelInfo, TensorInfo
 from tests._models import CONFIGS
+from tests.test_layout_name_patterns import CASES as PATTERN_CASES
 
 
 def _model(name: str, **overrides: Any) -> ModelInfo:
@@ -73,17 +74,9 @@ def _shard_bytes(
 
 
 CASES = [
-    ("deepseek_v3", dict(num_nextn_predict_layers=1, include_mtp_layers=True),
-     [Mesh(pp=2, tp=2, ep=2), Mesh(pp=3, ep=4), Mesh(pp=4, tp=4)]),
-    ("mixtral", dict(num_hidden_layers=12, num_local_experts=16),
-     [Mesh(pp=3, ep=4, tp=2), Mesh(pp=2, ep=16), Mesh(tp=2)]),
-    ("qwen3_moe", {}, [Mesh(pp=2, ep=2, tp=2)]),
-    ("gpt_oss", {}, [Mesh(pp=2, ep=2, tp=2)]),  # packed experts: dim 0 over ep
-    ("llama4_text", {}, [Mesh(pp=2, ep=2, tp=2)]),
-    ("gpt2", dict(n_layer=11), [Mesh(pp=3, tp=2)]),  # h.{i}, preset globs ln_[12]
-    ("stablelm", {}, [Mesh(pp=2, tp=2)]),  # per-head norms.{h}: a number that is no layer
+    *PATTERN_CASES,  # test_layout_name_patterns' families and meshes, and a tied embedding
     ("llama", dict(num_hidden_layers=6, tie_word_embeddings=True), [Mesh(pp=2, tp=2)]),
-]  # fmt: skip
+]
 
 
 @pytest.mark.parametrize(("name", "overrides", "meshes"), CASES, ids=[c[0] for c in CASES])

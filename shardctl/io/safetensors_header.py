@@ -157,28 +157,26 @@ def read_header(path: Path, *, max_header_bytes: int | None = None) -> Safetenso
 def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader:
     """Validate the JSON header bytes ``raw`` of a file of ``file_size`` bytes."""
     where = str(path)
-    scanned = scan_entries(raw, 8 + len(raw), file_size)
-    if scanned is not None:
+
+    def header(
+        metadata: dict[str, str] | None, tensors: Iterable[HeaderEntry]
+    ) -> SafetensorsHeader:
         return SafetensorsHeader(
             path=path,
             header_len=len(raw),
             data_offset=8 + len(raw),
             file_size=file_size,
-            metadata=scanned[0],
-            tensors=tuple(_entry_columns(*scanned[1:])),
+            metadata=metadata,
+            tensors=tuple(tensors),
         )
+
+    scanned = scan_entries(raw, 8 + len(raw), file_size)
+    if scanned is not None:  # a canonical header, read as text columns
+        return header(scanned[0], _entry_columns(*scanned[1:]))
     pairs = decode_json(raw, where)
     fast = fast_entries(pairs, 8 + len(raw), file_size)
     if fast is not None:
-        tensors = _entries(fast[1])
-        return SafetensorsHeader(
-            path=path,
-            header_len=len(raw),
-            data_offset=8 + len(raw),
-            file_size=file_size,
-            metadata=fast[0],
-            tensors=tuple(tensors),
-        )
+        return header(fast[0], _entries(fast[1]))
     metadata: dict[str, str] | None = None
     seen_metadata = False
     names: set[str] = set()
@@ -201,14 +199,7 @@ def parse_header(raw: bytes, *, path: Path, file_size: int) -> SafetensorsHeader
     data_offset = 8 + len(raw)
     entries.sort(key=lambda e: (e.begin, e.end))
     _check_tiling(entries, data_offset, file_size, where)
-    return SafetensorsHeader(
-        path=path,
-        header_len=len(raw),
-        data_offset=data_offset,
-        file_size=file_size,
-        metadata=metadata,
-        tensors=tuple(entries),
-    )
+    return header(metadata, entries)
 
 
 def _metadata(info: Any, where: str) -> dict[str, str]:
