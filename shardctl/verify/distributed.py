@@ -27,6 +27,23 @@ if TYPE_CHECKING:
 def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) -> int:
     import torch.distributed as dist
 
+    device = local_device()
+    dist.init_process_group("nccl" if device != "cpu" else "gloo", timeout=timedelta(hours=2))
+    try:
+        code = _run(src, dst, device, seed=seed, report=report)
+        # Leave together: a rank that tore its gloo pairs down and exited while rank 0 was
+        # still writing the report made rank 0 abort at exit now and then ("terminate called
+        # without an active exception", SIGABRT: exit 1 for a verified layout). On an error
+        # there is no barrier: torchrun's agent stops the other ranks.
+        dist.barrier()
+        return code
+    finally:
+        dist.destroy_process_group()
+
+
+def _run(src: Path, dst: Path, device: str, *, seed: int, report: Path | None) -> int:
+    import torch.distributed as dist
+
     from shardctl.verify import forward as fw
     from shardctl.verify.api import sharded_view
     from shardctl.verify.comm import DistComm, Topology
@@ -34,40 +51,35 @@ def run_under_torchrun(src: Path, dst: Path, *, seed: int, report: Path | None) 
     from shardctl.verify.rank import run_rank
 
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    device = local_device()
     cuda = device != "cpu"
-    dist.init_process_group("nccl" if cuda else "gloo", timeout=timedelta(hours=2))
-    try:
-        result, stop = _bitwise_on_rank0(src, dst, rank, cuda)
-        if stop:  # not equivalent (rank 0 reports), or rank 0 could not verify
-            return _finish(result, report)
-        ck = sharded_view(open_destination(dst))
-        if ck.world != world:
-            raise EnvironmentFailure(
-                f"torchrun started {world} processes, the layout has {ck.world} model-parallel "
-                "ranks (pp × ep × tp)",
-                hint=f"use --nnodes × --nproc-per-node = {ck.world}",
-            )
-        jobs = fw.make_jobs(ck, device="cuda" if cuda else "cpu", simulated=False, seed=seed)
-        job = replace(jobs[rank], device=device)  # make_jobs numbers GPUs by global rank
-        ref = _reference_on_rank0(src, job, result, rank)
-        job = replace(job, routing=_shared(None if ref is None else ref.routing) or None)
-        outcome = run_rank(job, DistComm(rank, Topology(*job.topo)))
-        problems: list[list[str] | None] | None = [None] * world if rank == 0 else None
-        dist.gather_object(outcome.problems, problems, dst=0)
-        logits = _logits_to_rank0(outcome.logits, ck, job, rank, device, problems)
-        if rank != 0:
-            return EXIT_OK
-        assert result is not None and ref is not None
-        _record_forward(result, problems or [], logits, ref, job, seed)
-        result.environment.update(
-            fw.plan_run("cuda" if cuda else "cpu", world, False),
-            launcher="torchrun",
-            nodes=os.environ.get("GROUP_WORLD_SIZE", "?"),
-        )
+    result, stop = _bitwise_on_rank0(src, dst, rank, cuda)
+    if stop:  # not equivalent (rank 0 reports), or rank 0 could not verify
         return _finish(result, report)
-    finally:
-        dist.destroy_process_group()
+    ck = sharded_view(open_destination(dst))
+    if ck.world != world:
+        raise EnvironmentFailure(
+            f"torchrun started {world} processes, the layout has {ck.world} model-parallel "
+            "ranks (pp × ep × tp)",
+            hint=f"use --nnodes × --nproc-per-node = {ck.world}",
+        )
+    jobs = fw.make_jobs(ck, device="cuda" if cuda else "cpu", simulated=False, seed=seed)
+    job = replace(jobs[rank], device=device)  # make_jobs numbers GPUs by global rank
+    ref = _reference_on_rank0(src, job, result, rank)
+    job = replace(job, routing=_shared(None if ref is None else ref.routing) or None)
+    outcome = run_rank(job, DistComm(rank, Topology(*job.topo)))
+    problems: list[list[str] | None] | None = [None] * world if rank == 0 else None
+    dist.gather_object(outcome.problems, problems, dst=0)
+    logits = _logits_to_rank0(outcome.logits, ck, job, rank, device, problems)
+    if rank != 0:
+        return EXIT_OK
+    assert result is not None and ref is not None
+    _record_forward(result, problems or [], logits, ref, job, seed)
+    result.environment.update(
+        fw.plan_run("cuda" if cuda else "cpu", world, False),
+        launcher="torchrun",
+        nodes=os.environ.get("GROUP_WORLD_SIZE", "?"),
+    )
+    return _finish(result, report)
 
 
 def _bitwise_on_rank0(
