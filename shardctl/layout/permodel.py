@@ -36,8 +36,10 @@ class PerModel(Generic[T]):
 
     def forget(self, model: ModelInfo) -> None:
         """Drop ``model``'s results and those of models no longer alive."""
-        for key in [k for k, (ref, _) in self.entries.items() if ref() in (model, None)]:
-            del self.entries[key]
+        for key, (ref, _) in list(self.entries.items()):
+            alive = ref()
+            if alive is None or alive is model:  # identity: an equal model is another entry
+                del self.entries[key]
 
     def clear(self) -> None:
         self.entries.clear()
