@@ -62,14 +62,19 @@ def _no_scan(raw: bytes, size: int) -> Any:
         sh.scan_entries = scan
 
 
-def test_a_file_written_by_safetensors_takes_the_fast_path() -> None:
-    tensors = {
+def _written_tensors() -> dict[str, np.ndarray]:
+    """A few tensors safetensors writes: a non-ASCII name, a scalar, empty shapes."""
+    return {
         "w": np.arange(6, dtype=np.float32).reshape(2, 3),
         "v": np.ones(3, dtype=np.float16),
         "é": np.zeros((0,), dtype=np.int64),
         "s": np.array(7, dtype=np.int8),
         "q": np.zeros((2, 0, 3), dtype=np.uint8),
     }
+
+
+def test_a_file_written_by_safetensors_takes_the_fast_path() -> None:
+    tensors = _written_tensors()
     blob = save(tensors, metadata={"format": "pt", "k": 'a "quoted" value'})
     n = int.from_bytes(blob[:8], "little")
     raw = blob[8 : 8 + n]
@@ -80,13 +85,7 @@ def test_a_file_written_by_safetensors_takes_the_fast_path() -> None:
 
 
 def test_a_plain_safetensors_file_takes_the_text_scanner() -> None:
-    tensors = {
-        "w": np.arange(6, dtype=np.float32).reshape(2, 3),
-        "v": np.ones(3, dtype=np.float16),
-        "é": np.zeros((0,), dtype=np.int64),
-        "s": np.array(7, dtype=np.int8),
-        "q": np.zeros((2, 0, 3), dtype=np.uint8),
-    }
+    tensors = _written_tensors()
     for metadata in ({"format": "pt"}, None):
         blob = save(tensors, metadata=metadata)
         n = int.from_bytes(blob[:8], "little")
