@@ -28,7 +28,9 @@ import os, pathlib, sys, time
 rank = int(os.environ["RANK"])
 held = bytearray(b"\\x01") * ((rank + 1) * {held})  # every page written: resident
 run = pathlib.Path(sys.argv[1])
-(run / f"ready-{{rank}}").write_text(str(os.getpid()))
+part = run / f"ready-{{rank}}.part"
+part.write_text(str(os.getpid()))
+part.rename(run / f"ready-{{rank}}")  # whole or absent: the test reads it the moment it appears
 while not (run / "stop").exists():
     time.sleep(0.1)
 """
