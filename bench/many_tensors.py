@@ -9,12 +9,14 @@ Build the checkpoints first with ``bench/many_tensors_build.py`` (transformers'
 ``DIR 1000 30 128 64`` gives 90,213 tensors / 1.5 GB.
 
 Page cache warm (one untimed pass of everything first). Each round runs, in this order and on
-the same filesystem: ``cp -r SRC``, ``xargs -P <cores> cp`` of SRC's files, shardctl reshard
-``--tp --ep``, ``cp -r`` of the split output, merge back ``--format hf``, ``cat`` of SRC and the
-split output, ``verify --level bitwise``, then ``plan``-free ``inspect SRC``. Every command
-runs under ``/usr/bin/time`` (wall, peak RSS). Prints per-command medians and the ratios the
-issue asks for: reshard and merge to ``cp -r`` / parallel cp of the same bytes, verify to
-``cat`` of both trees.
+the same filesystem: ``cp -r SRC`` (plain, and durable: ``&& sync`` of the copy, as shardctl
+fsyncs what it writes), ``xargs -P <cores> cp`` of SRC's files, shardctl reshard ``--tp --ep``,
+``cp -r`` of the split output (plain and durable), merge back ``--format hf``, ``cat`` of SRC
+and the split output, ``verify --level bitwise``, then ``plan``-free ``inspect SRC``. Every
+command runs under ``/usr/bin/time`` (wall, peak RSS). Prints per-command medians and the
+ratios the issue asks for: reshard and merge to ``cp -r`` / parallel cp of the same bytes,
+verify to ``cat`` of both trees. The checkouts are byte-compiled first (``_compiled``), as a
+pip install leaves them.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import statistics
 import subprocess
 import sys
 from pathlib import Path
+
+from _compiled import byte_compile
 
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
@@ -60,19 +64,24 @@ def main() -> None:
         "run too, right after this checkout's, each round (before/after, same conditions)",
     )
     a = ap.parse_args()
+    byte_compile(REPO, *([a.baseline.resolve()] if a.baseline is not None else []))
     src, w = a.src.resolve(), a.work.resolve()
     w.mkdir(parents=True, exist_ok=True)
     cores = len(os.sched_getaffinity(0))
     sh = f"{PY} -m shardctl"
-    split, merged, cp1, cp2, cp3 = (w / n for n in ("split", "merged", "cp", "pcp", "cpsplit"))
+    names = ("split", "merged", "cp", "pcp", "cpsplit", "dcp", "dcpsplit")
+    split, merged, cp1, cp2, cp3, dcp1, dcp3 = (w / n for n in names)
     steps = {
         "cp -r src": (f"cp -r {src} {cp1}", [cp1]),
+        # durable: shardctl fsyncs every file it writes (a no-op on tmpfs, not on disk)
+        "cp -r src + sync": (f"cp -r {src} {dcp1} && sync {dcp1}/* {dcp1}", [dcp1]),
         f"xargs -P{cores} cp src": (
             f"mkdir {cp2} && ls {src}/* | xargs -P{cores} -I{{}} cp {{}} {cp2}/",
             [cp2],
         ),
         "reshard": (f"{sh} reshard {src} {split} --tp {a.tp} --ep {a.ep}", [split]),
         "cp -r split": (f"cp -r {split} {cp3}", [cp3]),
+        "cp -r split + sync": (f"cp -r {split} {dcp3} && sync {dcp3}/* {dcp3}", [dcp3]),
         "merge": (f"{sh} reshard {split} {merged} --format hf", [merged]),
         "cat src+split": (f"cat {src}/*.safetensors {split}/*.safetensors > /dev/null", []),
         "verify bitwise": (f"{sh} verify {src} {split} --level bitwise > /dev/null", []),
@@ -100,17 +109,18 @@ def main() -> None:
         extra = []
     times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
     for r in range(a.rounds + 1):  # round 0: warm-up, not counted
-        for d in (cp1, cp2, cp3, merged, split, *extra):
+        for d in (cp1, cp2, cp3, dcp1, dcp3, merged, split, *extra):
             shutil.rmtree(d, ignore_errors=True)
         for name, (cmd, outs) in steps.items():
-            if name in ("cp -r src", f"xargs -P{cores} cp src"):
+            copies = ("cp -r src", "cp -r src + sync", f"xargs -P{cores} cp src")
+            if name in copies:
                 for d in outs:
                     shutil.rmtree(d, ignore_errors=True)
             got = run(cmd, w / ".time")
             if r:
                 times[name].append(got)
             print(f"round {r} {name:22s} {got[0]:7.2f} s {got[1]:7.1f} MiB", flush=True)
-            if name in ("cp -r src", f"xargs -P{cores} cp src", "cp -r split"):
+            if name in (*copies, "cp -r split", "cp -r split + sync"):
                 for d in outs:
                     shutil.rmtree(d, ignore_errors=True)
     med = {k: statistics.median(x[0] for x in v) for k, v in times.items()}
@@ -119,8 +129,10 @@ def main() -> None:
     pc = f"xargs -P{cores} cp src"
     ratio = {
         "reshard": f"{med['reshard'] / med['cp -r src']:.2f}× cp -r, "
-        f"{med['reshard'] / med[pc]:.2f}× parallel cp",
-        "merge": f"{med['merge'] / med['cp -r split']:.2f}× cp -r (split)",
+        f"{med['reshard'] / med[pc]:.2f}× parallel cp, "
+        f"{med['reshard'] / med['cp -r src + sync']:.2f}× cp -r + sync",
+        "merge": f"{med['merge'] / med['cp -r split']:.2f}× cp -r (split), "
+        f"{med['merge'] / med['cp -r split + sync']:.2f}× cp -r + sync",
         "verify bitwise": f"{med['verify bitwise'] / med['cat src+split']:.2f}× cat",
     }
     if a.baseline is not None:

@@ -21,6 +21,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from _compiled import byte_compile
+
 REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
@@ -48,6 +50,7 @@ def main() -> None:
     ap.add_argument("--repo-b", type=Path, default=None, help="a second checkout to compare")
     ap.add_argument("--log", type=Path, default=Path("/tmp/many_tensors_read.time"))
     a = ap.parse_args()
+    byte_compile(REPO)
     src, dst = a.src.resolve(), a.dst.resolve()
     sh = f"{PY} -m shardctl"
     steps = {

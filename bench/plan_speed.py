@@ -15,6 +15,8 @@ import sys
 import time
 from pathlib import Path
 
+from _compiled import byte_compile
+
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = ROOT / "manifests" / "llama-3.1-405b-tp8-pp2.yaml"
 
@@ -39,6 +41,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=7)
     args = ap.parse_args()
+    byte_compile(ROOT)
     py = sys.executable
     rows = [
         (

@@ -22,6 +22,8 @@ import sys
 import time
 from pathlib import Path
 
+from _compiled import byte_compile
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent
 PY = sys.executable
@@ -151,6 +153,7 @@ def main() -> None:
     ap.add_argument("--disk", type=Path, default=HERE / "_work")
     ap.add_argument("--shm", type=Path, default=Path("/dev/shm/shardctl-bench"))
     args = ap.parse_args()
+    byte_compile(REPO)
     disk, shm = args.disk, args.shm
     disk.mkdir(parents=True, exist_ok=True)
     shm.mkdir(parents=True, exist_ok=True)

@@ -32,6 +32,8 @@ import sys
 import time
 from pathlib import Path
 
+from _compiled import byte_compile
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -119,6 +121,7 @@ def main() -> int:
     ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--hashes", type=int, default=1, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    byte_compile(ROOT)
     if args.child:
         return _child(*args.child, bool(args.hashes))
     if args.src and args.dst:
