@@ -182,20 +182,28 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     # that differ only in their layer and expert numbers. The first tensor of a class
     # (pattern, shape, dtype, trailing) goes through the rules; the others copy its result
     # with their own layer and expert numbers. Exact when the rules cannot tell those numbers
-    # apart (``_number_blind``); quantized members are placed one by one (their group).
+    # apart (``_number_blind``). A quantized member's class also holds its group's
+    # ``_shape_key`` (scheme, logical shape, every member's role, shape, dtype and axes: all
+    # that ``place`` reads of the group besides names, which differ only in those numbers).
     blind = _number_blind(matcher.rules)
     first: dict[tuple[object, ...], TensorRule | None] = {}
+    group_keys: dict[int, tuple[object, ...]] = {}  # id(group) -> its _shape_key
     new = object.__new__
     number = _NUMBER.sub
     for info in model.tensors:
         fqn = info.fqn
         layer = layer_index(fqn)
         trailing = first_mtp is not None and layer is not None and layer >= first_mtp
-        if quant_groups and fqn in quant_groups:
+        group = quant_groups.get(fqn) if quant_groups else None
+        if not blind or "#" in fqn:
             placed = place(info, layer, trailing)
         else:
-            pattern = number(".#", fqn) if blind and "#" not in fqn else fqn
-            key = (pattern, info.shape, info.dtype, trailing)
+            key: tuple[object, ...] = (number(".#", fqn), info.shape, info.dtype, trailing)
+            if group is not None:
+                gk = group_keys.get(id(group))  # quant_groups holds every group: ids stay
+                if gk is None:
+                    gk = group_keys[id(group)] = _shape_key(group)
+                key = (*key, gk)
             if key not in first:
                 placed = first[key] = place(info, layer, trailing)
             else:
@@ -291,6 +299,12 @@ def _number_blind(rules: Sequence[CompiledRule]) -> bool:
         if "[" in plain or "]" in plain or _FREE_DIGIT.search(plain):
             return False
     return True
+
+
+def _shape_key(group: QuantGroup) -> tuple[object, ...]:
+    """What :func:`resolve_rules`' ``place`` reads of a member's group, names aside."""
+    members = tuple((m.role, m.info.shape, m.info.dtype, m.axes) for m in group.members)
+    return (group.scheme, group.logical.shape, group.dim_names, members)
 
 
 def _member_split(

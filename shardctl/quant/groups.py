@@ -36,16 +36,19 @@ import math
 import re
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.types import TensorInfo
 from shardctl.quant.config import QuantConfig, read_quant
 
 
-@dataclass(frozen=True)
-class Axis:
-    """One stored dim: the logical dim it runs along (None: none) and logical indices per index."""
+class Axis(NamedTuple):
+    """One stored dim: the logical dim it runs along (None: none) and logical indices per index.
+
+    A named tuple, not a dataclass: 45,000 FP8 experts' groups are checked and keyed by their
+    axes (``_check``, ``resolve_rules``), and a tuple hashes and compares in C."""
 
     dim: int | None
     factor: int = 1
@@ -94,6 +97,7 @@ SCHEME_NAMES: dict[str, str] = {
 LINEAR = ("out-features", "in-features")
 
 
+@gc_paused  # ~200,000 acyclic objects for an FP8 MoE of 90,000 tensors
 def group_tensors(
     tensors: Iterable[TensorInfo], config: Mapping[str, Any], *, where: str = "checkpoint"
 ) -> dict[str, QuantGroup]:
@@ -156,8 +160,25 @@ def _need(t: Mapping[str, TensorInfo], name: str, scheme: str, where: str) -> Te
     return info
 
 
+# (axes, stored shape, logical shape) already proven consistent by ``_check``: the 45,000
+# groups of an FP8 MoE checkpoint are a handful of such triples.
+_CHECKED: dict[tuple[tuple[Axis, ...], tuple[int, ...], tuple[int, ...]], None] = {}
+_CHECKED_MAX = 4096
+
+
 def _check(m: Member, logical: tuple[int, ...], scheme: str, where: str) -> Member:
     """A member's shape must be what its axes say (``ceil(logical / factor)`` per mapped dim)."""
+    key = (m.axes, m.info.shape, logical)
+    if key in _CHECKED:
+        return m
+    _check_shape(m, logical, scheme, where)
+    if len(_CHECKED) >= _CHECKED_MAX:
+        _CHECKED.clear()
+    _CHECKED[key] = None
+    return m
+
+
+def _check_shape(m: Member, logical: tuple[int, ...], scheme: str, where: str) -> None:
     if len(m.axes) != len(m.info.shape):
         raise InvalidInputError(
             f"{SCHEME_NAMES[scheme]} {m.role} has {len(m.info.shape)} dims "
@@ -176,7 +197,6 @@ def _check(m: Member, logical: tuple[int, ...], scheme: str, where: str) -> Memb
                 where=f"{where}: {m.info.fqn}",
                 hint="the quantization_config does not match the tensors",
             )
-    return m
 
 
 def _group(
@@ -210,18 +230,24 @@ def _fp8_block(
     base: str, t: Mapping[str, TensorInfo], qc: QuantConfig | None, where: str
 ) -> QuantGroup:
     weight = _need(t, f"{base}.weight", "fp8-block", where)
-    bo, bi = qc.block if qc and qc.block else (128, 128)
-    unit_o, unit_i = f"FP8 block {bo}x{bi} (rows)", f"FP8 block {bo}x{bi} (columns)"
+    block = qc.block if qc and qc.block else (128, 128)
+    scale_axes = _FP8_BLOCK_AXES.get(block)
+    if scale_axes is None:
+        bo, bi = block
+        unit_o, unit_i = f"FP8 block {bo}x{bi} (rows)", f"FP8 block {bo}x{bi} (columns)"
+        scale_axes = _FP8_BLOCK_AXES[block] = (Axis(0, bo, unit_o), Axis(1, bi, unit_i))
     members = [
-        Member(weight, "weight", (Axis(0), Axis(1))),
-        Member(
-            t[f"{base}.weight_scale_inv"],
-            "weight_scale_inv",
-            (Axis(0, bo, unit_o), Axis(1, bi, unit_i)),
-        ),
+        Member(weight, "weight", _WHOLE_2D),
+        Member(t[f"{base}.weight_scale_inv"], "weight_scale_inv", scale_axes),
     ]
-    members += _scalar_members(t, base, ("input_scale",))
-    return _group("fp8-block", TensorInfo(weight.fqn, weight.shape, weight.dtype), members, where)
+    input_scale = t.get(f"{base}.input_scale")
+    if input_scale is not None:
+        members.append(Member(input_scale, "input_scale", (Axis(None),) * len(input_scale.shape)))
+    return _group("fp8-block", weight, members, where)  # the logical weight is the stored one
+
+
+_WHOLE_2D = (Axis(0), Axis(1))
+_FP8_BLOCK_AXES: dict[tuple[int, int], tuple[Axis, Axis]] = {}  # block -> weight_scale_inv's
 
 
 def _fp8_scaled(
@@ -381,6 +407,7 @@ def _mxfp4(base: str, t: Mapping[str, TensorInfo], where: str) -> QuantGroup:
 _INDEX = re.compile(r"\.\d+\.")
 
 
+@gc_paused
 def describe_model(
     tensors: Iterable[TensorInfo], config: Mapping[str, Any], *, where: str = "checkpoint"
 ) -> dict[str, Any] | None:
@@ -397,24 +424,53 @@ def describe_model(
     if not groups and qc is None:
         return None
     rows: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[int]] = {}
+    # 45,000 groups of a few shapes: a member's description and bytes once per (role, dtype,
+    # shape), a group's once per group object (each group is listed under every member)
+    described: dict[tuple[str, str, tuple[int, ...]], tuple[tuple[str, str], int]] = {}
+    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
     seen: set[str] = set()
     for g in groups.values():
         if g.logical.fqn in seen:
             continue
         seen.add(g.logical.fqn)
-        members = tuple((m.role, f"{m.info.dtype} {list(m.info.shape)}") for m in g.members)
-        key = (_INDEX.sub(".*.", g.logical.fqn), g.scheme, members)
-        row = rows.setdefault(key, [0, 0])
+        members, size = [], 0
+        for m in g.members:
+            info = m.info
+            key_m = (m.role, info.dtype, info.shape)
+            hit = described.get(key_m)
+            if hit is None:
+                text = f"{info.dtype} {list(info.shape)}"
+                hit = described[key_m] = ((m.role, text), _nbytes(info, size_of))
+            members.append(hit[0])
+            size += hit[1]
+        key = (_INDEX.sub(".*.", g.logical.fqn), g.scheme, tuple(members))
+        row = rows.get(key)
+        if row is None:
+            row = rows[key] = [0, 0]
         row[0] += 1
-        row[1] += sum(m.info.nbytes for m in g.members)
-    quantized = sum(t.nbytes for t in tensors if t.fqn in groups)
+        row[1] += size
+    total = quantized = 0
+    for t in tensors:
+        n = _nbytes(t, size_of)
+        total += n
+        if t.fqn in groups:
+            quantized += n
     return {
         "method": qc.describe() if qc else "from tensor names",
         "quantized_weights": len(seen),
         "quantized_bytes": quantized,
-        "unquantized_bytes": sum(t.nbytes for t in tensors) - quantized,
+        "unquantized_bytes": total - quantized,
         "groups": [
             {"pattern": p, "scheme": s, "count": n, "members": dict(m), "bytes": b}
             for (p, s, m), (n, b) in sorted(rows.items())
         ],
     }
+
+
+def _nbytes(info: TensorInfo, size_of: dict[tuple[str, tuple[int, ...]], int]) -> int:
+    """``info.nbytes``, computed once per ``(dtype, shape)`` in ``size_of``."""
+    key = (info.dtype, info.shape)
+    n = size_of.get(key)
+    if n is None:
+        n = size_of[key] = info.nbytes
+    return n

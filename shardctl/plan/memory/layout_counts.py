@@ -16,8 +16,10 @@ holds the same amounts up to padding)::
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from shardctl.archs import find
-from shardctl.layout.engine import resolve
+from shardctl.layout.engine import TensorPlan, resolve
 from shardctl.layout.pipeline import layer_index
 from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import split
@@ -59,26 +61,44 @@ def layout_counts(
     res = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp), options=options)
     experts = model.dims.num_experts if model.dims is not None else 0
     out = {st.index: Counts() for st in stages}
+    # A tensor's counts depend on its split spec (shared by a class of tensors: resolve makes
+    # one per shape and rule), whether an expert rule placed it, and for a vocab tensor its
+    # name: tally the tensors per such class and stages, then count each class once.
+    Key = tuple[int, bool, bool, tuple[int, ...]]
+    first: dict[Key, TensorPlan] = {}
+    count: dict[Key, int] = {}
     for t in res.tensors:
         if t.ep_rank not in (None, 0):
             continue
-        local = split(t.split, mesh.tp)[0][1]
-        numel = 1
-        for n in local:
-            numel *= n
-        shape = t.info.shape
-        if t.ep_rank is not None:
-            c = Counts(expert=numel, matrices=1, rows=local[0], cols=local[-1])
-        elif t.split.padded is not None:
-            head = "head" in t.info.fqn.rsplit(".", 2)[-2]
-            c = Counts(head=numel) if head else Counts(embedding=numel)
-        elif len(shape) < 2 or (experts and len(shape) == 2 and shape[0] == experts):
-            c = Counts(norm=numel)
+        head = t.split.padded is not None and "head" in t.info.fqn.rsplit(".", 2)[-2]
+        key = (id(t.split), t.ep_rank is not None, head, t.stages)  # res holds every split
+        if key in count:
+            count[key] += 1
         else:
-            c = Counts(linear=numel, matrices=1, rows=local[0], cols=local[-1])
-        for p in t.stages:
-            out[p] = out[p] + c
+            first[key], count[key] = t, 1
+    for key, t in first.items():
+        _, expert, head, on = key
+        c = _one(t, expert, head, mesh.tp, experts)
+        many = Counts(*(getattr(c, f.name) * count[key] for f in fields(Counts)))
+        for p in on:
+            out[p] = out[p] + many
     return out
+
+
+def _one(t: TensorPlan, expert: bool, head: bool, tp: int, experts: int) -> Counts:
+    """One tensor's counts on the ``tp = 0`` rank."""
+    local = split(t.split, tp)[0][1]
+    numel = 1
+    for n in local:
+        numel *= n
+    shape = t.info.shape
+    if expert:
+        return Counts(expert=numel, matrices=1, rows=local[0], cols=local[-1])
+    if t.split.padded is not None:
+        return Counts(head=numel) if head else Counts(embedding=numel)
+    if len(shape) < 2 or (experts and len(shape) == 2 and shape[0] == experts):
+        return Counts(norm=numel)
+    return Counts(linear=numel, matrices=1, rows=local[0], cols=local[-1])
 
 
 def largest_layer(model: ModelInfo, mesh: Mesh, vocab_padding: str) -> int:

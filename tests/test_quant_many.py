@@ -1,0 +1,100 @@
+"""FP8 block checkpoints at a real expert count: thousands of quantized groups placed by class.
+
+``resolve_rules`` places the first member of each class (name pattern, shape, dtype and the
+group's shapes and axes) through the rules and copies the result to the others; these tests
+hold that to what every member must get — its own weight's blocks — on a Qwen3-MoE of 128
+experts × 5 MoE layers in FP8 (transformers' ``save_pretrained``, then each linear quantized in
+Qwen3-*-FP8's 128×128 block layout; the first layer dense, as in ``tests._models``), and
+check that one mis-shaped scale among 1,947 groups is still refused, naming it.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+import pytest
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from shardctl.errors import InvalidInputError
+from shardctl.layout.engine import build_layout
+from shardctl.layout.types import Mesh
+from shardctl.model.inventory import from_checkpoint
+from shardctl.quant.groups import group_tensors
+from shardctl.reshard.api import reshard
+from shardctl.verify.api import verify
+from tests import _quant
+from tests._models import make_checkpoint
+from tests.test_reshard_roundtrip import same_checkpoint
+
+BLOCK = 128
+GEOMETRY = dict(
+    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=128, moe_intermediate_size=256, vocab_size=128, num_hidden_layers=6,
+    num_experts=128, num_experts_per_tok=8,
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("fp8-many")
+    bf16 = make_checkpoint("qwen3_moe", root / "bf16", **GEOMETRY)
+    return _quant.fp8_block(bf16, root / "fp8", block=BLOCK)
+
+
+def test_every_member_holds_its_own_weights_blocks(fp8: Path) -> None:
+    model = from_checkpoint(fp8)
+    groups = group_tensors(model.tensors, model.config)
+    scales = [t.fqn for t in model.tensors if t.fqn.endswith(".weight_scale_inv")]
+    # 5 MoE layers × 128 experts × 3, the dense layer's 3, 6 × 4 attention projections
+    assert len({id(g) for g in groups.values()}) == len(scales) == 1947
+    mesh = Mesh(ep=2, tp=2)
+    layout = build_layout(model, mesh)
+    checked = 0
+    for rank in layout.ranks:
+        held = {s.fqn: s for s in rank.shards}
+        for fqn, shard in held.items():
+            if not fqn.endswith(".weight_scale_inv"):
+                continue
+            weight = held[fqn.removesuffix("_scale_inv")]  # on the same rank
+            (w,), (s,) = weight.pieces, shard.pieces
+            # the scale's rows/columns are the weight's, in blocks: same cut, / 128
+            assert s.offsets == tuple(o // BLOCK for o in w.offsets), fqn
+            assert s.sizes == tuple(math.ceil(n / BLOCK) for n in w.sizes), fqn
+            if ".experts." in fqn:  # experts whole on their ep rank: e // (E / ep)
+                expert = int(fqn.split(".experts.")[1].split(".")[0])
+                assert expert // (GEOMETRY["num_experts"] // mesh.ep) == rank.ep, fqn
+            checked += 1
+    # the 27 dense and attention groups on all 4 ranks, each expert on its ep rank's 2 tp ranks
+    assert checked == 4 * 27 + 2 * 1920
+
+
+def test_split_merge_is_byte_identical_and_verifies(fp8: Path, tmp_path: Path) -> None:
+    split = tmp_path / "split"
+    reshard(fp8, split, mesh=Mesh(ep=2, tp=2))
+    assert verify(fp8, split, level="bitwise").ok
+    merged = tmp_path / "merged"
+    reshard(split, merged)  # a shardctl layout merges back to HF by default
+    same_checkpoint(fp8, merged)
+
+
+def test_one_misshaped_scale_among_thousands_is_refused(fp8: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    for f in fp8.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, bad / f.name)
+    victim = "model.layers.4.mlp.experts.77.down_proj.weight_scale_inv"
+    with safe_open(fp8 / "model.safetensors", "pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}
+    tensors[victim] = tensors[victim][:, :1].contiguous()  # [2, 2] -> [2, 1]
+    save_file(tensors, str(bad / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(InvalidInputError) as err:
+        reshard(bad, tmp_path / "out", mesh=Mesh(ep=2, tp=2))
+    assert victim in str(err.value) and "dim 1 is 1, expected 2" in str(err.value)
+    assert not (tmp_path / "out").exists()
+    cfg = json.loads((bad / "config.json").read_text())
+    assert cfg["quantization_config"]["weight_block_size"] == [BLOCK, BLOCK]
