@@ -146,10 +146,21 @@ __all__ = [
     "EXIT_SIGINT",
     "EXIT_SIGTERM",
     "exit_code_for",
+    "reader_gone",
     "run_cli",
     "safe_streams",
     "usage_line",
 ]
+
+
+def reader_gone(stream: Any = None) -> None:
+    """The reader of ``stream`` (stdout) left (``shardctl plan M | head``): send the rest of the
+    output to /dev/null and keep the command's own exit code. Exiting 1 on the broken pipe, as
+    rich does by default, is ``plan``'s "does not fit" and ``verify``'s "not equivalent" to a CI
+    gate reading ``PIPESTATUS``."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, (stream or sys.stdout).fileno())
+    os.close(devnull)
 
 
 def console_for_output(*, stderr: bool = False) -> Any:
@@ -157,7 +168,13 @@ def console_for_output(*, stderr: bool = False) -> Any:
     get whole lines (``mesh PP1×…``, not ``mesh \\nPP1×…``). Every renderer prints through one."""
     from rich.console import Console
 
-    console = Console(stderr=stderr)
+    class _Console(Console):
+        def on_broken_pipe(self) -> None:
+            """rich's default exits 1: see :func:`reader_gone`."""
+            self.quiet = True
+            reader_gone(sys.stderr if self.stderr else sys.stdout)
+
+    console = _Console(stderr=stderr)
     if console.is_terminal:
         return console
-    return Console(stderr=stderr, width=10_000, soft_wrap=True)
+    return _Console(stderr=stderr, width=10_000, soft_wrap=True)

@@ -7,6 +7,7 @@ when training (shardctl/plan/memory/budget.py); these tests hold every consumer 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -205,3 +206,35 @@ def test_rules_change_search_weights_as_they_change_plan() -> None:
     half_head = 128256 * 4096 * 2 // 2
     assert peaks["ruled"][1] - peaks["base"][1] == half_head
     assert peaks["ruled"][0] > peaks["base"][0]
+
+
+# -- the verdict survives a reader that leaves early (``shardctl plan M | head``) ---------------
+
+
+def _plan_into_closed_pipe(manifest: Path, *flags: str) -> subprocess.CompletedProcess[bytes]:
+    """``shardctl plan MANIFEST`` writing into a pipe whose reader is already gone."""
+    read, write = os.pipe()
+    os.close(read)  # every write now fails with EPIPE
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "shardctl", "plan", str(manifest), *flags],
+            stdout=write,
+            stderr=subprocess.PIPE,
+            cwd=ROOT,
+        )
+    finally:
+        os.close(write)
+
+
+@pytest.mark.parametrize("flags", [(), ("--json",)], ids=["text", "json"])
+@pytest.mark.parametrize("batch,code", [(1, 0), (56, 1)])
+def test_closed_stdout_keeps_the_verdict(
+    tmp_path: Path, batch: int, code: int, flags: tuple[str, ...]
+) -> None:
+    """rich exits 1 on a broken pipe by default (and ``--json`` did too): to a CI gate reading
+    ``PIPESTATUS`` that was "does not fit" for a plan that fits."""
+    m = tmp_path / f"llama-3-8b-b{batch}.yaml"
+    m.write_text(_batch((MANIFESTS / "llama-3-8b-tp1.yaml").read_text(), batch))
+    done = _plan_into_closed_pipe(m, *flags)
+    assert done.returncode == code, done.stderr
+    assert done.stderr == b""

@@ -40,7 +40,13 @@ def header_limit(text: str | None) -> Iterator[None]:
 
 def emit_json(payload: object) -> None:
     """One JSON document on stdout (the ``--json`` form of every command)."""
-    sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+    try:
+        sys.stdout.write(json.dumps(payload, indent=2, sort_keys=False) + "\n")
+        sys.stdout.flush()  # here, not at exit: a reader that left must not change the code
+    except BrokenPipeError:
+        from shardctl.console import reader_gone
+
+        reader_gone()
 
 
 __all__ = ["MAX_AXIS", "MAX_TOP", "MAX_WORKERS", "MaxHeaderBytes", "emit_json", "header_limit"]
