@@ -199,3 +199,45 @@ def test_any_mesh_decides_alike(
 
 
 _MIXTRAL = _model("mixtral", num_hidden_layers=5, num_local_experts=8)
+
+
+# ---- plan's per-stage parameter counts (DeepSeek-style families) by class ------------------
+
+
+def _counts(model: ModelInfo, mesh: Mesh, padding: str, *, by_class: bool) -> Any:
+    """``layout_counts`` by class or by tensor, on the stages plan would use."""
+    from shardctl.layout.pipeline import assign_layers
+    from shardctl.plan.memory import layout_counts as lc
+
+    real = lc._by_class
+    with _fresh():
+        if not by_class:
+            lc._by_class = lambda *a: None  # type: ignore[assignment]
+        try:
+            num_layers = resolve_mod.model_rules(model, ()).num_layers
+            stages = tuple(assign_layers(num_layers, mesh.pp, "vllm", None))
+            return lc.layout_counts(model, mesh, stages, padding)
+        finally:
+            lc._by_class = real
+
+
+COUNT_CASES = [
+    ("deepseek_v3", dict(num_nextn_predict_layers=1, include_mtp_layers=True)),
+    ("deepseek_v3", {}),
+    ("mixtral", dict(num_hidden_layers=5)),
+    ("qwen3_moe", {}),
+    ("gpt_oss", {}),
+    ("llama", dict(num_hidden_layers=6, tie_word_embeddings=True)),
+]
+
+
+@pytest.mark.parametrize(("name", "overrides"), COUNT_CASES, ids=[c[0] for c in COUNT_CASES])
+def test_layout_counts_by_class_equal_per_tensor(name: str, overrides: dict[str, Any]) -> None:
+    model = _model(name, **overrides)
+    for mesh in (Mesh(), Mesh(pp=2, tp=2), Mesh(pp=3, ep=2), Mesh(ep=2, tp=2)):
+        for padding in ("none", "megatron"):
+            try:
+                slow = _counts(model, mesh, padding, by_class=False)
+            except ShardctlError:
+                continue  # a mesh this family refuses: nothing to compare
+            assert _counts(model, mesh, padding, by_class=True) == slow, (name, mesh, padding)

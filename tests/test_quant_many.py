@@ -1,8 +1,9 @@
 """FP8 block checkpoints at a real expert count: thousands of quantized groups placed by class.
 
 ``resolve_rules`` places the first member of each class (name pattern, shape, dtype and the
-group's shapes and axes) through the rules and copies the result to the others; these tests
-hold that to what every member must get — its own weight's blocks — on a Qwen3-MoE of 128
+group's shapes and axes) through the rules and copies the result to the others, and ``plan``
+prices by those classes (``layout.classes``); these tests hold that to the per-tensor path
+and to what every member must get — its own weight's blocks — on a Qwen3-MoE of 128
 experts × 5 MoE layers in FP8 (transformers' ``save_pretrained``, then each linear quantized in
 Qwen3-*-FP8's 128×128 block layout; the first layer dense, as in ``tests._models``), and
 check that one mis-shaped scale among 1,947 groups is still refused, naming it.
@@ -20,14 +21,16 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from shardctl.errors import InvalidInputError
+from shardctl.layout.classes import classes_of
 from shardctl.layout.engine import build_layout
-from shardctl.layout.types import Mesh
+from shardctl.layout.types import LayoutOptions, Mesh
 from shardctl.model.inventory import from_checkpoint
 from shardctl.quant.groups import group_tensors
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
 from tests import _quant
 from tests._models import make_checkpoint
+from tests.test_layout_classes import _counts, _fresh, _outcome, _shard_bytes
 from tests.test_reshard_roundtrip import same_checkpoint
 
 BLOCK = 128
@@ -39,10 +42,36 @@ GEOMETRY = dict(
 
 
 @pytest.fixture(scope="module")
-def fp8(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    root = tmp_path_factory.mktemp("fp8-many")
-    bf16 = make_checkpoint("qwen3_moe", root / "bf16", **GEOMETRY)
-    return _quant.fp8_block(bf16, root / "fp8", block=BLOCK)
+def bf16(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint("qwen3_moe", tmp_path_factory.mktemp("many") / "bf16", **GEOMETRY)
+
+
+@pytest.fixture(scope="module")
+def fp8(bf16: Path) -> Path:
+    return _quant.fp8_block(bf16, bf16.with_name("fp8"), block=BLOCK)
+
+
+@pytest.fixture(scope="module")
+def gptq(bf16: Path) -> Path:
+    return _quant.gptq(bf16, bf16.with_name("gptq"))
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "gptq"])
+def test_plan_bytes_by_class_equal_per_tensor_and_the_shards(
+    scheme: str, request: pytest.FixtureRequest
+) -> None:
+    """``plan`` prices a quantized MoE by tensor class (each class's first tensor resolved with
+    its whole group): the bytes per rank equal the per-tensor resolution's and the shards'."""
+    model = from_checkpoint(request.getfixturevalue(scheme))
+    with _fresh():
+        rc = classes_of(model, ())
+    assert rc is not None and len(rc.rules) < 60  # thousands of members, a few dozen classes
+    for mesh in (Mesh(ep=2, tp=2), Mesh(pp=2, ep=4), Mesh(pp=3, tp=2)):
+        fast = _outcome(model, mesh, by_class=True)
+        assert fast == _outcome(model, mesh, by_class=False), (scheme, mesh)
+        assert fast[1] == _shard_bytes(model, mesh, LayoutOptions()), (scheme, mesh)
+        counts = _counts(model, mesh, "none", by_class=True)  # plan's per-stage counts
+        assert counts == _counts(model, mesh, "none", by_class=False), (scheme, mesh)
 
 
 def test_every_member_holds_its_own_weights_blocks(fp8: Path) -> None:

@@ -13,9 +13,10 @@ are read as columns, with one regular-expression pass over all of them at once:
 The first tensors go through ``resolve_rules`` itself (a model of those tensors only), so
 their placement is the one the per-tensor path gives; the checks that depend on every
 tensor's numbers (layer and expert ranges) run on the columns. Anything the per-tensor path
-handles one by one — quantized groups, rules that see numbers, a name holding ``#`` or a
-newline — or any error returns ``None``: the per-tensor path then decides (and words the
-error exactly as before).
+handles one by one — rules that see numbers, a name holding ``#`` or a newline, quantized
+groups that overlap — or any error returns ``None``: the per-tensor path then decides (and
+words the error exactly as before). A quantized member's class also holds its group's shapes
+and axes, and its first tensor is resolved with the rest of its group.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate
 from operator import attrgetter
 
-from shardctl.errors import LayoutError
+from shardctl.errors import LayoutError, ShardctlError
 from shardctl.gcpause import gc_paused
 from shardctl.layout import resolve
 from shardctl.layout.permodel import PerModel
@@ -35,13 +36,11 @@ from shardctl.layout.resolve import _EXPERT, _NUMBER, TensorRule
 from shardctl.layout.rules import compile_rules
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelInfo
+from shardctl.quant.groups import QuantGroup, group_tensors
 
 # ``resolve._NUMBER`` over names joined by newlines: a whole number ends at a dot, a newline
 # (the end of its name) or the end of the text; the group makes ``split`` keep the number.
 _NUMBER_LINES = re.compile(r"\.(\d+)(?=[.\n]|\Z)")
-# The quantized-group anchors' name endings (shardctl.quant.groups): a model with one takes
-# the per-tensor path.
-_ANCHOR_ENDS = (".weight_scale_inv", ".qweight", ".weight_packed", ".weight_scale", "_blocks")
 
 
 @dataclass(frozen=True)
@@ -109,12 +108,29 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
         trailing = [x is not None and x >= first_mtp for x in layers]
     else:
         trailing = [False] * n
+    # A quantized member's class also holds its group's shape key (resolve._shape_key: what
+    # placing it reads of the group besides names), as in resolve_rules.
+    try:
+        groups = group_tensors(tensors, model.config, where=model.source)
+    except ShardctlError:
+        return None  # the per-tensor path raises it
+    group_keys: dict[int, tuple[object, ...]] = {}  # id(group) -> key; groups holds them all
+    gks: list[tuple[object, ...] | None] = [None] * n
+    if groups:
+        for i, t in enumerate(tensors):
+            g = groups.get(t.fqn)
+            if g is not None:
+                gk = group_keys.get(id(g))
+                if gk is None:
+                    gk = group_keys[id(g)] = resolve._shape_key(g)
+                gks[i] = gk
     keys = list(
         zip(
             patterns,
             map(attrgetter("shape"), tensors),
             map(attrgetter("dtype"), tensors),
             trailing,
+            gks,
             strict=True,
         )
     )
@@ -123,15 +139,32 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
     index = {keys[i]: c for c, i in enumerate(order)}
     of = list(map(index.__getitem__, keys))
     reps = tuple(tensors[i] for i in order)
-    if any(t.fqn.endswith(_ANCHOR_ENDS) for t in reps):
-        return None  # quantized members are placed one by one, with their group
+    # The first tensors, and with a quantized one the rest of its group (placing a member
+    # reads its group, which must be whole in the model resolve_rules sees).
+    subset = list(reps)
+    if groups:
+        have = {t.fqn for t in reps}
+        for t in reps:
+            g = groups.get(t.fqn)
+            for m in g.members if g is not None else ():
+                if m.info.fqn not in have:
+                    have.add(m.info.fqn)
+                    subset.append(m.info)
+        sub_groups = group_tensors(subset, model.config, where=model.source)
+        for i in order:
+            fqn = tensors[i].fqn
+            whole, part = groups.get(fqn), sub_groups.get(fqn)
+            if _group_key(whole) != _group_key(part):
+                return None  # overlapping groups: the per-tensor path decides
     try:
-        placed = resolve.resolve_rules(replace(model, tensors=reps), rules)
+        placed = resolve.resolve_rules(replace(model, tensors=tuple(subset)), rules)
     except LayoutError:
         return None  # the per-tensor path raises it, naming the tensor it names
-    if len(placed.tensors) != len(reps):
+    if len(placed.tensors) != len(subset):
         return None
-    classes = placed.tensors
+    classes = placed.tensors[: len(reps)]  # resolve_rules keeps its input's order
+    if any(r.info is not t for r, t in zip(classes, reps, strict=True)):
+        return None
 
     # The checks resolve_rules makes on every tensor's numbers, on the columns.
     layer_on = {c for c, t in enumerate(classes) if t.layer is not None}
@@ -151,6 +184,10 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
         if any(x is None or x >= num_experts for x in seen):
             return None
     return RuleClasses(classes, of, layers, experts, num_layers, num_experts, placed.tied)
+
+
+def _group_key(group: QuantGroup | None) -> tuple[object, ...] | None:
+    return None if group is None else resolve._shape_key(group)
 
 
 class _NoSlot(Exception):

@@ -16,13 +16,16 @@ holds the same amounts up to padding)::
 
 from __future__ import annotations
 
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import fields
 
 from shardctl.archs import find
+from shardctl.errors import LayoutError
 from shardctl.layout.engine import TensorPlan, resolve
 from shardctl.layout.pipeline import layer_index
 from shardctl.layout.resolve import model_rules
-from shardctl.layout.split import split
+from shardctl.layout.split import SplitSpec, split
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.shapes import Counts
@@ -58,8 +61,11 @@ def layout_counts(
     """``stage index -> Counts`` of its ``tp = 0, ep = 0`` rank."""
     per_stage = tuple(st.num_layers for st in stages)
     options = LayoutOptions(layers_per_stage=per_stage, vocab_padding=vocab_padding)
-    res = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp), options=options)
     experts = model.dims.num_experts if model.dims is not None else 0
+    by_class = _by_class(model, mesh, stages, options, experts)
+    if by_class is not None:
+        return by_class
+    res = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp), options=options)
     out = {st.index: Counts() for st in stages}
     # A tensor's counts depend on its split spec (shared by a class of tensors: resolve makes
     # one per shape and rule), whether an expert rule placed it, and for a vocab tensor its
@@ -78,23 +84,90 @@ def layout_counts(
             first[key], count[key] = t, 1
     for key, t in first.items():
         _, expert, head, on = key
-        c = _one(t, expert, head, mesh.tp, experts)
-        many = Counts(*(getattr(c, f.name) * count[key] for f in fields(Counts)))
-        for p in on:
-            out[p] = out[p] + many
+        c = _one(t.split, t.info.shape, expert, head, mesh.tp, experts)
+        _add(out, on, c, count[key])
     return out
 
 
-def _one(t: TensorPlan, expert: bool, head: bool, tp: int, experts: int) -> Counts:
+def _by_class(
+    model: ModelInfo,
+    mesh: Mesh,
+    stages: tuple[Stage, ...],
+    options: LayoutOptions,
+    experts: int,
+) -> dict[int, Counts] | None:
+    """:func:`layout_counts` from the tensor classes (:mod:`shardctl.layout.classes`), the
+    way ``engine._staged_by_class`` prices weights: tensors counted per (class, stage, on ep
+    rank 0) in one pass over the columns, each class counted once. None (the per-tensor path
+    decides, and raises its own errors) where the classes do not apply or a check fails."""
+    from shardctl.layout.classes import rule_classes
+    from shardctl.layout.engine import _check_ep, _check_options, _non_layer_stages, _split_spec
+    from shardctl.layout.pipeline import stage_of_layers
+
+    rc = rule_classes(model, ())
+    if rc is None:
+        return None
+    tp, ep = mesh.tp, mesh.ep
+    try:
+        _check_options(mesh, options)
+        if ep > 1:
+            _check_ep(ep, rc.num_experts)
+        specs = [_split_spec(t, tp, options)[0] for t in rc.rules]
+        fixed = [
+            () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
+            for t in rc.rules
+        ]
+    except LayoutError:
+        return None
+    if sum(st.num_layers for st in stages) != rc.num_layers:
+        return None
+    layer_stage = stage_of_layers(stages, rc.num_layers)
+    stage_of: dict[int | None, int] = {
+        x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers
+    }
+    per_rank = rc.num_experts // ep if rc.num_experts else 1
+    # ep rank 0 holds experts [0, E/ep) of an expert-placed class (all of them at ep 1)
+    first_ep: dict[int | None, bool] = {
+        x: ep == 1 or x // per_rank == 0 for x in set(rc.experts) if x is not None
+    }
+    tally = Counter(
+        zip(rc.of, map(stage_of.get, rc.layers), map(first_ep.get, rc.experts), strict=True)
+    )
+    out = {st.index: Counts() for st in stages}
+    for (c, stage, on_first), count in tally.items():
+        t, spec = rc.rules[c], specs[c]
+        expert = t.expert is not None and not t.packed  # engine.resolve gives it an ep rank
+        if expert and not on_first:
+            continue
+        if t.layer is not None:
+            if stage is None:
+                return None  # not a layer of the stack (rule_classes checked: never)
+            on: tuple[int, ...] = (stage,)
+        else:
+            on = fixed[c]
+        head = spec.padded is not None and "head" in t.info.fqn.rsplit(".", 2)[-2]
+        _add(out, on, _one(spec, t.info.shape, expert, head, tp, experts), count)
+    return out
+
+
+def _add(out: dict[int, Counts], stages: Sequence[int], one: Counts, count: int) -> None:
+    """``count`` tensors of ``one``'s counts onto each of ``stages``."""
+    many = Counts(*(getattr(one, f.name) * count for f in fields(Counts)))
+    for p in stages:
+        out[p] = out[p] + many
+
+
+def _one(
+    spec: SplitSpec, shape: tuple[int, ...], expert: bool, head: bool, tp: int, experts: int
+) -> Counts:
     """One tensor's counts on the ``tp = 0`` rank."""
-    local = split(t.split, tp)[0][1]
+    local = split(spec, tp)[0][1]
     numel = 1
     for n in local:
         numel *= n
-    shape = t.info.shape
     if expert:
         return Counts(expert=numel, matrices=1, rows=local[0], cols=local[-1])
-    if t.split.padded is not None:
+    if spec.padded is not None:
         return Counts(head=numel) if head else Counts(embedding=numel)
     if len(shape) < 2 or (experts and len(shape) == 2 and shape[0] == experts):
         return Counts(norm=numel)
