@@ -62,11 +62,11 @@ class InspectResult:
     def quantization(self) -> dict[str, Any] | None:
         """Method and per tensor group schemes (shardctl/quant/groups.py), None if unquantized."""
         from shardctl.quant.config import read_quant
-        from shardctl.quant.groups import _ANCHOR_ENDS, describe_model
+        from shardctl.quant.groups import ANCHOR_ENDS, describe_model
 
         where = str(self.path)
         if read_quant(self.model.config, where=f"{where}/config.json") is None and not any(
-            map(methodcaller("endswith", _ANCHOR_ENDS), map(attrgetter("fqn"), self.model.tensors))
+            map(methodcaller("endswith", ANCHOR_ENDS), map(attrgetter("fqn"), self.model.tensors))
         ):
             return None  # no method and no group anchor (describe_model's answer, 90k × faster)
         return describe_model(self.model.tensors, self.model.config, where=where)

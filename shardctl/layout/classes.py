@@ -36,7 +36,7 @@ from shardctl.layout.resolve import _EXPERT, _NUMBER, TensorRule
 from shardctl.layout.rules import compile_rules
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelInfo
-from shardctl.quant.groups import QuantGroup, group_tensors
+from shardctl.quant.groups import ANCHOR_ENDS, QuantGroup, group_tensors
 
 # ``resolve._NUMBER`` over names joined by newlines: a whole number ends at a dot, a newline
 # (the end of its name) or the end of the text; the group makes ``split`` keep the number.
@@ -110,10 +110,13 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
         trailing = [False] * n
     # A quantized member's class also holds its group's shape key (resolve._shape_key: what
     # placing it reads of the group besides names), as in resolve_rules.
-    try:
-        groups = group_tensors(tensors, model.config, where=model.source)
-    except ShardctlError:
-        return None  # the per-tensor path raises it
+    groups: dict[str, QuantGroup] = {}
+    ends = joined + "\n"
+    if any(end + "\n" in ends for end in ANCHOR_ENDS):  # else no group: skip the walk
+        try:
+            groups = group_tensors(tensors, model.config, where=model.source)
+        except ShardctlError:
+            return None  # the per-tensor path raises it
     group_keys: dict[int, tuple[object, ...]] = {}  # id(group) -> key; groups holds them all
     gks: list[tuple[object, ...] | None] = [None] * n
     if groups:

@@ -110,7 +110,7 @@ def group_tensors(
     by_name = {t.fqn: t for t in tensors}
     out: dict[str, QuantGroup] = {}
     for fqn in by_name:
-        if not fqn.endswith(_ANCHOR_ENDS):
+        if not fqn.endswith(ANCHOR_ENDS):
             continue  # _group_at's own first test, once per name (90,000 experts: 5 calls each)
         group = _group_at(fqn, by_name, qc, where)
         if group is not None:
@@ -121,8 +121,9 @@ def group_tensors(
     return out
 
 
-# Every anchor _group_at recognizes ends with one of these.
-_ANCHOR_ENDS = (".weight_scale_inv", ".qweight", ".weight_packed", ".weight_scale", "_blocks")
+# Every anchor _group_at recognizes ends with one of these: a model whose names end with none
+# has no group (callers skip group_tensors' walk on that test).
+ANCHOR_ENDS = (".weight_scale_inv", ".qweight", ".weight_packed", ".weight_scale", "_blocks")
 
 
 def _group_at(
