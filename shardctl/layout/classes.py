@@ -153,7 +153,10 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
                 if m.info.fqn not in have:
                     have.add(m.info.fqn)
                     subset.append(m.info)
-        sub_groups = group_tensors(subset, model.config, where=model.source)
+        try:
+            sub_groups = group_tensors(subset, model.config, where=model.source)
+        except ShardctlError:
+            return None
         for i in order:
             fqn = tensors[i].fqn
             whole, part = groups.get(fqn), sub_groups.get(fqn)
