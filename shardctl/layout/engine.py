@@ -157,13 +157,25 @@ def staged_weight_bytes(
     return res.stages, _by_coord(totals, mesh)
 
 
-def _staged_by_class(
+@dataclass(frozen=True)
+class ClassCount:
+    """``count`` tensors of one class that sit alike: on ``stages``, on ``ep_rank`` (None:
+    every ep rank, as :class:`TensorPlan`), split by ``spec``; ``rule``: the class's first."""
+
+    rule: TensorRule
+    spec: SplitSpec
+    stages: tuple[int, ...]
+    ep_rank: int | None
+    count: int
+
+
+def class_counts(
     model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], options: LayoutOptions
-) -> tuple[tuple[Stage, ...], dict[tuple[int, int, int], int]] | None:
-    """:func:`staged_weight_bytes` from the tensor classes (:mod:`shardctl.layout.classes`):
-    no per-tensor object at all. Each tensor's stage and ep rank come from its layer and
-    expert numbers through two small maps, the tensors are counted per (class, stage, ep
-    rank) in one C-level pass, and each count is priced once. None (the per-tensor path
+) -> tuple[tuple[Stage, ...], list[ClassCount]] | None:
+    """What :func:`resolve` says of every tensor, from the tensor classes
+    (:mod:`shardctl.layout.classes`), with no per-tensor object: each tensor's stage and ep
+    rank come from its layer and expert numbers through two small maps, and the tensors are
+    counted per (class, stage, ep rank) in one C-level pass. None (the per-tensor path
     decides, and raises its own error) for any model or error that path handles itself."""
     from shardctl.layout.classes import rule_classes
 
@@ -177,14 +189,14 @@ def _staged_by_class(
         if ep > 1:
             _check_ep(ep, rc.num_experts)
         specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
-        numels: list[Sequence[int]] = []
+        split_of: list[SplitSpec] = []
         fixed: list[tuple[int, ...]] = []  # the stages of a class without layer numbers
         for t in rc.rules:
             key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
             hit = specs.get(key)
             if hit is None:
                 hit = specs[key] = _split_spec(t, tp, options)
-            numels.append(local_numels(hit[0], tp))
+            split_of.append(hit[0])
             fixed.append(
                 ()
                 if t.layer is not None
@@ -201,9 +213,8 @@ def _staged_by_class(
         x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None
     }
     layers, experts = map(stage_of.get, rc.layers), map(ep_of.get, rc.experts)
-    counts = Counter(zip(rc.of, layers, experts, strict=True))
-    totals = [0] * mesh.model_parallel
-    for (c, stage, ep_rank), count in counts.items():
+    out: list[ClassCount] = []
+    for (c, stage, ep_rank), count in Counter(zip(rc.of, layers, experts, strict=True)).items():
         t = rc.rules[c]
         if t.layer is not None:
             if stage is None:
@@ -211,9 +222,30 @@ def _staged_by_class(
             on: tuple[int, ...] = (stage,)
         else:
             on = fixed[c]
-        share = ep if t.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
-        sizes = [nbytes(t.info.dtype, n // share) * count for n in numels[c]]
-        _add_at(totals, on, None if t.packed or t.expert is None else ep_rank, sizes, tp, ep)
+        # as resolve: an expert rule's tensor sits on its ep rank, a packed one on every rank
+        placed_on = None if t.packed or t.expert is None else ep_rank
+        out.append(ClassCount(t, split_of[c], on, placed_on, count))
+    return stages, out
+
+
+def _staged_by_class(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], options: LayoutOptions
+) -> tuple[tuple[Stage, ...], dict[tuple[int, int, int], int]] | None:
+    """:func:`staged_weight_bytes` from :func:`class_counts`: each count priced once."""
+    by_class = class_counts(model, mesh, rules, options)
+    if by_class is None:
+        return None
+    stages, counts = by_class
+    tp, ep = mesh.tp, mesh.ep
+    numels: dict[int, Sequence[int]] = {}  # id(spec) -> its local numels; counts hold them
+    totals = [0] * mesh.model_parallel
+    for cc in counts:
+        n_local = numels.get(id(cc.spec))
+        if n_local is None:
+            n_local = numels[id(cc.spec)] = local_numels(cc.spec, tp)
+        share = ep if cc.rule.packed else 1  # packed experts: each ep rank holds E/ep of dim 0
+        sizes = [nbytes(cc.rule.info.dtype, n // share) * cc.count for n in n_local]
+        _add_at(totals, cc.stages, cc.ep_rank, sizes, tp, ep)
     return stages, _by_coord(totals, mesh)
 
 

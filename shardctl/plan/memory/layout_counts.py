@@ -16,13 +16,11 @@ holds the same amounts up to padding)::
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import fields
 
 from shardctl.archs import find
-from shardctl.errors import LayoutError
-from shardctl.layout.engine import TensorPlan, resolve
+from shardctl.layout.engine import TensorPlan, class_counts, resolve
 from shardctl.layout.pipeline import layer_index
 from shardctl.layout.resolve import model_rules
 from shardctl.layout.split import SplitSpec, split
@@ -62,10 +60,11 @@ def layout_counts(
     per_stage = tuple(st.num_layers for st in stages)
     options = LayoutOptions(layers_per_stage=per_stage, vocab_padding=vocab_padding)
     experts = model.dims.num_experts if model.dims is not None else 0
-    by_class = _by_class(model, mesh, stages, options, experts)
+    mesh = Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp)
+    by_class = _by_class(model, mesh, options, experts)
     if by_class is not None:
         return by_class
-    res = resolve(model, Mesh(pp=mesh.pp, ep=mesh.ep, tp=mesh.tp), options=options)
+    res = resolve(model, mesh, options=options)
     out = {st.index: Counts() for st in stages}
     # A tensor's counts depend on its split spec (shared by a class of tensors: resolve makes
     # one per shape and rule), whether an expert rule placed it, and for a vocab tensor its
@@ -90,63 +89,23 @@ def layout_counts(
 
 
 def _by_class(
-    model: ModelInfo,
-    mesh: Mesh,
-    stages: tuple[Stage, ...],
-    options: LayoutOptions,
-    experts: int,
+    model: ModelInfo, mesh: Mesh, options: LayoutOptions, experts: int
 ) -> dict[int, Counts] | None:
-    """:func:`layout_counts` from the tensor classes (:mod:`shardctl.layout.classes`), the
-    way ``engine._staged_by_class`` prices weights: tensors counted per (class, stage, on ep
-    rank 0) in one pass over the columns, each class counted once. None (the per-tensor path
-    decides, and raises its own errors) where the classes do not apply or a check fails."""
-    from shardctl.layout.classes import rule_classes
-    from shardctl.layout.engine import _check_ep, _check_options, _non_layer_stages, _split_spec
-    from shardctl.layout.pipeline import stage_of_layers
-
-    rc = rule_classes(model, ())
-    if rc is None:
+    """:func:`layout_counts` from :func:`~shardctl.layout.engine.class_counts` (the tensor
+    classes, as ``plan`` prices weights): each class counted once per stage on ep rank 0.
+    None where the classes do not apply: the per-tensor path decides."""
+    by_class = class_counts(model, mesh, (), options)
+    if by_class is None:
         return None
-    tp, ep = mesh.tp, mesh.ep
-    try:
-        _check_options(mesh, options)
-        if ep > 1:
-            _check_ep(ep, rc.num_experts)
-        specs = [_split_spec(t, tp, options)[0] for t in rc.rules]
-        fixed = [
-            () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
-            for t in rc.rules
-        ]
-    except LayoutError:
-        return None
-    if sum(st.num_layers for st in stages) != rc.num_layers:
-        return None
-    layer_stage = stage_of_layers(stages, rc.num_layers)
-    stage_of: dict[int | None, int] = {
-        x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers
-    }
-    per_rank = rc.num_experts // ep if rc.num_experts else 1
-    # ep rank 0 holds experts [0, E/ep) of an expert-placed class (all of them at ep 1)
-    first_ep: dict[int | None, bool] = {
-        x: ep == 1 or x // per_rank == 0 for x in set(rc.experts) if x is not None
-    }
-    tally = Counter(
-        zip(rc.of, map(stage_of.get, rc.layers), map(first_ep.get, rc.experts), strict=True)
-    )
+    stages, counts = by_class
     out = {st.index: Counts() for st in stages}
-    for (c, stage, on_first), count in tally.items():
-        t, spec = rc.rules[c], specs[c]
-        expert = t.expert is not None and not t.packed  # engine.resolve gives it an ep rank
-        if expert and not on_first:
+    for cc in counts:
+        if cc.ep_rank not in (None, 0):
             continue
-        if t.layer is not None:
-            if stage is None:
-                return None  # not a layer of the stack (rule_classes checked: never)
-            on: tuple[int, ...] = (stage,)
-        else:
-            on = fixed[c]
-        head = spec.padded is not None and "head" in t.info.fqn.rsplit(".", 2)[-2]
-        _add(out, on, _one(spec, t.info.shape, expert, head, tp, experts), count)
+        info, spec = cc.rule.info, cc.spec
+        head = spec.padded is not None and "head" in info.fqn.rsplit(".", 2)[-2]
+        one = _one(spec, info.shape, cc.ep_rank is not None, head, mesh.tp, experts)
+        _add(out, cc.stages, one, cc.count)
     return out
 
 
