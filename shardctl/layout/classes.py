@@ -117,16 +117,13 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
             groups = group_tensors(tensors, model.config, where=model.source)
         except ShardctlError:
             return None  # the per-tensor path raises it
-    group_keys: dict[int, tuple[object, ...]] = {}  # id(group) -> key; groups holds them all
     gks: list[tuple[object, ...] | None] = [None] * n
     if groups:
+        group_key = resolve.shape_keys()
         for i, t in enumerate(tensors):
             g = groups.get(t.fqn)
             if g is not None:
-                gk = group_keys.get(id(g))
-                if gk is None:
-                    gk = group_keys[id(g)] = resolve._shape_key(g)
-                gks[i] = gk
+                gks[i] = group_key(g)
     keys = list(
         zip(
             patterns,

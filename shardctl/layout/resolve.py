@@ -8,7 +8,7 @@ and the rules, so it is computed once per ``(model, rules)`` and cached.
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from shardctl.errors import LayoutError
@@ -187,7 +187,7 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
     # that ``place`` reads of the group besides names, which differ only in those numbers).
     blind = _number_blind(matcher.rules)
     first: dict[tuple[object, ...], TensorRule | None] = {}
-    group_keys: dict[int, tuple[object, ...]] = {}  # id(group) -> its _shape_key
+    group_key = shape_keys()
     new = object.__new__
     number = _NUMBER.sub
     for info in model.tensors:
@@ -200,10 +200,7 @@ def resolve_rules(model: ModelInfo, rules: Sequence[RuleSpec]) -> ModelRules:
         else:
             key: tuple[object, ...] = (number(".#", fqn), info.shape, info.dtype, trailing)
             if group is not None:
-                gk = group_keys.get(id(group))  # quant_groups holds every group: ids stay
-                if gk is None:
-                    gk = group_keys[id(group)] = _shape_key(group)
-                key = (*key, gk)
+                key = (*key, group_key(group))
             if key not in first:
                 placed = first[key] = place(info, layer, trailing)
             else:
@@ -305,6 +302,20 @@ def _shape_key(group: QuantGroup) -> tuple[object, ...]:
     """What :func:`resolve_rules`' ``place`` reads of a member's group, names aside."""
     members = tuple((m.role, m.info.shape, m.info.dtype, m.axes) for m in group.members)
     return (group.scheme, group.logical.shape, group.dim_names, members)
+
+
+def shape_keys() -> Callable[[QuantGroup], tuple[object, ...]]:
+    """:func:`_shape_key`, computed once per group object (its members share it). The caller
+    holds every group it asks about for as long as it asks, so no id is reused meanwhile."""
+    known: dict[int, tuple[object, ...]] = {}
+
+    def key(group: QuantGroup) -> tuple[object, ...]:
+        k = known.get(id(group))
+        if k is None:
+            k = known[id(group)] = _shape_key(group)
+        return k
+
+    return key
 
 
 def _member_split(

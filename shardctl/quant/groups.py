@@ -241,9 +241,7 @@ def _fp8_block(
         Member(weight, "weight", _WHOLE_2D),
         Member(t[f"{base}.weight_scale_inv"], "weight_scale_inv", scale_axes),
     ]
-    input_scale = t.get(f"{base}.input_scale")
-    if input_scale is not None:
-        members.append(Member(input_scale, "input_scale", (Axis(None),) * len(input_scale.shape)))
+    members += _scalar_members(t, base, ("input_scale",))
     return _group("fp8-block", weight, members, where)  # the logical weight is the stored one
 
 
