@@ -1,12 +1,13 @@
-"""FP8 block checkpoints at a real expert count: thousands of quantized groups placed by class.
+"""Quantized MoE checkpoints at a real tensor count: 5,000 groups placed by class.
 
 ``resolve_rules`` places the first member of each class (name pattern, shape, dtype and the
 group's shapes and axes) through the rules and copies the result to the others, and ``plan``
 prices by those classes (``layout.classes``); these tests hold that to the per-tensor path
-and to what every member must get — its own weight's blocks — on a Qwen3-MoE of 128
-experts × 5 MoE layers in FP8 (transformers' ``save_pretrained``, then each linear quantized in
-Qwen3-*-FP8's 128×128 block layout; the first layer dense, as in ``tests._models``), and
-check that one mis-shaped scale among 1,947 groups is still refused, naming it.
+and to what every member must get — its own weight's blocks — on a Qwen3-MoE of 128 experts
+× 13 MoE layers (10,000+ tensors; transformers' ``save_pretrained``, then each linear
+quantized in Qwen3-*-FP8's block layout, or GPTQ; widths shrunk 8x with the blocks, so every
+split still keeps whole blocks), and check that one mis-shaped scale among them is still
+refused, naming it.
 """
 
 from __future__ import annotations
@@ -33,12 +34,15 @@ from tests._models import make_checkpoint
 from tests.test_layout_classes import _counts, _fresh, _outcome, _shard_bytes
 from tests.test_reshard_roundtrip import same_checkpoint
 
-BLOCK = 128
+BLOCK = 16  # FP8 blocks of 16x16 on widths shrunk 8x: every split stays whole blocks
+LAYERS, EXPERTS = 14, 128  # the first layer dense (tests._models): 13 MoE layers
 GEOMETRY = dict(
-    hidden_size=256, intermediate_size=512, num_attention_heads=4, num_key_value_heads=2,
-    head_dim=128, moe_intermediate_size=256, vocab_size=128, num_hidden_layers=6,
-    num_experts=128, num_experts_per_tok=8,
+    hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, moe_intermediate_size=32, vocab_size=128, num_hidden_layers=LAYERS,
+    num_experts=EXPERTS, num_experts_per_tok=8,
 )  # fmt: skip
+EXPERT_GROUPS = (LAYERS - 1) * EXPERTS * 3  # gate, up, down of every expert: 4,992
+OTHER_GROUPS = LAYERS * 4 + 3  # q, k, v, o of every layer and the dense layer's MLP
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +57,7 @@ def fp8(bf16: Path) -> Path:
 
 @pytest.fixture(scope="module")
 def gptq(bf16: Path) -> Path:
-    return _quant.gptq(bf16, bf16.with_name("gptq"))
+    return _quant.gptq(bf16, bf16.with_name("gptq"), group=BLOCK)
 
 
 @pytest.mark.parametrize("scheme", ["fp8", "gptq"])
@@ -66,7 +70,7 @@ def test_plan_bytes_by_class_equal_per_tensor_and_the_shards(
     with _fresh():
         rc = classes_of(model, ())
     assert rc is not None and len(rc.rules) < 60  # thousands of members, a few dozen classes
-    for mesh in (Mesh(ep=2, tp=2), Mesh(pp=2, ep=4), Mesh(pp=3, tp=2)):
+    for mesh in (Mesh(ep=2, tp=2), Mesh(pp=2, ep=4), Mesh(pp=7, tp=2)):
         fast = _outcome(model, mesh, by_class=True)
         assert fast == _outcome(model, mesh, by_class=False), (scheme, mesh)
         assert fast[1] == _shard_bytes(model, mesh, LayoutOptions()), (scheme, mesh)
@@ -77,9 +81,9 @@ def test_plan_bytes_by_class_equal_per_tensor_and_the_shards(
 def test_every_member_holds_its_own_weights_blocks(fp8: Path) -> None:
     model = from_checkpoint(fp8)
     groups = group_tensors(model.tensors, model.config)
+    assert len(model.tensors) > 10_000
     scales = [t.fqn for t in model.tensors if t.fqn.endswith(".weight_scale_inv")]
-    # 5 MoE layers × 128 experts × 3, the dense layer's 3, 6 × 4 attention projections
-    assert len({id(g) for g in groups.values()}) == len(scales) == 1947
+    assert len({id(g) for g in groups.values()}) == len(scales) == EXPERT_GROUPS + OTHER_GROUPS
     mesh = Mesh(ep=2, tp=2)
     layout = build_layout(model, mesh)
     checked = 0
@@ -95,10 +99,10 @@ def test_every_member_holds_its_own_weights_blocks(fp8: Path) -> None:
             assert s.sizes == tuple(math.ceil(n / BLOCK) for n in w.sizes), fqn
             if ".experts." in fqn:  # experts whole on their ep rank: e // (E / ep)
                 expert = int(fqn.split(".experts.")[1].split(".")[0])
-                assert expert // (GEOMETRY["num_experts"] // mesh.ep) == rank.ep, fqn
+                assert expert // (EXPERTS // mesh.ep) == rank.ep, fqn
             checked += 1
-    # the 27 dense and attention groups on all 4 ranks, each expert on its ep rank's 2 tp ranks
-    assert checked == 4 * 27 + 2 * 1920
+    # the dense and attention groups on all 4 ranks, each expert on its ep rank's 2 tp ranks
+    assert checked == 4 * OTHER_GROUPS + 2 * EXPERT_GROUPS
 
 
 def test_split_merge_is_byte_identical_and_verifies(fp8: Path, tmp_path: Path) -> None:
