@@ -65,9 +65,17 @@ def main(hf: str, out: str, world: str, dump: str) -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = str(s.getsockname()[1])
-    mp.start_processes(
-        _run, args=(hf, out, int(world), dump, port), nprocs=int(world), start_method="fork"
-    )
+    try:
+        mp.start_processes(
+            _run, args=(hf, out, int(world), dump, port), nprocs=int(world), start_method="fork"
+        )
+    finally:
+        # DeepSpeed's CPU all-reduce leaves one shared-memory buffer per rank (~66 MB each)
+        # named after the port; a test run must not leave them in /dev/shm.
+        import glob
+
+        for leftover in glob.glob(f"/dev/shm/deepspeed_allreduce_buffer_*_{port}_*"):
+            os.unlink(leftover)
 
 
 if __name__ == "__main__":
