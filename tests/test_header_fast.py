@@ -278,3 +278,46 @@ def test_a_checkpoint_written_by_save_pretrained_takes_the_text_scanner() -> Non
     scanned = scan_entries(raw, 8 + len(raw), size)
     assert scanned is not None and len(scanned[1]) > 10
     assert _outcome(raw, size) == _strict(raw, size)
+
+
+def _scan_in_chunks(raw: bytes, size: int, chars: int) -> Any:
+    """scan_entries with CHUNK_CHARS set to ``chars`` (restored after)."""
+    from shardctl.io import header_scan
+
+    real = header_scan.CHUNK_CHARS
+    header_scan.CHUNK_CHARS = chars
+    try:
+        return scan_entries(raw, 8 + len(raw), size)
+    finally:
+        header_scan.CHUNK_CHARS = real
+
+
+@settings(max_examples=300, deadline=None)
+@given(_headers(), st.sampled_from([1, 5, 40, 120]))
+def test_the_scanner_decides_alike_in_any_chunk_size(case: tuple[bytes, int], chars: int) -> None:
+    # Chunks end at an entry's "]}": a chunk per entry (1) or a few entries (40, 120) read the
+    # same entries, and refuse (None) the same headers, as one pass over the whole text.
+    raw, size = case
+    assert _scan_in_chunks(raw, size, chars) == _scan_in_chunks(raw, size, 1 << 30)
+
+
+def test_a_save_pretrained_header_in_chunks_is_the_same_columns() -> None:
+    from shardctl.io.header_raw import read_raw
+
+    path = Path(__file__).resolve().parent.parent / "examples/tiny-llama/model.safetensors"
+    raw, size = read_raw(path, sh.DEFAULT_MAX_HEADER_BYTES)
+    whole = _scan_in_chunks(raw, size, 1 << 30)
+    assert whole is not None
+    for chars in (1, 100, 1000):
+        assert _scan_in_chunks(raw, size, chars) == whole
+    # a header moved out of file order by hand is still read, and sorted, in chunks
+    text = raw.decode().rstrip()
+    body = text[text.index(',"', text.index("__metadata__")) + 1 : -1]
+    entries = body.split('},"')
+    entries = [e if e.endswith("}") else e + "}" for e in entries]
+    entries = [e if e.startswith('"') else '"' + e for e in entries]
+    shuffled = "{" + text[1 : text.index(',"', text.index("__metadata__"))] + ","
+    shuffled += ",".join(reversed(entries)) + "}"
+    moved = _compact(shuffled)
+    size2 = size - len(raw) + len(moved)
+    assert _scan_in_chunks(moved, size2, 1 << 30) == _scan_in_chunks(moved, size2, 50) == whole

@@ -4,8 +4,8 @@ that order, names without escapes) read as text columns, with no JSON objects bu
 
     {"__metadata__":{"format":"pt"},"a.weight":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},...}
 
-One regular-expression pass finds every entry (its separator, name, dtype, shape text and
-offsets); the entries are proven to cover the text between the metadata and the closing brace
+A regular-expression pass per chunk of ~1 MiB (cut at entry ends) finds every entry (its
+separator, name, dtype, shape text and offsets); the entries are proven to cover the text between the metadata and the closing brace
 exactly — the matches are disjoint, all inside that span, and their lengths add up to its
 length — so nothing outside the grammar was skipped. Shapes are parsed once per distinct
 shape text (90,000 expert tensors have a dozen), sizes checked once per (dtype, shape).
@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Iterator
 from operator import sub
 
 from shardctl.dtypes import DTYPE_BITS
@@ -40,6 +41,8 @@ _FIXED = len('{"":{"dtype":"","shape":[],"data_offsets":[,]}')
 _METADATA = re.compile(rf'\{{"__metadata__":(\{{(?:"{_STR}":"{_STR}"(?:,"{_STR}":"{_STR}")*)?\}}),')
 _SHAPE = re.compile(rf"(?:(?:{_NUM})(?:,(?:{_NUM}))*)?")
 _JSON_SPACE = " \t\n\r"
+# Header text scanned per regular-expression pass (see scan_entries); tests shrink it.
+CHUNK_CHARS = 1 << 20
 
 Columns = tuple[
     dict[str, str] | None, list[str], list[str], list[tuple[int, ...]], list[int], list[int]
@@ -69,58 +72,74 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
     end = len(body) - 1
     if not body.endswith("}") or end <= start:
         return None
-    rows = _ENTRY.findall(text, start, end)
-    if not rows:
-        return None
-    seps, names, dtypes, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
-    n = len(rows)
-    covered = n * _FIXED + sum(
-        sum(map(len, column)) for column in (names, dtypes, shape_texts, begin_texts, end_texts)
-    )
+    # Scanned in chunks that end at an entry's end: each chunk's match tuples (six strings an
+    # entry) are dropped before the next, so they are never all alive at once (at 90,000
+    # tensors that was ~40 MB of short-lived objects, and the heap it fragmented).
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    begins: list[int] = []
+    ends: list[int] = []
+    one: dict[str, str] = {}  # one str per dtype, not one per tensor
+    shape_of: dict[str, tuple[int, ...]] = {}
+    size_of: dict[tuple[str, str], int] = {}
+    covered = commas = 0
+    first_sep = ""
+    last_end = "0"  # the end text before the first entry: an in-order file begins at 0
+    for a, b in _chunks(text, start, end):
+        rows = _ENTRY.findall(text, a, b)
+        if not rows:
+            return None
+        seps, nm, dts, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
+        covered += len(rows) * _FIXED + sum(
+            sum(map(len, column)) for column in (nm, dts, shape_texts, begin_texts, end_texts)
+        )
+        commas += seps.count(",")
+        first_sep = first_sep or seps[0]
+        for d in set(dts):
+            if d not in DTYPE_BITS:
+                return None
+            one.setdefault(d, d)
+        for t in set(shape_texts).difference(shape_of):
+            if _SHAPE.fullmatch(t) is None:
+                return None
+            shape = tuple(map(int, t.split(","))) if t else ()
+            if len(shape) > MAX_DIMS:
+                return None
+            shape_of[t] = shape
+        chunk_ends = list(map(int, end_texts))
+        # Integers are canonical here (no sign, no leading zero): equal texts are equal
+        # numbers, so entries in file order need only their ends converted.
+        if begin_texts[0] == last_end and begin_texts[1:] == end_texts[:-1]:
+            chunk_begins = [ends[-1] if ends else 0, *chunk_ends[:-1]]
+        else:
+            chunk_begins = list(map(int, begin_texts))
+        last_end = end_texts[-1]
+        # dtype × shape must be end − begin bytes (also catches end < begin: a negative span
+        # never equals a size); priced once per (dtype, shape text)
+        pairs = list(zip(dts, shape_texts, strict=True))
+        for pair in set(pairs).difference(size_of):
+            size_of[pair] = _size(pair[0], shape_of[pair[1]])
+        if list(map(size_of.__getitem__, pairs)) != list(map(sub, chunk_ends, chunk_begins)):
+            return None
+        names += nm
+        dtypes += map(one.__getitem__, dts)
+        shapes += map(shape_of.__getitem__, shape_texts)
+        begins += chunk_begins
+        ends += chunk_ends
+    n = len(names)
     if covered != end - start:
         return None  # something between the entries is not an entry: the strict reader
-    if seps.count(",") != (n if metadata is not None else n - 1):
+    if commas != (n if metadata is not None else n - 1):
         return None  # the first separator is "{" (or the comma after the metadata), then ","
-    if metadata is None and seps[0] != "{":
+    if metadata is None and first_sep != "{":
         return None
     if len(set(names)) != n or "" in names or METADATA_KEY in names:
         return None
-    kinds = set(dtypes)
-    if not kinds <= DTYPE_BITS.keys():
-        return None
-    shape_of: dict[str, tuple[int, ...]] = {}
-    for s in set(shape_texts):
-        if _SHAPE.fullmatch(s) is None:
-            return None
-        shape = tuple(map(int, s.split(","))) if s else ()
-        if len(shape) > MAX_DIMS:
-            return None
-        shape_of[s] = shape
-    ends = list(map(int, end_texts))
-    # Integers are canonical here (no sign, no leading zero): equal texts are equal numbers,
-    # so a header in file order needs only its ends converted.
-    if begin_texts[0] == "0" and begin_texts[1:] == end_texts[:-1]:
-        begins = [0, *ends[:-1]]
-    else:
-        begins = list(map(int, begin_texts))
-    # dtype × shape must be end − begin bytes (also catches end < begin: a negative span never
-    # equals a size); one dtype (the common case) is priced per shape text, with no pairs
-    if len(kinds) == 1:
-        (dtype,) = kinds
-        by_shape = {s: _size(dtype, shape) for s, shape in shape_of.items()}
-        sizes = list(map(by_shape.__getitem__, shape_texts))
-    else:
-        pairs = list(zip(dtypes, shape_texts, strict=True))
-        size_of = {(d, s): _size(d, shape_of[s]) for d, s in set(pairs)}
-        sizes = list(map(size_of.__getitem__, pairs))
-    if sizes != list(map(sub, ends, begins)):
-        return None
-    shapes = list(map(shape_of.__getitem__, shape_texts))
-    names_l, dtypes_l = list(names), list(dtypes)
     if not (begins[0] == 0 and begins[1:] == ends[:-1]):
         order = sorted(range(n), key=lambda i: (begins[i], ends[i]))
-        names_l = [names[i] for i in order]
-        dtypes_l = [dtypes[i] for i in order]
+        names = [names[i] for i in order]
+        dtypes = [dtypes[i] for i in order]
         shapes = [shapes[i] for i in order]
         begins = [begins[i] for i in order]
         ends = [ends[i] for i in order]
@@ -128,7 +147,22 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
             return None  # gap or overlap
     if data_offset + ends[-1] != file_size:
         return None
-    return metadata, names_l, dtypes_l, shapes, begins, ends
+    return metadata, names, dtypes, shapes, begins, ends
+
+
+def _chunks(text: str, start: int, end: int) -> Iterator[tuple[int, int]]:
+    """``[a, b)`` spans of ``text[start:end]`` of about ``CHUNK_CHARS`` each, cut after an
+    entry's closing ``]}`` where the next entry's ``,"`` follows. That sequence is never inside
+    a name: an unescaped name holds no quote, and an escaped one fails the scan anyway (its
+    chunk does not tile)."""
+    at = start
+    while end - at > CHUNK_CHARS:
+        cut = text.find(']},"', at + CHUNK_CHARS, end)
+        if cut < 0:
+            break
+        yield at, cut + 2
+        at = cut + 2
+    yield at, end
 
 
 def _size(dtype: str, shape: tuple[int, ...]) -> int:
