@@ -64,7 +64,7 @@ def complete(dst: Path) -> dict:
         h = new_hash(rec.hash)
         h.update((dst / f.name).read_bytes())
         assert h.hexdigest() == f.digest, f.name
-    return rec.raw
+    return record.load_json(dst / record.RECORD_NAME)
 
 
 def leftovers(dst: Path) -> list[str]:

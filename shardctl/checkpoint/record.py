@@ -107,7 +107,7 @@ class LayoutRecord:
     files: tuple[FileDigest, ...]
     carried: tuple[str, ...]
     source: dict[str, Any]
-    raw: dict[str, Any]
+    raw: dict[str, Any]  # the record's JSON; schema 2's without its "tensors" and "ranks"
     table: rt.RecordTable | None = None  # the shards as arrays (format "ranks")
 
 
