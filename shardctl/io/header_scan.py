@@ -5,9 +5,9 @@ that order, names without escapes) read as text columns, with no JSON objects bu
     {"__metadata__":{"format":"pt"},"a.weight":{"dtype":"BF16","shape":[2,3],"data_offsets":[0,12]},...}
 
 A regular-expression pass per chunk of ~1 MiB (cut at entry ends) finds every entry (its
-separator, name, dtype, shape text and offsets); the entries are proven to cover the text between the metadata and the closing brace
-exactly — the matches are disjoint, all inside that span, and their lengths add up to its
-length — so nothing outside the grammar was skipped. Shapes are parsed once per distinct
+separator, name, dtype, shape text and offsets); the entries are proven to cover the text
+between the metadata and the closing brace exactly — the matches are disjoint, all inside that
+span, and their lengths add up to its length — so nothing outside the grammar was skipped. Shapes are parsed once per distinct
 shape text (90,000 expert tensors have a dozen), sizes checked once per (dtype, shape).
 
 Like :mod:`shardctl.io.header_fast` it only ever *accepts*: anything else — whitespace, an
