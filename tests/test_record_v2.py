@@ -179,3 +179,27 @@ def test_columns_pick_the_narrowest_type_and_check_their_length() -> None:
             assert what in exc.message
         else:
             raise AssertionError(what)
+
+
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(layouts())
+def test_tiling_in_chunks_of_one_pair_decides_alike(
+    case: tuple[list[TensorInfo], list[list[Shard]]],
+) -> None:
+    # _overlapping compares box pairs a chunk at a time (memory bound at 90,000 tensors x 8
+    # ranks); with one pair per chunk every chunk boundary is exercised.
+    tensors, ranks = case
+    files = ["f.safetensors"]
+    table = record_table.from_shards(tensors, files, ranks, [[files[0]] * len(r) for r in ranks])
+    width = table.width
+    gshape = np.array(
+        [list(t.shape) + [1] * (width - len(t.shape)) for t in tensors], dtype=np.int64
+    ).reshape(len(tensors), width)
+    if not _inside(tensors, ranks):
+        return
+    real = record_v2._PAIRS_PER_CHUNK
+    record_v2._PAIRS_PER_CHUNK = 1
+    try:
+        assert record_v2.tiles_exactly(table, gshape) == _python_ok(tensors, ranks)
+    finally:
+        record_v2._PAIRS_PER_CHUNK = real

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardctl.checkpoint import record_table as rt
+from shardctl.checkpoint.rank_header import begins_if_exact
 from shardctl.checkpoint.source import open_source
 from shardctl.io.header_raw import read_raw
 from shardctl.io.safetensors_header import read_header
@@ -23,7 +24,6 @@ from shardctl.verify import structure
 from shardctl.verify.api import verify
 from shardctl.verify.bitwise import walk
 from shardctl.verify.dst import DstShard, RecordDstShards, open_destination
-from shardctl.verify.dst_header import begins_if_exact
 from shardctl.verify.kinds import dense, shard_kinds
 from shardctl.verify.result import LevelResult
 from tests._verify_fixtures import Checkpoints

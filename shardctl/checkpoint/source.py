@@ -21,8 +21,11 @@ from shardctl.checkpoint import record as rec
 from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.hf import CheckpointFiles, open_checkpoint
 from shardctl.checkpoint.input_check import Expected
+from shardctl.checkpoint.rank_header import begins_if_exact
 from shardctl.errors import EnvironmentFailure, InvalidInputError
-from shardctl.io.safetensors_header import SafetensorsHeader, read_header
+from shardctl.io import safetensors_header as sh
+from shardctl.io.header_raw import read_raw
+from shardctl.io.safetensors_header import SafetensorsHeader, parse_header
 from shardctl.layout.types import LocalTensor, Piece
 from shardctl.model.inventory import from_tensors
 from shardctl.model.types import ModelInfo, TensorInfo
@@ -202,9 +205,22 @@ def _from_record(root: Path) -> Source:
     # one file at a time: its header (~100 B per tensor) is dropped before the next is read
     for name in names:
         path = root / name
-        header = read_header(path)
         files.append(_input_file(path, record))
         held = rows_of.get(index[name], [])
+        # A header that is, byte for byte, the one the record implies (reshard writes it from
+        # the record's rows) needs no parsing: at 90,000 tensors on 8 ranks that is 720,000
+        # entries not built as objects (~3 s and ~100 MB).
+        raw, file_size = read_raw(path, sh._limit[0])  # read_header's own cap
+        exact = (
+            begins_if_exact(raw, file_size, table, held[0][0], held[0][1])
+            if len(held) == 1
+            else None
+        )
+        if exact is not None:
+            header = SafetensorsHeader(path, len(raw), 8 + len(raw), file_size, exact[1], ())
+        else:
+            header = parse_header(raw, path=path, file_size=file_size)
+        del raw
         claimed = claimed_rank(header)
         other = sorted(i for i, _ in held if isinstance(claimed, int) and i != claimed)
         if other:
@@ -213,6 +229,10 @@ def _from_record(root: Path) -> Source:
                 f"holds rank {claimed}'s: rank files renamed or swapped, or the record edited",
                 where=str(path),
             )
+        if exact is not None:
+            i, rows = held[0]
+            begins[i][rows] = exact[0]
+            continue
         base = header.data_offset
         entries = {e.name: (base + e.begin, e.shape, e.dtype) for e in header.tensors}
         del header

@@ -7,8 +7,9 @@ that order, names without escapes) read as text columns, with no JSON objects bu
 A regular-expression pass per chunk of ~1 MiB (cut at entry ends) finds every entry (its
 separator, name, dtype, shape text and offsets); the entries are proven to cover the text
 between the metadata and the closing brace exactly — the matches are disjoint, all inside that
-span, and their lengths add up to its length — so nothing outside the grammar was skipped. Shapes are parsed once per distinct
-shape text (90,000 expert tensors have a dozen), sizes checked once per (dtype, shape).
+span, and their lengths add up to its length — so nothing outside the grammar was skipped.
+Shapes are parsed once per distinct shape text (90,000 expert tensors have a dozen), sizes
+checked once per (dtype, shape).
 
 Like :mod:`shardctl.io.header_fast` it only ever *accepts*: anything else — whitespace, an
 escape in a string, another key order, an unknown field, a duplicate, a bad size, a gap —

@@ -20,6 +20,7 @@ import numpy as np
 
 from shardctl.checkpoint import record as rec
 from shardctl.checkpoint import record_table as rt
+from shardctl.checkpoint.rank_header import begins_if_exact
 from shardctl.checkpoint.source import claimed_rank, open_source
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
@@ -28,7 +29,6 @@ from shardctl.io.header_raw import read_raw
 from shardctl.io.safetensors_header import SafetensorsHeader, parse_header
 from shardctl.layout.types import Layout, LocalTensor
 from shardctl.model.types import TensorInfo
-from shardctl.verify.dst_header import begins_if_exact
 from shardctl.verify.kinds import shard_kinds
 from shardctl.verify.result import Finding
 

@@ -1,4 +1,5 @@
-"""A DST rank file's header checked against the record by its bytes, without parsing it.
+"""A rank file's header checked against the record by its bytes, without parsing it (verify's
+DST, and a sharded SRC that reshard merges or re-splits).
 
 ``reshard`` writes each header as text from the record's own rows (``plan_header.header_text``:
 the file's shards in record row order, back to back). So the header the record implies can be
