@@ -322,6 +322,8 @@ def read_rank(
         siz = local
     if not loc.any():
         loc = np.broadcast_to(np.zeros(width, dtype=loc.dtype), loc.shape)
+    if n and (file == file[0]).all():  # a rank in one file (the usual case): one value
+        file = np.broadcast_to(np.array([file[0]], dtype=file.dtype), file.shape)
     local.flags.writeable = False
     return rt.RankTable(tensor, file, placement, tuple(places), local, start, off, siz, loc)
 
