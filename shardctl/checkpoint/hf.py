@@ -52,6 +52,7 @@ from typing import Any, NamedTuple
 from shardctl.checkpoint.hf_index import compare_index, read_index, unreferenced_series
 from shardctl.checkpoint.paths import PathGuard
 from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.io.heap import give_back_heap
 from shardctl.io.safetensors_header import (
     DEFAULT_MAX_HEADER_BYTES,
     HeaderEntry,
@@ -187,6 +188,7 @@ def _open_hf(root: Path, follow: bool, max_header_bytes: int) -> CheckpointFiles
             [f"shard {n} is listed in the index but missing" for n in missing],
         )
     headers = [read_header(root / n, max_header_bytes=max_header_bytes) for n in weight_names]
+    give_back_heap()  # the header texts and their scan, dropped
 
     problems: list[str] = []
     warnings: list[str] = []

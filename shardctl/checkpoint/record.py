@@ -65,6 +65,7 @@ from shardctl.checkpoint import record_check
 from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io.checksum import HASHES
+from shardctl.io.heap import give_back_heap
 from shardctl.layout.types import (
     Layout,
     LayoutOptions,
@@ -145,7 +146,10 @@ def read(root: Path, *, exact_tiling: bool = True) -> LayoutRecord:
     if obj.get("schema") == SCHEMA_V2:
         from shardctl.checkpoint import record_v2
 
-        return record_v2.read(obj, where, exact_tiling=exact_tiling)
+        out = record_v2.read(obj, where, exact_tiling=exact_tiling)
+        del obj
+        give_back_heap()  # the JSON tree, parsed into columns and dropped
+        return out
     if obj.get("schema") != SCHEMA:
         raise InvalidInputError(
             f"unknown record schema {obj.get('schema')!r}, expected {SCHEMA_V2!r} or {SCHEMA!r}",

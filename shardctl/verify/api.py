@@ -24,9 +24,9 @@ from typing import Any
 from shardctl.checkpoint.source import Source, open_source
 from shardctl.errors import EnvironmentFailure, InvalidInputError, UsageError
 from shardctl.gcpause import gc_paused
+from shardctl.io.heap import give_back_heap
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RankLayout, Stage
 from shardctl.verify.bitwise.level import check_bitwise
-from shardctl.verify.boxes import give_back_heap
 from shardctl.verify.dst import Destination, open_destination
 from shardctl.verify.result import LEVELS, LevelResult, VerifyResult
 from shardctl.verify.sharded import ShardedCheckpoint

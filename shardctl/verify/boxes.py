@@ -18,7 +18,6 @@ import sys
 from collections import OrderedDict
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -48,26 +47,6 @@ class Scratch:
             size = max(nbytes, 2 * self._buf.size)
             self._buf = np.frombuffer(mmap.mmap(-1, size), dtype=np.uint8)
         return memoryview(self._buf.data)[:nbytes]
-
-
-def give_back_heap() -> None:
-    """Return the C heap's free pages to the system (glibc ``malloc_trim``; elsewhere nothing).
-
-    Opening 90,000 tensors on both sides parses ~15 MB of JSON and drops most of it; glibc
-    keeps the freed pages, and the buffers the bitwise level then allocates come on top:
-    ~20 MiB of peak RSS that holds nothing. Called between phases, it costs ~1 ms."""
-    trim = _TRIM[0]
-    if trim is None:
-        try:
-            trim = ctypes.CDLL("libc.so.6").malloc_trim
-        except (OSError, AttributeError):
-            trim = False
-        _TRIM[0] = trim
-    if trim:
-        trim(0)
-
-
-_TRIM: list[Any] = [None]
 
 
 def pread_into(fd: int, buf: memoryview, offset: int, path: Path | None = None) -> None:

@@ -270,8 +270,12 @@ class RecordDstShards(rt.PerAccess[list[DstShard]]):
         g, table = self._g, self._t
         rank = np.frombuffer(g.rank, dtype=np.int32)
         row = np.frombuffer(g.row, dtype=np.int32)
-        tensor = np.repeat(np.arange(len(table.tensors)), np.diff(np.asarray(g.start)))
-        file = np.empty(rank.size, dtype=np.int64)
+        # indexes in int32 (a record holds at most record_check.MAX_ENTRIES = 2**24 of each);
+        # 800,000 shards at 100,000 tensors x 8 ranks
+        tensor = np.repeat(
+            np.arange(len(table.tensors), dtype=np.int32), np.diff(np.asarray(g.start))
+        )
+        file = np.empty(rank.size, dtype=np.int32)
         begin = np.empty(rank.size, dtype=np.int64)
         for i, r in enumerate(table.ranks):
             at = np.flatnonzero(rank == i)

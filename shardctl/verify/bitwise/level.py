@@ -12,12 +12,13 @@ from typing import Any
 
 from shardctl.blocks import scalar_piece, scalar_shape
 from shardctl.checkpoint.source import HfShards, Source
+from shardctl.io.heap import give_back_heap
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
 from shardctl.verify.bitwise.spans import Span, span_caps
 from shardctl.verify.bitwise.walk import Sizes, walk
-from shardctl.verify.boxes import give_back_heap, uint_of
+from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, DstShard
 from shardctl.verify.result import LevelResult
 
