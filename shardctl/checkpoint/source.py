@@ -312,6 +312,18 @@ def _begins(
         out[j] = got[0]
 
 
+class _Same:
+    """A column of one value: ``column[j]`` is that value for every ``j``."""
+
+    __slots__ = ("value",)
+
+    def __init__(self, value: int) -> None:
+        self.value = value
+
+    def __getitem__(self, j: int) -> int:
+        return self.value
+
+
 class RecordShards(rt.PerAccess[tuple[SourceShard, ...]]):
     """``fqn -> (SourceShard, ...)`` of a ``ranks`` source, built per access from the record's
     arrays: 180,000 shards are never all objects at once unless a caller keeps them."""
@@ -326,7 +338,13 @@ class RecordShards(rt.PerAccess[tuple[SourceShard, ...]]):
         super().__init__()
         self._t, self._g = table, groups
         self._begins = [array.array("q", b.astype(np.int64).tobytes()) for b in begins]
-        self._file = [array.array("q", f.astype(np.int64).tobytes()) for f in file_of]
+        # a rank in one file (the usual case) keeps its file as one value, not one per shard
+        self._file: list[Any] = [
+            _Same(int(f[0]))
+            if f.size and (f == f[0]).all()
+            else array.array("q", f.astype(np.int64).tobytes())
+            for f in file_of
+        ]
         self._index = rt.index_of(table)
 
     def _build(self, fqn: str) -> tuple[SourceShard, ...]:
