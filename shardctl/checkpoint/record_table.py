@@ -44,7 +44,7 @@ class RankTable:
     placement: np.ndarray  # (n,) int64
     placements: tuple[str, ...]
     local_shape: np.ndarray  # (n, D) int64
-    piece_start: np.ndarray  # (n + 1,) int64
+    piece_start: np.ndarray  # (n + 1,) int64 (int32 as read from a record)
     offsets: np.ndarray  # (P, D) int64
     sizes: np.ndarray  # (P, D) int64
     local_offsets: np.ndarray  # (P, D) int64
@@ -497,7 +497,7 @@ class ByTensor:
 
     rank: array.array[int]  # 4 B a shard, not ~36 as a list; slices cheaply into ints
     row: array.array[int]
-    start: list[int]
+    start: array.array[int]  # 8 B a tensor, not ~36 as a list of ints
 
     def of(self, t: int) -> Iterator[tuple[int, int]]:
         a, b = self.start[t], self.start[t + 1]
@@ -530,7 +530,7 @@ def by_tensor(table: RecordTable, keep: Sequence[np.ndarray] | None = None) -> B
     return ByTensor(
         array.array("i", rank.astype(np.int32).tobytes()),
         array.array("i", row.astype(np.int32).tobytes()),
-        start.tolist(),
+        array.array("q", start.astype(np.int64).tobytes()),
     )
 
 

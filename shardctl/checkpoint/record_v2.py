@@ -324,6 +324,7 @@ def read_rank(
         loc = np.broadcast_to(np.zeros(width, dtype=loc.dtype), loc.shape)
     if len(places) <= 2**16:  # an index into a few placement strings: 2 B, not 8
         placement = placement.astype(np.uint16)
+    start = start.astype(np.int32)  # piece indexes: at most MAX_CELLS (2**26)
     if n and (file == file[0]).all():  # a rank in one file (the usual case): one value
         file = np.broadcast_to(np.array([file[0]], dtype=file.dtype), file.shape)
     local.flags.writeable = False
