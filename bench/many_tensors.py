@@ -35,11 +35,11 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def run(cmd: str, log: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of ``sh -c cmd`` under /usr/bin/time."""
+def run(cmd: str, log: Path, cwd: Path = REPO) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of ``sh -c cmd`` under /usr/bin/time, run in ``cwd``."""
     p = subprocess.run(
         ["/usr/bin/time", "-o", str(log), "-f", "%e %M", "sh", "-c", cmd],
-        cwd=REPO,
+        cwd=cwd,
         capture_output=True,
         text=True,
     )

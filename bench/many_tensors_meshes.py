@@ -19,31 +19,17 @@ tensors, 1.6 GB, transformers' ``save_pretrained``).
 from __future__ import annotations
 
 import argparse
+import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
 from _compiled import byte_compile
+from many_tensors import run
 
 REPO = Path(__file__).resolve().parents[1]
 LIMIT_MIB = 256
-
-
-def timed(cmd: list[str], cwd: Path, log: Path) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of ``cmd`` under /usr/bin/time; NaN when it fails."""
-    p = subprocess.run(
-        ["/usr/bin/time", "-o", str(log), "-f", "%e %M", *cmd],
-        cwd=cwd,
-        capture_output=True,
-        text=True,
-    )
-    if p.returncode != 0:
-        print(f"FAILED ({p.returncode}): {' '.join(cmd)}\n{p.stderr[-800:]}", file=sys.stderr)
-        return float("nan"), float("nan")
-    wall, rss = log.read_text().split()[-2:]
-    return float(wall), float(rss) / 1024
 
 
 def mesh_args(text: str) -> list[str]:
@@ -90,10 +76,10 @@ def main() -> None:
     log = args.work / "time.log"
     copy = args.work / "copy"
     shutil.rmtree(copy, ignore_errors=True)
-    cp_s, _ = timed(["cp", "-r", str(args.src), str(copy)], REPO, log)
+    cp_s, _ = run(shlex.join(["cp", "-r", str(args.src), str(copy)]), log)
     shutil.rmtree(copy, ignore_errors=True)
     files = sorted(str(p) for p in args.src.glob("*.safetensors"))
-    cat_s, _ = timed(["sh", "-c", 'cat "$@" > /dev/null', "cat", *files], REPO, log)
+    cat_s, _ = run(shlex.join(["cat", *files]) + " > /dev/null", log)
     print(f"SRC {args.src}: cp -r {cp_s:.2f} s, cat {cat_s:.2f} s (limit {LIMIT_MIB} MiB)")
     py = [sys.executable, "-m", "shardctl"]
     for mesh in args.meshes.split(","):
@@ -106,7 +92,7 @@ def main() -> None:
         for label, cmd in steps:
             cells = []
             for name, root in checkouts:
-                wall, rss = timed([*py, *cmd(str(args.work / name))], root, log)
+                wall, rss = run(shlex.join([*py, *cmd(str(args.work / name))]), log, cwd=root)
                 mark = "!" if rss > LIMIT_MIB else " "
                 cells.append(f"{wall:6.2f} s {rss:6.1f} MiB{mark}")
             print(f"{label:<22}" + "".join(f"{c:>22}" for c in cells))

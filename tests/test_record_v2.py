@@ -120,6 +120,18 @@ def _inside(tensors: list[TensorInfo], ranks: list[list[Shard]]) -> bool:
     )
 
 
+def _table(
+    tensors: list[TensorInfo], ranks: list[list[Shard]], files: list[str]
+) -> tuple[record_table.RecordTable, np.ndarray]:
+    """The layout's table (every shard in ``files[0]``) and its global shapes as padded rows."""
+    table = record_table.from_shards(tensors, files, ranks, [[files[0]] * len(r) for r in ranks])
+    width = table.width
+    gshape = np.array(
+        [list(t.shape) + [1] * (width - len(t.shape)) for t in tensors], dtype=np.int64
+    ).reshape(len(tensors), width)
+    return table, gshape
+
+
 @settings(max_examples=300, deadline=None, derandomize=True)
 @given(layouts())
 def test_vectorized_tiling_agrees_with_the_row_checker(
@@ -127,11 +139,7 @@ def test_vectorized_tiling_agrees_with_the_row_checker(
 ) -> None:
     tensors, ranks = case
     files = ["f.safetensors"]
-    table = record_table.from_shards(tensors, files, ranks, [[files[0]] * len(r) for r in ranks])
-    width = table.width
-    gshape = np.array(
-        [list(t.shape) + [1] * (width - len(t.shape)) for t in tensors], dtype=np.int64
-    ).reshape(len(tensors), width)
+    table, gshape = _table(tensors, ranks, files)
     inside = _inside(tensors, ranks)
     if inside:
         assert record_v2.tiles_exactly(table, gshape) == _python_ok(tensors, ranks)
@@ -190,11 +198,7 @@ def test_tiling_in_chunks_of_one_pair_decides_alike(
     # ranks); with one pair per chunk every chunk boundary is exercised.
     tensors, ranks = case
     files = ["f.safetensors"]
-    table = record_table.from_shards(tensors, files, ranks, [[files[0]] * len(r) for r in ranks])
-    width = table.width
-    gshape = np.array(
-        [list(t.shape) + [1] * (width - len(t.shape)) for t in tensors], dtype=np.int64
-    ).reshape(len(tensors), width)
+    table, gshape = _table(tensors, ranks, files)
     if not _inside(tensors, ranks):
         return
     real = record_v2._PAIRS_PER_CHUNK

@@ -270,7 +270,7 @@ class RecordDstShards(rt.PerAccess[list[DstShard]]):
         g, table = self._g, self._t
         rank = np.frombuffer(g.rank, dtype=np.int32)
         row = np.frombuffer(g.row, dtype=np.int32)
-        # indexes in int32 (a record holds at most record_check.MAX_ENTRIES = 2**24 of each);
+        # indexes in int32 (a record holds at most record_check.MAX_ENTRIES of each);
         # 800,000 shards at 100,000 tensors x 8 ranks
         tensor = np.repeat(
             np.arange(len(table.tensors), dtype=np.int32), np.diff(np.asarray(g.start))
