@@ -63,13 +63,13 @@ def test_spans_match_the_block_path_clean_and_with_flips(
     # a clean span is settled by one memcmp against what the batch fills built from SRC, so
     # every way of filling (one strided copy, a gather, box by box) must build exactly DST
     slow = []
-    real_compare = spans._compare_batch
-    monkeypatch.setattr(spans, "_compare_batch", lambda *a: slow.append(1) or real_compare(*a))
+    real_compare = spans._compare_shards
+    monkeypatch.setattr(spans, "_compare_shards", lambda *a: slow.append(1) or real_compare(*a))
     for direct in (0, 1 << 40):
         monkeypatch.setattr(spans, "DIRECT_BYTES", direct)
         assert _run(src, dst, monkeypatch, on=True)[0]
     assert not slow
-    monkeypatch.setattr(spans, "_compare_batch", real_compare)
+    monkeypatch.setattr(spans, "_compare_shards", real_compare)
 
     # flips in expert halves (w1 S(0): contiguous; w2 S(1): strided in SRC), a replicated
     # norm, and two flips in one shard (counted together, the first named)
@@ -99,3 +99,104 @@ def test_spans_match_the_block_path_clean_and_with_flips(
     named = [f for f in findings if f[1]]
     assert len(named) == flipped
     assert sum(f[0].startswith("2 of") for f in named) == len(files)
+
+
+@pytest.mark.parametrize(
+    ("first", "second"),
+    [
+        # each DST shard inside one SRC shard (halves of whole experts)
+        (Mesh(ep=4), Mesh(ep=2, tp=2)),
+        # each DST shard made of two SRC halves (parts), ep regrouped
+        (Mesh(ep=2, tp=2), Mesh(ep=4)),
+        # merged back whole: every tensor from all its SRC shards
+        (Mesh(ep=2, tp=2), None),
+    ],
+    ids=["inside", "parts", "merged"],
+)
+def test_sharded_src_spans_match_the_block_path(
+    cks: Checkpoints,
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    first: Mesh,
+    second: Mesh | None,
+) -> None:
+    # A sharded SRC (a split verified against a re-split or a merge of it) goes through spans
+    # too: its shards are read as a few stretches, one per SRC file, and a DST shard may be
+    # filled from several of them. Verdicts, findings (shard, count, first element), figures
+    # and rows are the per-block path's.
+    from shardctl.reshard.api import reshard
+
+    src = cks.resharded("mixtral", first)
+    dst = tmp_path / "dst"
+    if second is None:
+        reshard(src, dst, fmt="hf")
+    else:
+        reshard(src, dst, mesh=second)
+    ok, findings, figures, rows, calls = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, calls0 = _run(src, dst, monkeypatch, on=False)
+    assert ok and ok0 and not findings and calls > 0 and calls0 == 0
+    assert figures == figures0 and rows == rows0
+    # SRC bytes: each element once, replicas not counted (as the block path)
+    tensor_bytes = sum(
+        e.nbytes for p in cks.ckpt("mixtral").glob("*.safetensors") for e in read_header(p).tensors
+    )
+    assert figures["src_bytes"] == tensor_bytes
+    for direct in (0, 1 << 40):  # every way of filling builds exactly DST
+        monkeypatch.setattr(spans, "DIRECT_BYTES", direct)
+        assert _run(src, dst, monkeypatch, on=True)[0]
+
+    rng = random.Random(5)
+    files = sorted(p.name for p in dst.glob("*.safetensors"))
+    for name in files:
+        names = [e.name for e in read_header(dst / name).tensors]
+        for pick in ("w1.weight", "w2.weight", "input_layernorm.weight", "q_proj.weight"):
+            hits = [n for n in names if n.endswith(pick)]
+            if hits:
+                _flip(dst / name, rng.choice(hits), rng.randrange(1 << 16), rng.randrange(8))
+    for direct in (0, 1 << 40):
+        monkeypatch.setattr(spans, "DIRECT_BYTES", direct)
+        ok, findings, figures, rows, calls = _run(src, dst, monkeypatch, on=True)
+        ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+        assert not ok and not ok0 and calls > 0
+        assert findings == findings0 and len(findings) >= len(files)
+        assert figures == figures0 and rows == rows0
+
+
+def test_geometry_parts_tile_each_dst_box_or_refuse() -> None:
+    shape = (4, 6)
+    halves = (((0, 0), (4, 3)), ((0, 3), (4, 3)))
+    rows = (((0, 0), (2, 6)), ((2, 0), (2, 6)))
+    # a row half from two column halves: two parts, each its own SRC shard's box
+    got = spans.geometry(shape, halves, rows)
+    assert got == (
+        ((0, (0, 0), (0, 0), (2, 3)), (1, (0, 0), (0, 3), (2, 3))),
+        ((0, (2, 0), (0, 0), (2, 3)), (1, (2, 0), (0, 3), (2, 3))),
+    )
+    # replicas: the first holder serves the box
+    assert spans.geometry(shape, (((0, 0), shape), ((0, 0), shape)), rows) == (
+        ((0, (0, 0), (0, 0), (2, 6)),),
+        ((0, (2, 0), (0, 0), (2, 6)),),
+    )
+    # SRC boxes that do not tile the tensor: a gap, an overlap (volume right, one missing),
+    # one outside it; a DST box outside it
+    assert spans.geometry(shape, halves[:1], rows) is None
+    assert (
+        spans.geometry(shape, (((0, 0), (4, 3)), ((0, 2), (4, 3)), ((0, 5), (4, 1))), rows) is None
+    )
+    assert spans.geometry(shape, (((0, 3), (4, 4)), ((0, 0), (4, 3))), rows) is None
+    assert spans.geometry(shape, halves, (((3, 0), (2, 6)),)) is None
+
+
+def test_span_takes_shards_that_follow_each_file_stretch() -> None:
+    p = Path("f")
+    span = spans.Span()
+    first = [(0, p, 100, 10, (5,)), (1, p, 0, 10, (5,))]
+    assert span.fits(first, 64)
+    span.add(first)
+    assert span.ranges == {0: [p, 100, 110], 1: [p, 0, 10]} and span.src_bytes == 20
+    assert span.fits([(1, p, 10, 8, (4,)), (2, p, 7, 8, (4,))], 64)  # file 2 is new
+    assert not span.fits([(1, p, 12, 8, (4,))], 64)  # a gap in file 1
+    assert not span.fits([(0, p, 110, 50, (25,))], 64)  # over the cap
+    # one tensor's two shards in one file: only back to back, in either order
+    assert spans.Span().fits([(3, p, 8, 8, (4,)), (3, p, 0, 8, (4,))], 64)
+    assert not spans.Span().fits([(3, p, 9, 8, (4,)), (3, p, 0, 8, (4,))], 64)

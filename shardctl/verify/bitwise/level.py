@@ -16,7 +16,7 @@ from shardctl.io.heap import give_back_heap
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
-from shardctl.verify.bitwise.spans import Span, span_caps
+from shardctl.verify.bitwise.spans import Box, Geometries, PartGeometry, Span, span_caps
 from shardctl.verify.bitwise.walk import Sizes, walk
 from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, DstShard
@@ -92,29 +92,28 @@ def _tasks(
     span: Span | None = None
     span_src, span_dst = span_caps()
     sizes = Sizes()
-    span_file = -1
+    kinds = Geometries()
     for fqn, shards, dst_bytes in by_fqn:
         shape = shapes[fqn]
-        plain = _plain(src, fqn, shape, shards, span_src, sizes)
+        plain = _plain(src, fqn, shape, shards, span_src, sizes, kinds)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
-            file, begin, nbytes = plain
+            reads, geo, nbytes = plain
             if batch:
                 yield ("blocks", batch)
                 batch, size = [], 0
             if span is not None and (
-                span_file != file
-                or span.end != begin
-                or span.end + nbytes - span.begin > span_src
-                or span.dst_bytes + dst_bytes > span_dst
+                not span.fits(reads, span_src) or span.dst_bytes + dst_bytes > span_dst
             ):
                 yield ("span", span)
                 span = None
             if span is None:
-                span = Span(src.files[file].path, begin, begin, [])
-                span_file = file
-            at = begin - span.begin
-            span.shards.extend([(s, at, shape) for s in shards])
-            span.end = begin + nbytes
+                span = Span()
+            span.add(reads)
+            for s, parts in zip(shards, geo, strict=True):
+                for part in parts:
+                    r = reads[part[0]]
+                    span.parts.append((s, r[0], r[2], r[4], part))
+            span.tensor_bytes += nbytes
             span.dst_bytes += dst_bytes
             continue
         if span is not None:
@@ -162,41 +161,56 @@ def _plain(
     shards: list[DstShard],
     cap: int,
     sizes: Sizes,
-) -> tuple[int, int, int] | None:
-    """``(SRC file index, begin, nbytes)`` of a tensor a span can hold, else None: SRC holds it
-    as one whole tensor and every DST shard is one box of it filling its local tensor (no
-    padding, no parts), of the same byte-sized dtype."""
+    kinds: Geometries,
+) -> tuple[list[Any], tuple[tuple[PartGeometry, ...], ...], int] | None:
+    """A tensor a span can hold: ``(SRC reads, each DST shard's parts, the tensor's bytes)``,
+    else None. SRC holds it as rectangular shards (one whole tensor in an HF checkpoint), each
+    one box filling its local tensor, of one byte-sized dtype, at most ``cap`` bytes in all;
+    every DST shard is one box filling its local tensor (no padding, no parts), of that dtype;
+    the SRC boxes tile the tensor (:func:`~shardctl.verify.bitwise.spans.geometry`). A SRC
+    read is ``(file, path, begin, nbytes, local shape)``, one per SRC shard in its order; a
+    part's first field indexes them."""
     if cap <= 0 or not shape or 0 in shape:
         return None
+    nd = len(shape)
+    reads: list[Any]
     if isinstance(src.shards, HfShards):  # one whole shard per tensor: no object built
         got = src.shards.whole(fqn)
         if got is None or got[3] != shape:
             return None
         file, begin, dtype, _ = got
+        n = sizes(dtype, shape)
+        reads = [(file, src.files[file].path, begin, n, shape)]
+        boxes: tuple[Box, ...] = (((0,) * nd, shape),)
     else:
         ss = src.shards.get(fqn)
-        if not ss or len(ss) != 1:
+        if not ss:
             return None
-        s0 = ss[0]
-        if s0.local_shape != shape or len(s0.pieces) != 1:
-            return None
-        p = s0.pieces[0]
-        if p.sizes != shape or any(p.offsets) or any(p.local_offsets):
-            return None
-        file, begin, dtype = s0.file, s0.begin, s0.dtype
-    if uint_of(dtype) is None:
+        dtype = ss[0].dtype
+        reads = []
+        for q in ss:
+            if q.dtype != dtype or len(q.pieces) != 1:
+                return None
+            p = q.pieces[0]
+            if p.sizes != q.local_shape or any(p.local_offsets):
+                return None
+            n = sizes(dtype, q.local_shape)
+            reads.append((q.file, src.files[q.file].path, q.begin, n, q.local_shape))
+        boxes = tuple((q.pieces[0].offsets, q.pieces[0].sizes) for q in ss)
+        if len(reads) > 1 and not Span().fits(reads, cap):
+            return None  # two of its shards apart in one SRC file (or over the cap)
+    if uint_of(dtype) is None or sum(r[3] for r in reads) > cap:
         return None
-    nd = len(shape)
     for s in shards:
         if s.dtype != dtype or len(s.pieces) != 1:
             return None
-        q = s.pieces[0]
-        if q.sizes != s.local_shape or len(q.sizes) != nd or any(q.local_offsets):
+        d = s.pieces[0]
+        if d.sizes != s.local_shape or any(d.local_offsets):
             return None
-    n = sizes(dtype, shape)
-    if n > cap:
+    geo = kinds(shape, boxes, tuple((s.pieces[0].offsets, s.pieces[0].sizes) for s in shards))
+    if geo is None:
         return None
-    return file, begin, n
+    return reads, geo, sizes(dtype, shape)
 
 
 def _findings(

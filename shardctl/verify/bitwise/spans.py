@@ -1,23 +1,29 @@
 """Bitwise level, spans: many small tensors checked with a few large reads and compares.
 
 At 90,000 tensors (MoE experts of a few KiB each) the per-block path cost ~0.3 ms per tensor
-in Python: plan, image, one ``pread`` per shard. Most such tensors are *plain*: one whole
-source tensor, and DST shards that are each one box of it with no padding. A *span* is a run
-of plain tensors adjacent in one SRC file (at most ``plan.BLOCK_BYTES``), taken in the order
-every DST file agrees with. Its task reads the SRC bytes once, reads each DST file's shards of those
-tensors in as few ``pread``s as they are adjacent, and compares shards of one geometry (same
-global shape, box and dtype: expert ``w1`` halves, say) placed at a constant stride on both
-sides as *one* strided numpy view — a few compares per span instead of one per shard.
+in Python: plan, image, one ``pread`` per shard. Most such tensors are *plain*: SRC holds each
+as rectangular shards (one whole tensor in an HF checkpoint, or ``tp``/``ep`` slices of a
+sharded layout), each one box filling its local tensor, and so does DST. Every DST shard is
+then filled by a few *parts*, each one box of one SRC shard (:func:`geometry`, worked out once
+per kind of tensor: its shape and both sides' boxes).
 
-A box need not be contiguous in SRC (a rowwise ``S(1)`` half is strided): the view slices it.
-A batch that differs is checked again shard by shard, to name each shard and its first
+A *span* is a run of plain tensors, taken in the order every DST file agrees with, whose SRC
+shards lie back to back in each SRC file they use (at most ``plan.BLOCK_BYTES`` in all). Its
+task reads each SRC file's stretch once, reads each DST file's shards of those tensors in as
+few ``pread``s as they are adjacent, builds what DST should hold from SRC — parts of one
+geometry (same SRC shape and box, same DST shape and box, one dtype: expert ``w1`` halves,
+say) placed at a constant stride on both sides are *one* strided numpy copy — and compares the
+two with one ``memcmp``.
+
+A box need not be contiguous in SRC (a rowwise ``S(1)`` half is strided): the views slice it.
+A span that differs is checked again shard by shard, to name each shard and its first
 differing element, exactly as the per-block path would.
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +38,15 @@ from shardctl.verify.dst import DstShard
 ENABLED = True  # off: every tensor takes the per-block path (tests compare the two)
 # A batch of boxes this size or more is copied box by box (see ``_fill_batch``).
 DIRECT_BYTES = 32 * 2**10
+# Kinds of tensor (``geometry``) remembered before the cache is cleared.
+KINDS = 4096
+
+Box = tuple[tuple[int, ...], tuple[int, ...]]  # (global offsets, sizes)
+# One part of a DST shard: (index of the SRC shard, offsets in its local tensor, offsets in
+# the DST local tensor, sizes).
+PartGeometry = tuple[int, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+# One SRC shard a span reads: (file index, path, first byte, bytes, local shape).
+Read = tuple[int, Path, int, int, tuple[int, ...]]
 
 
 def span_caps() -> tuple[int, int]:
@@ -40,129 +55,254 @@ def span_caps() -> tuple[int, int]:
     return (plan.BLOCK_BYTES, 4 * plan.BLOCK_BYTES) if ENABLED else (0, 0)
 
 
+def geometry(
+    shape: tuple[int, ...], src: tuple[Box, ...], dst: tuple[Box, ...]
+) -> tuple[tuple[PartGeometry, ...], ...] | None:
+    """Each DST box's parts, when the SRC boxes tile ``shape`` exactly (replicas: the first
+    holder of a box serves it) and every DST box lies inside ``shape``; None otherwise (the
+    per-block path then reports what is wrong)."""
+    nd = len(shape)
+    first: dict[Box, int] = {}
+    for i, (o, z) in enumerate(src):
+        if len(o) != nd or len(z) != nd:
+            return None
+        if any(a < 0 or n <= 0 or a + n > m for a, n, m in zip(o, z, shape, strict=True)):
+            return None
+        first.setdefault((o, z), i)
+    boxes = list(first.items())
+    if sum(math.prod(z) for (_, z), _ in boxes) != math.prod(shape):
+        return None
+    for x in range(len(boxes)):
+        (o1, z1), _ = boxes[x]
+        for y in range(x):
+            (o2, z2), _ = boxes[y]
+            if all(
+                max(a, b) < min(a + n, b + m) for a, n, b, m in zip(o1, z1, o2, z2, strict=True)
+            ):
+                return None  # two SRC boxes overlap (and with the volume right, one is missing)
+    out = []
+    for o, z in dst:
+        if len(o) != nd or len(z) != nd:
+            return None
+        if any(a < 0 or n <= 0 or a + n > m for a, n, m in zip(o, z, shape, strict=True)):
+            return None
+        parts = []
+        for (qo, qz), i in boxes:
+            lo = tuple(max(a, b) for a, b in zip(o, qo, strict=True))
+            hi = tuple(min(a + n, b + m) for a, n, b, m in zip(o, z, qo, qz, strict=True))
+            if all(h > lo_ for lo_, h in zip(lo, hi, strict=True)):
+                sizes = tuple(h - lo_ for lo_, h in zip(lo, hi, strict=True))
+                src_off = tuple(a - b for a, b in zip(lo, qo, strict=True))
+                dst_off = tuple(a - b for a, b in zip(lo, o, strict=True))
+                parts.append((i, src_off, dst_off, sizes))
+        out.append(tuple(parts))
+    return tuple(out)
+
+
+class Geometries:
+    """:func:`geometry` by value, a bounded cache: a few hundred kinds at 100,000 tensors."""
+
+    def __init__(self) -> None:
+        self.known: dict[Any, tuple[tuple[PartGeometry, ...], ...] | None] = {}
+
+    def __call__(
+        self, shape: tuple[int, ...], src: tuple[Box, ...], dst: tuple[Box, ...]
+    ) -> tuple[tuple[PartGeometry, ...], ...] | None:
+        key = (shape, src, dst)
+        try:
+            return self.known[key]
+        except KeyError:
+            pass
+        if len(self.known) >= KINDS:
+            self.known.clear()
+        got = self.known[key] = geometry(shape, src, dst)
+        return got
+
+
 @dataclass
 class Span:
-    """Plain tensors adjacent in SRC file ``path`` from byte ``begin`` to ``end``, and the DST
-    shards that hold them: ``(shard, byte offset of its tensor in the span)``."""
+    """Plain tensors whose SRC shards lie back to back in each SRC file they use, and the
+    parts that fill their DST shards."""
 
-    path: Path
-    begin: int
-    end: int
-    shards: list[tuple[DstShard, int, tuple[int, ...]]]  # shard, offset in span, global shape
+    # SRC file -> [path, first byte, end]
+    ranges: dict[int, list[Any]] = field(default_factory=dict)
+    # DST shard, SRC file, SRC shard's first byte in that file, SRC local shape, part geometry
+    parts: list[tuple[DstShard, int, int, tuple[int, ...], PartGeometry]] = field(
+        default_factory=list
+    )
+    src_bytes: int = 0  # SRC bytes read
+    tensor_bytes: int = 0  # the tensors' bytes, each element once (the level's figure)
     dst_bytes: int = 0
+
+    def fits(self, src: list[Read], cap: int) -> bool:
+        """Whether SRC shards ``(file, path, begin, nbytes, local shape)`` can join: each
+        follows its file's stretch so far (a tensor's shards in one file: one after another),
+        and the span stays within ``cap``."""
+        ends: dict[int, int] = {}
+        n = 0
+        for file, _, begin, nbytes, _ in sorted(src, key=_file_begin) if len(src) > 1 else src:
+            end = ends.get(file)
+            if end is None:
+                got = self.ranges.get(file)
+                end = None if got is None else got[2]
+            if end is not None and end != begin:
+                return False
+            ends[file] = begin + nbytes
+            n += nbytes
+        return self.src_bytes + n <= cap
+
+    def add(self, src: list[Read]) -> None:
+        """Take SRC shards in (``fits`` said they can join)."""
+        for file, path, begin, nbytes, _ in sorted(src, key=_file_begin) if len(src) > 1 else src:
+            got = self.ranges.get(file)
+            if got is None:
+                self.ranges[file] = [path, begin, begin + nbytes]
+            else:
+                got[2] = begin + nbytes
+            self.src_bytes += nbytes
 
 
 def compare_span(span: Span, w: Worker, out: Out) -> None:
-    """Read the span's SRC bytes and its DST shards; compare them batch by batch."""
-    n = span.end - span.begin
-    src = w.bufs.image.get(n)
-    w.read(span.path, src, span.begin)
-    w.src_bytes += n
+    """Read the span's SRC stretches and its DST shards; build what DST should hold from SRC
+    and compare the two, shard by shard only when they differ."""
+    src = w.bufs.image.get(span.src_bytes)
+    base: dict[int, int] = {}  # SRC file -> where its byte 0 would be in ``src``
+    pos = 0
+    for file, (path, b, e) in span.ranges.items():
+        w.read(path, src[pos : pos + e - b], b)
+        base[file] = pos - b
+        pos += e - b
+    w.src_bytes += span.tensor_bytes
     # DST: per file, shards sorted by offset; adjacent shards read in one pread. Files are told
     # apart by their Path object's id: hashing a Path per shard costs more than the compare.
-    by_file: dict[int, list[tuple[DstShard, int, tuple[int, ...]]]] = {}
-    for item in span.shards:
-        k = id(item[0].path)
-        items = by_file.get(k)
-        if items is None:
-            items = by_file[k] = []
-        items.append(item)
-    runs: list[list[Any]] = []  # [path, begin, end, items]
-    for items in by_file.values():
-        items.sort(key=_begin)
+    by_file: dict[int, dict[int, DstShard]] = {}
+    for part in span.parts:
+        s = part[0]
+        shards = by_file.get(id(s.path))
+        if shards is None:
+            shards = by_file[id(s.path)] = {}
+        shards[id(s)] = s  # a shard of several parts is read once
+    runs: list[list[Any]] = []  # [path, begin, end, shards]
+    for shards in by_file.values():
         run: list[Any] = []
-        for it in items:
-            s = it[0]
+        for s in sorted(shards.values(), key=_begin):
             if run and run[2] == s.begin:
-                run[3].append(it)
+                run[3].append(s)
                 run[2] = s.begin + s.nbytes
             else:
-                run = [s.path, s.begin, s.begin + s.nbytes, [it]]
+                run = [s.path, s.begin, s.begin + s.nbytes, [s]]
                 runs.append(run)
     total = sum(e - b for _, b, e, _ in runs)
     dst = w.bufs.rows.get(total)
-    # batches: shards of one geometry; key -> [(src offset, dst offset in dst buffer, shard)]
-    batches: dict[tuple[Any, ...], list[tuple[int, int, DstShard]]] = {}
+    at: dict[int, int] = {}  # DST shard (id) -> its first byte in ``dst``
     pos = 0
-    for path, b, e, items in runs:
+    for path, b, e, shards in runs:
         mv = dst[pos : pos + e - b]
         w.read(path, mv, b)
         w.dst_bytes += e - b
         out.hash_reads.append((path, b, mv))
-        base = pos - b
-        for s, at, shape in items:
-            p = s.pieces[0]
-            key = (s.dtype, shape, p.offsets, p.sizes)
-            members = batches.get(key)
-            if members is None:
-                members = batches[key] = []
-            members.append((at, base + s.begin, s))
+        for s in shards:
+            at[id(s)] = pos + s.begin - b
         pos += e - b
+    # batches: parts of one geometry; key -> [(SRC offset, DST offset, part)]
+    batches: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
+    for s, file, begin, src_shape, (_, src_off, dst_off, sizes) in span.parts:
+        key = (s.dtype, src_shape, src_off, s.local_shape, dst_off, sizes)
+        members = batches.get(key)
+        if members is None:
+            members = batches[key] = []
+        members.append((base[file] + begin, at[id(s)]))
     src_u8 = np.frombuffer(src, dtype=np.uint8)
     dst_u8 = np.frombuffer(dst, dtype=np.uint8)
-    # What DST should hold, built from SRC with one strided gather per batch (every DST byte
-    # read belongs to exactly one shard), then one memcmp; only a span that differs is
-    # compared batch by batch to name the shards.
+    # What DST should hold, built from SRC (every DST byte read belongs to exactly one part),
+    # then one memcmp; only a span that differs is compared shard by shard to name them.
     expected = np.frombuffer(w.bufs.copy.get(total), dtype=np.uint8)
-    for (dtype, shape, offsets, sizes), members in batches.items():
+    for (dtype, src_shape, src_off, dst_shape, dst_off, sizes), members in batches.items():
         kind = uint_of(dtype)
         assert kind is not None  # level._plain checked it
-        _fill_batch(src_u8, expected, kind, shape, offsets, sizes, members)
-    if equal(dst_u8, expected):
-        return
-    for (dtype, shape, offsets, sizes), members in batches.items():
-        _compare_batch(src_u8, dst_u8, uint_of(dtype), shape, offsets, sizes, members, out)
+        item = np.dtype(kind).itemsize
+        _fill_batch(
+            src_u8, expected, item, (src_shape, src_off), (dst_shape, dst_off), sizes, members
+        )
+    if not equal(dst_u8, expected):
+        _compare_shards([s for *_, shards in runs for s in shards], at, dst_u8, expected, out)
 
 
-def _begin(item: tuple[DstShard, int, tuple[int, ...]]) -> int:
-    return item[0].begin
+def _compare_shards(
+    shards: list[DstShard], at: dict[int, int], dst: np.ndarray, expected: np.ndarray, out: Out
+) -> None:
+    """A finding for each of ``shards`` (first byte in both buffers: ``at``, by id) whose bytes
+    differ from what it should hold: how many elements, and the first (as the block path)."""
+    for s in shards:
+        kind = uint_of(s.dtype)
+        assert kind is not None
+        a = at[id(s)]
+        got = dst[a : a + s.nbytes].view(kind).reshape(s.local_shape)
+        want = expected[a : a + s.nbytes].view(kind).reshape(s.local_shape)
+        if not equal(got, want):
+            out.findings.append(_difference(s, got, want, s.pieces[0].offsets))
+
+
+def _begin(s: DstShard) -> int:
+    return s.begin
+
+
+def _file_begin(r: Read) -> tuple[int, int]:
+    return r[0], r[2]
 
 
 def _fill_batch(
     src: np.ndarray,
     expected: np.ndarray,
-    kind: Any,
-    shape: tuple[int, ...],
-    offsets: tuple[int, ...],
+    item: int,
+    src_box: tuple[tuple[int, ...], tuple[int, ...]],
+    dst_box: tuple[tuple[int, ...], tuple[int, ...]],
     sizes: tuple[int, ...],
-    members: list[tuple[int, int, DstShard]],
+    members: list[tuple[int, int]],
 ) -> None:
-    """Copy each member's box of SRC to where DST holds it, in ``expected``:
+    """Copy each member's box of SRC to where DST holds it, in ``expected``. ``src_box`` and
+    ``dst_box``: (local shape, offsets of the box in it) on each side; members: (first byte of
+    the SRC local tensor in ``src``, of the DST one in ``expected``).
 
     - members at constant strides on both sides: one strided copy of them all;
     - else small boxes: one gather of every member's box through a strided view of SRC (a view
-      with a row per possible start byte, indexed by the members' starts), one scatter into
-      ``expected`` — two numpy calls, however many members;
+      with a row per possible start byte, indexed by the members' starts), one scatter the
+      same way into ``expected`` — two numpy calls, however many members;
     - else (boxes of ``DIRECT_BYTES`` or more, or one member): box by box, one copy each.
 
-    The gather works on bytes: the last dim is ``sizes[-1] · item`` byte columns, so the view
-    takes any start byte whatever the dtype."""
+    The views work on bytes: the last dim is ``sizes[-1] · item`` byte columns, so they take any
+    start byte whatever the dtype."""
     n = len(members)
+    (src_shape, src_off), (dst_shape, dst_off) = src_box, dst_box
+    src_strides = [x * item for x in strides(src_shape)]
+    dst_strides = [x * item for x in strides(dst_shape)]
+    src_origin = sum(o * x for o, x in zip(src_off, src_strides, strict=True))
+    dst_origin = sum(o * x for o, x in zip(dst_off, dst_strides, strict=True))
+    box = (*sizes[:-1], sizes[-1] * item)
     step = _regular(members)
     if step is not None:
         s_step, d_step = step
-        whole = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
-        regular = _view(expected, members[0][1], n, d_step, kind, sizes)
-        regular[...] = _view(src, members[0][0], n, s_step, kind, shape)[(slice(None), *whole)]
+        into = _strided(expected, members[0][1] + dst_origin, (n, *box), [d_step, *dst_strides])
+        into[...] = _strided(src, members[0][0] + src_origin, (n, *box), [s_step, *src_strides])
         return
-    item = np.dtype(kind).itemsize
-    tensor_strides = [x * item for x in strides(shape)]
-    origin = sum(o * x for o, x in zip(offsets, tensor_strides, strict=True))
-    box = (*sizes[:-1], sizes[-1] * item)
-    span = sum((z - 1) * x for z, x in zip(sizes[:-1], tensor_strides[:-1], strict=True))
-    span += sizes[-1] * item
-    local = math.prod(box)
-    if n == 1 or local >= DIRECT_BYTES:
+    if n == 1 or math.prod(box) >= DIRECT_BYTES:
         # one copy per member, straight from SRC: large boxes gain nothing from a gather
         # (it would copy them twice, through a temporary)
-        for s_at, d_at, _ in members:
-            one = _strided(src, s_at + origin, box, tensor_strides)
-            expected[d_at : d_at + local].reshape(box)[...] = one
+        for s_at, d_at in members:
+            one = _strided(src, s_at + src_origin, box, src_strides)
+            _strided(expected, d_at + dst_origin, box, dst_strides)[...] = one
         return
-    rows = _strided(src, 0, (len(src) - span + 1, *box), [1, *tensor_strides])
-    got = rows[np.fromiter((m[0] for m in members), np.intp, n) + origin]
-    into = _strided(expected, 0, (len(expected) - local + 1, local), [1, 1])
-    into[np.fromiter((m[1] for m in members), np.intp, n)] = got.reshape(n, local)
+    s_span = _extent(sizes, src_strides, item)
+    d_span = _extent(sizes, dst_strides, item)
+    rows = _strided(src, 0, (len(src) - s_span + 1, *box), [1, *src_strides])
+    got = rows[np.fromiter((m[0] for m in members), np.intp, n) + src_origin]
+    into = _strided(expected, 0, (len(expected) - d_span + 1, *box), [1, *dst_strides])
+    into[np.fromiter((m[1] for m in members), np.intp, n) + dst_origin] = got
+
+
+def _extent(sizes: tuple[int, ...], steps: list[int], item: int) -> int:
+    """Bytes a box of ``sizes`` spans, first to last, in a local tensor of byte ``steps``."""
+    return sum((z - 1) * x for z, x in zip(sizes[:-1], steps[:-1], strict=True)) + sizes[-1] * item
 
 
 def _strided(buf: np.ndarray, offset: int, shape: tuple[int, ...], steps: list[int]) -> np.ndarray:
@@ -177,7 +317,7 @@ def _strided(buf: np.ndarray, offset: int, shape: tuple[int, ...], steps: list[i
     )
 
 
-def _regular(members: list[tuple[int, int, DstShard]]) -> tuple[int, int] | None:
+def _regular(members: list[tuple[int, int]]) -> tuple[int, int] | None:
     """(SRC step, DST step) when the members sit at constant strides on both sides."""
     n = len(members)
     if n < 2:
@@ -193,45 +333,3 @@ def _regular(members: list[tuple[int, int, DstShard]]) -> tuple[int, int] | None
         ):
             return None
     return s_step, d_step
-
-
-def _compare_batch(
-    src: np.ndarray,
-    dst: np.ndarray,
-    kind: Any,
-    shape: tuple[int, ...],
-    offsets: tuple[int, ...],
-    sizes: tuple[int, ...],
-    members: list[tuple[int, int, DstShard]],
-    out: Out,
-) -> None:
-    item = np.dtype(kind).itemsize
-    gbytes = math.prod(shape) * item
-    lbytes = math.prod(sizes) * item
-    box = tuple(slice(o, o + z) for o, z in zip(offsets, sizes, strict=True))
-    step = _regular(members)
-    if step is not None:
-        n = len(members)
-        got = _view(dst, members[0][1], n, step[1], kind, sizes)
-        whole = _view(src, members[0][0], n, step[0], kind, shape)
-        if equal(got, whole[(slice(None), *box)]):
-            return
-    for s_at, d_at, shard in members:  # one at a time: alone, irregular, or to name a diff
-        got1 = dst[d_at : d_at + lbytes].view(kind).reshape(sizes)
-        expected = src[s_at : s_at + gbytes].view(kind).reshape(shape)[box]
-        if not equal(got1, expected):
-            out.findings.append(_difference(shard, got1, expected, offsets))
-
-
-def _view(
-    buf: np.ndarray, first: int, n: int, step: int, kind: Any, shape: tuple[int, ...]
-) -> np.ndarray:
-    """``n`` arrays of ``shape`` starting every ``step`` bytes from byte ``first`` of ``buf``,
-    as one ``(n, *shape)`` array (no copy)."""
-    item = np.dtype(kind).itemsize
-    strides = [item]
-    for d in reversed(shape[1:]):
-        strides.insert(0, strides[0] * d)
-    return np.ndarray(
-        shape=(n, *shape), dtype=kind, buffer=buf, offset=first, strides=(step, *strides)
-    )
