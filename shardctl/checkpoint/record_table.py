@@ -427,18 +427,26 @@ class ShardFiles(Mapping[tuple[int, str], str]):
     def __init__(self, table: RecordTable, tindex: Mapping[str, int]) -> None:
         self._t = table
         self._tindex = tindex
-        self._row: list[np.ndarray] = []  # per rank: tensor index -> shard row, or -1
-        for r in table.ranks:
-            row = np.full(len(table.tensors), -1, dtype=INDEX)
-            row[r.tensor] = np.arange(len(r), dtype=INDEX)
-            self._row.append(row)
+        # per rank: tensor index -> shard row, or -1; made on first use (verify never asks:
+        # 24 ranks x 100,000 tensors would be 10 MB), in int32 (at most MAX_ENTRIES rows)
+        self._rows: list[np.ndarray] | None = None
+
+    def _row(self) -> list[np.ndarray]:
+        if self._rows is None:
+            rows = []
+            for r in self._t.ranks:
+                row = np.full(len(self._t.tensors), -1, dtype=np.int32)
+                row[r.tensor] = np.arange(len(r), dtype=np.int32)
+                rows.append(row)
+            self._rows = rows
+        return self._rows
 
     def row(self, rank: int, fqn: str) -> int:
         """The shard row of ``fqn`` in ``rank``, or -1."""
         t = self._tindex.get(fqn)
-        if t is None or not 0 <= rank < len(self._row):
+        if t is None or not 0 <= rank < len(self._t.ranks):
             return -1
-        return int(self._row[rank][t])
+        return int(self._row()[rank][t])
 
     def __getitem__(self, key: tuple[int, str]) -> str:
         rank, fqn = key

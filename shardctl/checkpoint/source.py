@@ -241,7 +241,7 @@ def _from_record(root: Path) -> Source:
         del entries
     findex = {table.files[k]: names.index(table.files[k]) for k in used}
     file_of = [
-        np.array([findex.get(n, -1) for n in table.files], dtype=np.int64)[r.file]
+        np.array([findex.get(n, -1) for n in table.files], dtype=np.int32)[r.file]
         for r in table.ranks
     ]
     groups = rt.by_tensor(table)
@@ -342,7 +342,7 @@ class RecordShards(rt.PerAccess[tuple[SourceShard, ...]]):
         self._file: list[Any] = [
             _Same(int(f[0]))
             if f.size and (f == f[0]).all()
-            else array.array("q", f.astype(np.int64).tobytes())
+            else array.array("i", f.astype(np.int32).tobytes())
             for f in file_of
         ]
         self._index = rt.index_of(table)
