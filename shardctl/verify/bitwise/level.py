@@ -97,7 +97,7 @@ def _tasks(
         shape = shapes[fqn]
         plain = _plain(src, fqn, shape, shards, span_src, sizes, kinds)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
-            reads, geo, nbytes = plain
+            reads, geo, single, nbytes = plain
             if batch:
                 yield ("blocks", batch)
                 batch, size = [], 0
@@ -109,10 +109,16 @@ def _tasks(
             if span is None:
                 span = Span()
             span.add(reads)
-            for s, parts in zip(shards, geo, strict=True):
-                for part in parts:
-                    r = reads[part[0]]
-                    span.parts.append((s, r[0], r[2], r[4], part))
+            if single and len(reads) == 1:  # an HF SRC, say: one list of one tuple a shard
+                f, _, b, _, local = reads[0]
+                span.parts += [(s, f, b, local, p[0]) for s, p in zip(shards, geo, strict=True)]
+            else:
+                add = span.parts.append
+                for s, parts in zip(shards, geo, strict=True):
+                    for part in parts:
+                        r = reads[part[0]]
+                        add((s, r[0], r[2], r[4], part))
+                span.multi = span.multi or not single
             span.tensor_bytes += nbytes
             span.dst_bytes += dst_bytes
             continue
@@ -162,55 +168,93 @@ def _plain(
     cap: int,
     sizes: Sizes,
     kinds: Geometries,
-) -> tuple[list[Any], tuple[tuple[PartGeometry, ...], ...], int] | None:
-    """A tensor a span can hold: ``(SRC reads, each DST shard's parts, the tensor's bytes)``,
-    else None. SRC holds it as rectangular shards (one whole tensor in an HF checkpoint), each
-    one box filling its local tensor, of one byte-sized dtype, at most ``cap`` bytes in all;
-    every DST shard is one box filling its local tensor (no padding, no parts), of that dtype;
-    the SRC boxes tile the tensor (:func:`~shardctl.verify.bitwise.spans.geometry`). A SRC
-    read is ``(file, path, begin, nbytes, local shape)``, one per SRC shard in its order; a
-    part's first field indexes them."""
+) -> tuple[list[Any], tuple[tuple[PartGeometry, ...], ...], bool, int] | None:
+    """A tensor a span can hold: ``(SRC reads, each DST shard's parts, whether each is one
+    part, the tensor's bytes)``, else None. SRC holds it as rectangular shards (one whole
+    tensor in an HF checkpoint), each one box filling its local tensor, of one byte-sized
+    dtype, at most ``cap`` bytes in all; every DST shard is one box filling its local tensor
+    (no padding, no parts), of that dtype; the SRC boxes tile the tensor
+    (:func:`~shardctl.verify.bitwise.spans.geometry`). A SRC read is ``(file, path, begin,
+    nbytes, local shape)``, one per SRC shard in its order; a part's first field indexes them.
+
+    What depends only on the shards' shapes and pieces (the checks, the geometry) is decided
+    once per kind, looked up by the identity of those objects (``Geometries.ids``)."""
     if cap <= 0 or not shape or 0 in shape:
         return None
-    nd = len(shape)
     reads: list[Any]
+    ss: Any = None
     if isinstance(src.shards, HfShards):  # one whole shard per tensor: no object built
         got = src.shards.whole(fqn)
         if got is None or got[3] != shape:
             return None
         file, begin, dtype, _ = got
-        n = sizes(dtype, shape)
-        reads = [(file, src.files[file].path, begin, n, shape)]
-        boxes: tuple[Box, ...] = (((0,) * nd, shape),)
+        reads = [(file, src.files[file].path, begin, sizes(dtype, shape), shape)]
+        src_ids: Any = ()
     else:
         ss = src.shards.get(fqn)
         if not ss:
             return None
         dtype = ss[0].dtype
-        reads = []
+        if any(q.dtype != dtype for q in ss):
+            return None
+        reads = [
+            (q.file, src.files[q.file].path, q.begin, sizes(dtype, q.local_shape), q.local_shape)
+            for q in ss
+        ]
+        src_ids = tuple([id(q.pieces) for q in ss] + [id(q.local_shape) for q in ss])
+        if len(reads) > 1 and not Span().fits(reads, cap):
+            return None  # two of its shards apart in one SRC file (or over the cap)
+    if sum(r[3] for r in reads) > cap or any(s.dtype != dtype for s in shards):
+        return None
+    key = (
+        dtype,
+        shape,
+        src_ids,
+        tuple([id(s.pieces) for s in shards] + [id(s.local_shape) for s in shards]),
+    )
+    hit = kinds.ids.get(key)
+    if hit is not None:
+        geo, single = hit[0], hit[1]
+    else:
+        geo = _geometry(dtype, shape, ss, shards, kinds)
+        held = (
+            ss and [(q.pieces, q.local_shape) for q in ss],
+            [(s.pieces, s.local_shape) for s in shards],
+        )
+        single = kinds.remember(key, geo, held)
+    if geo is None:
+        return None
+    return reads, geo, single, sizes(dtype, shape)
+
+
+def _geometry(
+    dtype: str,
+    shape: tuple[int, ...],
+    ss: Any,
+    shards: list[DstShard],
+    kinds: Geometries,
+) -> tuple[tuple[PartGeometry, ...], ...] | None:
+    """``_plain``'s checks of a new kind of tensor, then its geometry (None: not plain).
+    ``ss``: the SRC shards, None for an HF SRC (one whole shard)."""
+    if uint_of(dtype) is None:
+        return None
+    if ss is None:
+        boxes: tuple[Box, ...] = (((0,) * len(shape), shape),)
+    else:
         for q in ss:
-            if q.dtype != dtype or len(q.pieces) != 1:
+            if len(q.pieces) != 1:
                 return None
             p = q.pieces[0]
             if p.sizes != q.local_shape or any(p.local_offsets):
                 return None
-            n = sizes(dtype, q.local_shape)
-            reads.append((q.file, src.files[q.file].path, q.begin, n, q.local_shape))
         boxes = tuple((q.pieces[0].offsets, q.pieces[0].sizes) for q in ss)
-        if len(reads) > 1 and not Span().fits(reads, cap):
-            return None  # two of its shards apart in one SRC file (or over the cap)
-    if uint_of(dtype) is None or sum(r[3] for r in reads) > cap:
-        return None
     for s in shards:
-        if s.dtype != dtype or len(s.pieces) != 1:
+        if len(s.pieces) != 1:
             return None
         d = s.pieces[0]
         if d.sizes != s.local_shape or any(d.local_offsets):
             return None
-    geo = kinds(shape, boxes, tuple((s.pieces[0].offsets, s.pieces[0].sizes) for s in shards))
-    if geo is None:
-        return None
-    return reads, geo, sizes(dtype, shape)
+    return kinds(shape, boxes, tuple((s.pieces[0].offsets, s.pieces[0].sizes) for s in shards))
 
 
 def _findings(

@@ -32,6 +32,7 @@ import numpy as np
 from shardctl.blocks import strides
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.compare import Out, Worker, _difference
+from shardctl.verify.bitwise.walk import Sizes
 from shardctl.verify.boxes import equal, uint_of
 from shardctl.verify.dst import DstShard
 
@@ -100,10 +101,14 @@ def geometry(
 
 
 class Geometries:
-    """:func:`geometry` by value, a bounded cache: a few hundred kinds at 100,000 tensors."""
+    """:func:`geometry`, a bounded cache: a few hundred kinds at 100,000 tensors. Looked up by
+    the identity of the shards' shape and pieces objects first (a record's shards of one kind
+    share them), then by value."""
 
     def __init__(self) -> None:
         self.known: dict[Any, tuple[tuple[PartGeometry, ...], ...] | None] = {}
+        # identity key -> (geometry, every DST shard one part, the objects the ids name)
+        self.ids: dict[tuple[Any, ...], tuple[Any, bool, Any]] = {}
 
     def __call__(
         self, shape: tuple[int, ...], src: tuple[Box, ...], dst: tuple[Box, ...]
@@ -118,6 +123,15 @@ class Geometries:
         got = self.known[key] = geometry(shape, src, dst)
         return got
 
+    def remember(self, key: tuple[Any, ...], geo: Any, held: Any) -> bool:
+        """Keep ``geo`` under identity ``key`` (``held``: the objects its ids name, kept alive
+        so no id is reused while cached); returns whether every DST shard is one part."""
+        if len(self.ids) >= KINDS:
+            self.ids.clear()
+        single = geo is not None and all(len(p) == 1 for p in geo)
+        self.ids[key] = (geo, single, held)
+        return single
+
 
 @dataclass
 class Span:
@@ -131,6 +145,7 @@ class Span:
         default_factory=list
     )
     src_bytes: int = 0  # SRC bytes read
+    multi: bool = False  # a DST shard of several parts among them
     tensor_bytes: int = 0  # the tensors' bytes, each element once (the level's figure)
     dst_bytes: int = 0
 
@@ -175,49 +190,61 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
     w.src_bytes += span.tensor_bytes
     # DST: per file, shards sorted by offset; adjacent shards read in one pread. Files are told
     # apart by their Path object's id: hashing a Path per shard costs more than the compare.
-    by_file: dict[int, dict[int, DstShard]] = {}
-    for part in span.parts:
-        s = part[0]
-        shards = by_file.get(id(s.path))
-        if shards is None:
-            shards = by_file[id(s.path)] = {}
-        shards[id(s)] = s  # a shard of several parts is read once
-    runs: list[list[Any]] = []  # [path, begin, end, shards]
-    for shards in by_file.values():
+    # Entries are told apart by index: ``owner[k]``, the entry whose shard entry ``k`` fills
+    # (itself, but where a shard of several parts is read once: ``span.multi``).
+    parts = span.parts
+    owner: list[int] | range = range(len(parts))
+    if span.multi:
+        first: dict[int, int] = {}
+        owner = [first.setdefault(id(e[0]), k) for k, e in enumerate(parts)]
+    by_file: dict[int, list[tuple[int, int]]] = {}
+    for k, e in enumerate(parts):
+        if owner[k] == k:
+            s = e[0]
+            items = by_file.get(id(s.path))
+            if items is None:
+                items = by_file[id(s.path)] = []
+            items.append((s.begin, k))
+    runs: list[list[Any]] = []  # [path, begin, end, entries]
+    for items in by_file.values():
         run: list[Any] = []
-        for s in sorted(shards.values(), key=_begin):
-            if run and run[2] == s.begin:
-                run[3].append(s)
-                run[2] = s.begin + s.nbytes
+        items.sort()  # in order already, mostly (the walk's order): ~linear
+        for begin, k in items:
+            s = parts[k][0]
+            if run and run[2] == begin:
+                run[3].append(k)
+                run[2] = begin + _NBYTES(s.dtype, s.local_shape)
             else:
-                run = [s.path, s.begin, s.begin + s.nbytes, [s]]
+                run = [s.path, begin, begin + _NBYTES(s.dtype, s.local_shape), [k]]
                 runs.append(run)
     total = sum(e - b for _, b, e, _ in runs)
     dst = w.bufs.rows.get(total)
-    at: dict[int, int] = {}  # DST shard (id) -> its first byte in ``dst``
+    at = [0] * len(parts)  # entry -> its shard's first byte in ``dst``
     pos = 0
-    for path, b, e, shards in runs:
+    for path, b, e, ks in runs:
         mv = dst[pos : pos + e - b]
         w.read(path, mv, b)
         w.dst_bytes += e - b
         out.hash_reads.append((path, b, mv))
-        for s in shards:
-            at[id(s)] = pos + s.begin - b
+        for k in ks:
+            at[k] = pos + parts[k][0].begin - b
         pos += e - b
-    # batches: parts of one geometry; key -> [(SRC offset, DST offset, part)]
-    batches: dict[tuple[Any, ...], list[tuple[int, int]]] = {}
-    for s, file, begin, src_shape, (_, src_off, dst_off, sizes) in span.parts:
-        key = (s.dtype, src_shape, src_off, s.local_shape, dst_off, sizes)
-        members = batches.get(key)
-        if members is None:
-            members = batches[key] = []
-        members.append((base[file] + begin, at[id(s)]))
+    # batches: parts of one geometry. Keyed by the part's identity: a kind's parts are one
+    # cached tuple (``Geometries``), and ``span.parts`` holds every one it names, so no id is
+    # reused while the span lives. Parts of equal value from two kinds are two batches.
+    batches: dict[tuple[str, int], list[Any]] = {}
+    for k, (s, file, begin, src_shape, geo) in enumerate(parts):
+        key = (s.dtype, id(geo))
+        got = batches.get(key)
+        if got is None:
+            got = batches[key] = [s.dtype, src_shape, s.local_shape, geo, []]
+        got[4].append((base[file] + begin, at[owner[k]]))
     src_u8 = np.frombuffer(src, dtype=np.uint8)
     dst_u8 = np.frombuffer(dst, dtype=np.uint8)
     # What DST should hold, built from SRC (every DST byte read belongs to exactly one part),
     # then one memcmp; only a span that differs is compared shard by shard to name them.
     expected = np.frombuffer(w.bufs.copy.get(total), dtype=np.uint8)
-    for (dtype, src_shape, src_off, dst_shape, dst_off, sizes), members in batches.items():
+    for dtype, src_shape, dst_shape, (_, src_off, dst_off, sizes), members in batches.values():
         kind = uint_of(dtype)
         assert kind is not None  # level._plain checked it
         item = np.dtype(kind).itemsize
@@ -225,26 +252,26 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
             src_u8, expected, item, (src_shape, src_off), (dst_shape, dst_off), sizes, members
         )
     if not equal(dst_u8, expected):
-        _compare_shards([s for *_, shards in runs for s in shards], at, dst_u8, expected, out)
+        done = [(parts[k][0], at[k]) for *_, ks in runs for k in ks]
+        _compare_shards(done, dst_u8, expected, out)
 
 
 def _compare_shards(
-    shards: list[DstShard], at: dict[int, int], dst: np.ndarray, expected: np.ndarray, out: Out
+    shards: list[tuple[DstShard, int]], dst: np.ndarray, expected: np.ndarray, out: Out
 ) -> None:
-    """A finding for each of ``shards`` (first byte in both buffers: ``at``, by id) whose bytes
+    """A finding for each of ``shards`` (with its first byte in both buffers) whose bytes
     differ from what it should hold: how many elements, and the first (as the block path)."""
-    for s in shards:
+    for s, a in shards:
         kind = uint_of(s.dtype)
         assert kind is not None
-        a = at[id(s)]
-        got = dst[a : a + s.nbytes].view(kind).reshape(s.local_shape)
-        want = expected[a : a + s.nbytes].view(kind).reshape(s.local_shape)
+        n = _NBYTES(s.dtype, s.local_shape)
+        got = dst[a : a + n].view(kind).reshape(s.local_shape)
+        want = expected[a : a + n].view(kind).reshape(s.local_shape)
         if not equal(got, want):
             out.findings.append(_difference(s, got, want, s.pieces[0].offsets))
 
 
-def _begin(s: DstShard) -> int:
-    return s.begin
+_NBYTES = Sizes()  # a DST shard's bytes by (dtype, local shape): a few dozen kinds
 
 
 def _file_begin(r: Read) -> tuple[int, int]:
@@ -292,12 +319,21 @@ def _fill_batch(
             one = _strided(src, s_at + src_origin, box, src_strides)
             _strided(expected, d_at + dst_origin, box, dst_strides)[...] = one
         return
-    s_span = _extent(sizes, src_strides, item)
-    d_span = _extent(sizes, dst_strides, item)
-    rows = _strided(src, 0, (len(src) - s_span + 1, *box), [1, *src_strides])
+    # a box that is its whole local tensor is contiguous: gathered or scattered as flat rows
+    local = math.prod(box)
+    if sizes == src_shape:
+        rows = _strided(src, 0, (len(src) - local + 1, local), [1])
+    else:
+        s_span = _extent(sizes, src_strides, item)
+        rows = _strided(src, 0, (len(src) - s_span + 1, *box), [1, *src_strides])
     got = rows[np.fromiter((m[0] for m in members), np.intp, n) + src_origin]
-    into = _strided(expected, 0, (len(expected) - d_span + 1, *box), [1, *dst_strides])
-    into[np.fromiter((m[1] for m in members), np.intp, n) + dst_origin] = got
+    at = np.fromiter((m[1] for m in members), np.intp, n) + dst_origin
+    if sizes == dst_shape:
+        _strided(expected, 0, (len(expected) - local + 1, local), [1])[at] = got.reshape(n, local)
+    else:
+        d_span = _extent(sizes, dst_strides, item)
+        into = _strided(expected, 0, (len(expected) - d_span + 1, *box), [1, *dst_strides])
+        into[at] = got.reshape(n, *box)
 
 
 def _extent(sizes: tuple[int, ...], steps: list[int], item: int) -> int:
