@@ -16,7 +16,7 @@ from shardctl.io.heap import give_back_heap
 from shardctl.verify.bitwise import plan
 from shardctl.verify.bitwise.pipeline import Feed, run_tasks
 from shardctl.verify.bitwise.plan import plan_tensor, tensor_blocks
-from shardctl.verify.bitwise.spans import Box, Geometries, PartGeometry, Span, span_caps
+from shardctl.verify.bitwise.spans import SPAN_PARTS, Box, Geometries, PartGeometry, Span, span_caps
 from shardctl.verify.bitwise.walk import Sizes, walk
 from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, DstShard
@@ -102,7 +102,9 @@ def _tasks(
                 yield ("blocks", batch)
                 batch, size = [], 0
             if span is not None and (
-                not span.fits(reads, span_src) or span.dst_bytes + dst_bytes > span_dst
+                not span.fits(reads, span_src)
+                or span.dst_bytes + dst_bytes > span_dst
+                or len(span.parts) >= SPAN_PARTS
             ):
                 yield ("span", span)
                 span = None
