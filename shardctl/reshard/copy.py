@@ -187,7 +187,6 @@ class Executor(Batching):
             outs.append(OutFile(self.directory / f.name, f, self.hash_name, w))
             self.outs.append(outs[-1])
         for out in outs:
-            out.writer.q.put(("data", out, 0, memoryview(out.file.header), None))
             if not out.file.tensors:
                 self._close(out)
         # Every file's tensors follow the global order: merging the files' lists walks each
@@ -268,6 +267,7 @@ class Executor(Batching):
 
     def _close(self, out: OutFile) -> None:
         self._flush(out)
+        self._started(out)
         out.writer.q.put(("close", out))
 
     def _tensor(self, out: OutFile, t: LocalTensor) -> Iterator[None]:
@@ -315,6 +315,7 @@ class Executor(Batching):
         mv = memoryview(buf)[:nbytes]
         offset = t.begin + flat_index(lo, shape) * s
         self._fill(mv, s, shape, lo, sz, boxes, None, 0, subs)
+        self._started(out)
         out.writer.q.put(("data", out, offset, mv, buf))
         if self.progress is not None:
             self.progress(nbytes)

@@ -48,8 +48,12 @@ JOURNAL = ".shardctl-journal"
 
 
 def run_id(source: Source, the_plan: Plan, hash_name: str) -> str:
-    """What makes two runs write the same bytes: inputs, output files and headers, hash."""
-    files = [[f.name, f.size, hashlib.sha256(f.header).hexdigest()] for f in the_plan.files]
+    """What makes two runs write the same bytes: inputs, output files and headers, hash.
+
+    A header counts by its deflated bytes (what the plan holds; the same header deflates to
+    the same bytes under one zlib, and another zlib only costs a resume): inflating and hashing
+    every header was ~0.3 s at 100,000 tensors on tp 8 (100 MB of header)."""
+    files = [[f.name, f.size, hashlib.sha256(f.header_z).hexdigest()] for f in the_plan.files]
     what = {
         "version": __version__,
         "source": source.identity(),

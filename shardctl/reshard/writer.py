@@ -36,6 +36,7 @@ class OutFile:
         self.pend_at = 0
         self.pend_len = 0
         self.pend_reads: list[list[int]] = []  # [file, src offset, buffer offset, length]
+        self.started = False  # its header handed to the writer (``Batching._started``)
 
 
 class Writer(threading.Thread):
