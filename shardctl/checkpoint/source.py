@@ -150,18 +150,23 @@ class HfShards(rt.PerAccess[tuple[SourceShard, ...]]):
         super().__init__()
         self._loc = ck.locations
         self._file = {id(h): i for i, h in enumerate(ck.files)}
+        # one ``(whole piece,)`` per distinct shape, shared: reshard's short path then knows a
+        # kind of source by the identity of its objects instead of hashing pieces by value
+        self._whole: dict[tuple[int, ...], tuple[Piece, ...]] = {}
 
     def _build(self, fqn: str) -> tuple[SourceShard, ...]:
         loc = self._loc[fqn]
         e = loc.entry
-        zeros = (0,) * len(e.shape)
-        whole = Piece(zeros, e.shape, zeros)
+        pieces = self._whole.get(e.shape)
+        if pieces is None:
+            zeros = (0,) * len(e.shape)
+            pieces = self._whole[e.shape] = (Piece(zeros, e.shape, zeros),)
         return (
             SourceShard(
                 fqn,
                 e.dtype,
-                e.shape,
-                (whole,),
+                pieces[0].sizes,
+                pieces,
                 begin=loc.file_offset,
                 file=self._file[id(loc.file)],
             ),
