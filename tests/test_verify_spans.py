@@ -3,10 +3,13 @@ batches must reach exactly the verdicts, findings and byte counts of the per-blo
 
 from __future__ import annotations
 
+import itertools
 import random
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import Mesh
@@ -228,3 +231,45 @@ def test_span_parts_are_capped(cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
     assert len(sizes) > calls
     # at most SPAN_PARTS before the last tensor joined, and a tensor has at most 4 shards here
     assert max(sizes) < 5 + 4
+
+
+def _cuts(draw, n: int) -> list[tuple[int, int]]:  # type: ignore[no-untyped-def]
+    inner = sorted(draw(st.sets(st.integers(1, n - 1), max_size=3))) if n > 1 else []
+    edges = [0, *inner, n]
+    return [(a, b - a) for a, b in itertools.pairwise(edges)]
+
+
+@st.composite
+def _tilings(draw):  # type: ignore[no-untyped-def]
+    shape = (draw(st.integers(1, 9)), draw(st.integers(1, 9)))
+
+    def grid():  # type: ignore[no-untyped-def]
+        rows, cols = _cuts(draw, shape[0]), _cuts(draw, shape[1])
+        boxes = [((r0, c0), (rn, cn)) for r0, rn in rows for c0, cn in cols]
+        return tuple(draw(st.permutations(boxes)))
+
+    return shape, grid(), grid()
+
+
+@given(_tilings())
+@settings(max_examples=200, deadline=None)
+def test_geometry_maps_every_dst_element_to_its_src_element(case) -> None:  # type: ignore[no-untyped-def]
+    # Any grid tiling of SRC and of DST: each DST element is filled exactly once, from the SRC
+    # shard holding it, at the right place in that shard's local tensor.
+    shape, src, dst = case
+    got = spans.geometry(shape, src, dst)
+    assert got is not None
+    for (o, z), parts in zip(dst, got, strict=True):
+        filled = {}
+        for i, src_off, dst_off, sizes in parts:
+            (qo, qz) = src[i]
+            for a in range(sizes[0]):
+                for b in range(sizes[1]):
+                    local = (dst_off[0] + a, dst_off[1] + b)
+                    glob = (o[0] + local[0], o[1] + local[1])
+                    assert local not in filled  # filled once
+                    filled[local] = glob
+                    # the same element, as SRC shard i holds it
+                    assert (qo[0] + src_off[0] + a, qo[1] + src_off[1] + b) == glob
+                    assert 0 <= src_off[0] + a < qz[0] and 0 <= src_off[1] + b < qz[1]
+        assert len(filled) == z[0] * z[1]
