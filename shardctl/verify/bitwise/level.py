@@ -97,7 +97,7 @@ def _tasks(
         shape = shapes[fqn]
         plain = _plain(src, fqn, shape, shards, span_src, sizes, kinds)
         if plain is not None:  # a span of plain tensors (spans.py): no per-tensor plan
-            reads, geo, single, nbytes = plain
+            reads, geo, single, nbytes, dst_n = plain
             if batch:
                 yield ("blocks", batch)
                 batch, size = [], 0
@@ -113,13 +113,15 @@ def _tasks(
             span.add(reads)
             if single and len(reads) == 1:  # an HF SRC, say: one list of one tuple a shard
                 f, _, b, _, local = reads[0]
-                span.parts += [(s, f, b, local, p[0]) for s, p in zip(shards, geo, strict=True)]
+                span.parts += [
+                    (s, f, b, local, p[0], n) for s, p, n in zip(shards, geo, dst_n, strict=True)
+                ]
             else:
                 add = span.parts.append
-                for s, parts in zip(shards, geo, strict=True):
+                for s, parts, n in zip(shards, geo, dst_n, strict=True):
                     for part in parts:
                         r = reads[part[0]]
-                        add((s, r[0], r[2], r[4], part))
+                        add((s, r[0], r[2], r[4], part, n))
                 span.multi = span.multi or not single
             span.tensor_bytes += nbytes
             span.dst_bytes += dst_bytes
@@ -170,17 +172,20 @@ def _plain(
     cap: int,
     sizes: Sizes,
     kinds: Geometries,
-) -> tuple[list[Any], tuple[tuple[PartGeometry, ...], ...], bool, int] | None:
+) -> tuple[list[Any], tuple[tuple[PartGeometry, ...], ...], bool, int, tuple[int, ...]] | None:
     """A tensor a span can hold: ``(SRC reads, each DST shard's parts, whether each is one
-    part, the tensor's bytes)``, else None. SRC holds it as rectangular shards (one whole
-    tensor in an HF checkpoint), each one box filling its local tensor, of one byte-sized
-    dtype, at most ``cap`` bytes in all; every DST shard is one box filling its local tensor
-    (no padding, no parts), of that dtype; the SRC boxes tile the tensor
-    (:func:`~shardctl.verify.bitwise.spans.geometry`). A SRC read is ``(file, path, begin,
-    nbytes, local shape)``, one per SRC shard in its order; a part's first field indexes them.
+    part, the tensor's bytes, each DST shard's bytes)``, else None.
 
-    What depends only on the shards' shapes and pieces (the checks, the geometry) is decided
-    once per kind, looked up by the identity of those objects (``Geometries.ids``)."""
+    SRC holds it as rectangular shards (one whole tensor in an HF checkpoint), each one box
+    filling its local tensor, of one byte-sized dtype, at most ``cap`` bytes in all; every DST
+    shard is one box filling its local tensor (no padding, no parts), of that dtype; the SRC
+    boxes tile the tensor (:func:`~shardctl.verify.bitwise.spans.geometry`). A SRC read is
+    ``(file, path, begin, nbytes, local shape)``, one per SRC shard in its order; a part's
+    first field indexes them.
+
+    What depends only on the shards' shapes and pieces (the checks, the geometry, the bytes)
+    is decided once per kind, looked up by the identity of those objects (``Geometries.ids``).
+    """
     if cap <= 0 or not shape or 0 in shape:
         return None
     reads: list[Any]
@@ -215,18 +220,17 @@ def _plain(
         tuple([id(s.pieces) for s in shards] + [id(s.local_shape) for s in shards]),
     )
     hit = kinds.ids.get(key)
-    if hit is not None:
-        geo, single = hit[0], hit[1]
-    else:
-        geo = _geometry(dtype, shape, ss, shards, kinds)
+    if hit is None:
         held = (
             ss and [(q.pieces, q.local_shape) for q in ss],
             [(s.pieces, s.local_shape) for s in shards],
         )
-        single = kinds.remember(key, geo, held)
+        dst_n = tuple([sizes(dtype, s.local_shape) for s in shards])
+        hit = kinds.remember(key, _geometry(dtype, shape, ss, shards, kinds), dst_n, held)
+    geo, single, dst_n = hit[0], hit[1], hit[2]
     if geo is None:
         return None
-    return reads, geo, single, sizes(dtype, shape)
+    return reads, geo, single, sizes(dtype, shape), dst_n
 
 
 def _geometry(

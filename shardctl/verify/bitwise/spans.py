@@ -111,8 +111,9 @@ class Geometries:
 
     def __init__(self) -> None:
         self.known: dict[Any, tuple[tuple[PartGeometry, ...], ...] | None] = {}
-        # identity key -> (geometry, every DST shard one part, the objects the ids name)
-        self.ids: dict[tuple[Any, ...], tuple[Any, bool, Any]] = {}
+        # identity key -> (geometry, every DST shard one part, their bytes, the objects the
+        # ids name)
+        self.ids: dict[tuple[Any, ...], tuple[Any, bool, tuple[int, ...], Any]] = {}
 
     def __call__(
         self, shape: tuple[int, ...], src: tuple[Box, ...], dst: tuple[Box, ...]
@@ -127,14 +128,17 @@ class Geometries:
         got = self.known[key] = geometry(shape, src, dst)
         return got
 
-    def remember(self, key: tuple[Any, ...], geo: Any, held: Any) -> bool:
-        """Keep ``geo`` under identity ``key`` (``held``: the objects its ids name, kept alive
-        so no id is reused while cached); returns whether every DST shard is one part."""
+    def remember(
+        self, key: tuple[Any, ...], geo: Any, dst_bytes: tuple[int, ...], held: Any
+    ) -> tuple[Any, bool, tuple[int, ...], Any]:
+        """Keep ``geo`` (and each DST shard's bytes) under identity ``key`` (``held``: the
+        objects its ids name, kept alive so no id is reused while cached); returns the entry:
+        ``(geo, whether every DST shard is one part, dst_bytes, held)``."""
         if len(self.ids) >= KINDS:
             self.ids.clear()
         single = geo is not None and all(len(p) == 1 for p in geo)
-        self.ids[key] = (geo, single, held)
-        return single
+        got = self.ids[key] = (geo, single, dst_bytes, held)
+        return got
 
 
 @dataclass
@@ -144,8 +148,9 @@ class Span:
 
     # SRC file -> [path, first byte, end]
     ranges: dict[int, list[Any]] = field(default_factory=dict)
-    # DST shard, SRC file, SRC shard's first byte in that file, SRC local shape, part geometry
-    parts: list[tuple[DstShard, int, int, tuple[int, ...], PartGeometry]] = field(
+    # DST shard, SRC file, SRC shard's first byte in that file, SRC local shape, part geometry,
+    # the DST shard's bytes
+    parts: list[tuple[DstShard, int, int, tuple[int, ...], PartGeometry, int]] = field(
         default_factory=list
     )
     src_bytes: int = 0  # SRC bytes read
@@ -198,46 +203,50 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
     # (itself, but where a shard of several parts is read once: ``span.multi``).
     parts = span.parts
     owner: list[int] | range = range(len(parts))
+    by_file: dict[int, list[tuple[int, int, int]]] = {}  # path id -> [(begin, bytes, entry)]
     if span.multi:
         first: dict[int, int] = {}
         owner = [first.setdefault(id(e[0]), k) for k, e in enumerate(parts)]
-    by_file: dict[int, list[tuple[int, int]]] = {}
-    for k, e in enumerate(parts):
-        if owner[k] == k:
+        for k, e in enumerate(parts):
+            if owner[k] == k:
+                s = e[0]
+                by_file.setdefault(id(s.path), []).append((s.begin, e[5], k))
+    else:
+        for k, e in enumerate(parts):
             s = e[0]
             items = by_file.get(id(s.path))
             if items is None:
                 items = by_file[id(s.path)] = []
-            items.append((s.begin, k))
-    runs: list[list[Any]] = []  # [path, begin, end, entries]
+            items.append((s.begin, e[5], k))
+    runs: list[list[Any]] = []  # [path, begin, end, [(begin, bytes, entry), ...]]
     for items in by_file.values():
         run: list[Any] = []
         items.sort()  # in order already, mostly (the walk's order): ~linear
-        for begin, k in items:
-            s = parts[k][0]
+        for item in items:
+            begin = item[0]
             if run and run[2] == begin:
-                run[3].append(k)
-                run[2] = begin + _NBYTES(s.dtype, s.local_shape)
+                run[3].append(item)
+                run[2] = begin + item[1]
             else:
-                run = [s.path, begin, begin + _NBYTES(s.dtype, s.local_shape), [k]]
+                run = [parts[item[2]][0].path, begin, begin + item[1], [item]]
                 runs.append(run)
     total = sum(e - b for _, b, e, _ in runs)
     dst = w.bufs.rows.get(total)
     at = [0] * len(parts)  # entry -> its shard's first byte in ``dst``
     pos = 0
-    for path, b, e, ks in runs:
+    for path, b, e, items in runs:
         mv = dst[pos : pos + e - b]
         w.read(path, mv, b)
         w.dst_bytes += e - b
         out.hash_reads.append((path, b, mv))
-        for k in ks:
-            at[k] = pos + parts[k][0].begin - b
+        for begin, _, k in items:
+            at[k] = pos + begin - b
         pos += e - b
     # batches: parts of one geometry. Keyed by the part's identity: a kind's parts are one
     # cached tuple (``Geometries``), and ``span.parts`` holds every one it names, so no id is
     # reused while the span lives. Parts of equal value from two kinds are two batches.
     batches: dict[tuple[str, int], list[Any]] = {}
-    for k, (s, file, begin, src_shape, geo) in enumerate(parts):
+    for k, (s, file, begin, src_shape, geo, _) in enumerate(parts):
         key = (s.dtype, id(geo))
         got = batches.get(key)
         if got is None:
@@ -256,7 +265,7 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
             src_u8, expected, item, (src_shape, src_off), (dst_shape, dst_off), sizes, members
         )
     if not equal(dst_u8, expected):
-        done = [(parts[k][0], at[k]) for *_, ks in runs for k in ks]
+        done = [(parts[k][0], at[k]) for *_, items in runs for _, _, k in items]
         _compare_shards(done, dst_u8, expected, out)
 
 
