@@ -222,13 +222,13 @@ def compare_span(span: Span, w: Worker, out: Out) -> None:
     for items in by_file.values():
         run: list[Any] = []
         items.sort()  # in order already, mostly (the walk's order): ~linear
-        for item in items:
-            begin = item[0]
+        for one in items:
+            begin = one[0]
             if run and run[2] == begin:
-                run[3].append(item)
-                run[2] = begin + item[1]
+                run[3].append(one)
+                run[2] = begin + one[1]
             else:
-                run = [parts[item[2]][0].path, begin, begin + item[1], [item]]
+                run = [parts[one[2]][0].path, begin, begin + one[1], [one]]
                 runs.append(run)
     total = sum(e - b for _, b, e, _ in runs)
     dst = w.bufs.rows.get(total)
