@@ -120,6 +120,19 @@ class LocalTensor:
     def nbytes(self) -> int:
         return nbytes(self.dtype, math.prod(self.local_shape))
 
+    @property
+    def is_rectangular(self) -> bool:
+        """One piece filling the local tensor (as :attr:`Shard.is_rectangular`)."""
+        return _one_box(self.local_shape, self.pieces)
+
+
+def _one_box(local_shape: tuple[int, ...], pieces: tuple[Piece, ...]) -> bool:
+    """``pieces`` is one piece filling a local tensor of ``local_shape`` from its origin."""
+    if len(pieces) != 1:
+        return False
+    p = pieces[0]
+    return p.sizes == local_shape and all(o == 0 for o in p.local_offsets)
+
 
 @dataclass(frozen=True, slots=True)
 class Shard:
@@ -139,10 +152,7 @@ class Shard:
     @property
     def is_rectangular(self) -> bool:
         """True when DCP ``saved_offsets`` can express it: one piece filling the local tensor."""
-        if len(self.pieces) != 1:
-            return False
-        p = self.pieces[0]
-        return p.sizes == self.local_shape and all(o == 0 for o in p.local_offsets)
+        return _one_box(self.local_shape, self.pieces)
 
     @property
     def offsets(self) -> tuple[int, ...]:

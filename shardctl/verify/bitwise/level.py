@@ -242,24 +242,12 @@ def _geometry(
 ) -> tuple[tuple[PartGeometry, ...], ...] | None:
     """``_plain``'s checks of a new kind of tensor, then its geometry (None: not plain).
     ``ss``: the SRC shards, None for an HF SRC (one whole shard)."""
-    if uint_of(dtype) is None:
+    if uint_of(dtype) is None or not all(s.is_rectangular for s in (*(ss or ()), *shards)):
         return None
     if ss is None:
         boxes: tuple[Box, ...] = (((0,) * len(shape), shape),)
     else:
-        for q in ss:
-            if len(q.pieces) != 1:
-                return None
-            p = q.pieces[0]
-            if p.sizes != q.local_shape or any(p.local_offsets):
-                return None
         boxes = tuple((q.pieces[0].offsets, q.pieces[0].sizes) for q in ss)
-    for s in shards:
-        if len(s.pieces) != 1:
-            return None
-        d = s.pieces[0]
-        if d.sizes != s.local_shape or any(d.local_offsets):
-            return None
     return kinds(shape, boxes, tuple((s.pieces[0].offsets, s.pieces[0].sizes) for s in shards))
 
 
