@@ -98,3 +98,24 @@ def test_ten_thousand_tensors_any_to_any_from_one_file_per_rank(
         assert result.ok, result
     merged = reshard(ep4.dst, tmp_path / "hf", fmt="hf")
     same_checkpoint(moe, merged.dst)
+    # The split (a sharded SRC) against EP4: each EP4 expert is two TP halves of the split, so
+    # at 10,000+ tensors this goes through verify's spans with parts. One flipped byte in one
+    # expert is found and named.
+    from shardctl.io.safetensors_header import read_header
+    from shardctl.verify.bitwise import pipeline
+
+    calls: list[int] = []
+    real = pipeline.compare_span
+    monkeypatch.setattr(pipeline, "compare_span", lambda *a: calls.append(1) or real(*a))
+    path = sorted(ep4.dst.glob("rank-*.safetensors"))[-1]
+    header = read_header(path)
+    entry = [e for e in header.tensors if ".experts." in e.name and e.name.endswith("w2.weight")][7]
+    with open(path, "r+b") as f:
+        f.seek(header.data_offset + entry.begin + 5)
+        b = f.read(1)[0]
+        f.seek(header.data_offset + entry.begin + 5)
+        f.write(bytes([b ^ 0x10]))
+    bad = verify(split.dst, ep4.dst, level="bitwise")
+    assert calls and not bad.ok
+    named = [f.fqn for f in bad.level_result("bitwise").findings if f.fqn]
+    assert named == [entry.name], named
