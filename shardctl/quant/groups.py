@@ -34,11 +34,11 @@ from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from shardctl.errors import InvalidInputError
+from shardctl.errors import InvalidInputError, ShardctlError
 from shardctl.gcpause import gc_paused
 from shardctl.model.types import TensorInfo
 from shardctl.quant.config import QuantConfig, read_quant
@@ -106,7 +106,12 @@ def group_tensors(
     The config's ``quantization_config`` decides the scheme; a checkpoint without one is
     recognized by the names alone for FP8 block scales and MXFP4 (the unambiguous ones).
     """
-    qc = read_quant(config, where=f"{where}/config.json")
+    return _walk(tensors, read_quant(config, where=f"{where}/config.json"), where)
+
+
+def _walk(
+    tensors: Iterable[TensorInfo], qc: QuantConfig | None, where: str
+) -> dict[str, QuantGroup]:
     by_name = {t.fqn: t for t in tensors}
     out: dict[str, QuantGroup] = {}
     for fqn in by_name:
@@ -124,6 +129,64 @@ def group_tensors(
 # Every anchor _group_at recognizes ends with one of these: a model whose names end with none
 # has no group (callers skip group_tensors' walk on that test).
 ANCHOR_ENDS = (".weight_scale_inv", ".qweight", ".weight_packed", ".weight_scale", "_blocks")
+
+
+class StemKinds(NamedTuple):
+    """:func:`group_tensors`' answer by *stem kind*, without a group per weight.
+
+    A group's tensors share their *stem* (the name up to its last dot: ``...experts.7.w1``
+    holds ``weight`` and ``weight_scale_inv``; gpt-oss's ``...experts`` holds
+    ``gate_up_proj_blocks`` and ``gate_up_proj_scales``), and which groups a stem holds depends
+    only on its tensors' leaves, shapes and dtypes, in order — its *kind*. 45,000 FP8 experts'
+    stems are a handful of kinds, grouped once each (in the kind's first stem).
+    """
+
+    stems: list[tuple[str, int, list[int]]]  # (stem, kind, tensor indexes) per anchored stem
+    groups: list[tuple[QuantGroup | None, ...]]  # per kind: the group at each place in its stem
+    first: list[int]  # per kind: its first stem (an index into ``stems``)
+
+
+@gc_paused
+def group_kinds(
+    tensors: Sequence[TensorInfo], config: Mapping[str, Any], *, where: str = "checkpoint"
+) -> StemKinds:
+    """The stems that hold a group anchor, each with its kind, and each kind's groups as
+    :func:`group_tensors` makes them for the kind's first stem (``groups[k][p]``: the group of
+    place ``p`` of the stem's tensors, None for a tensor in no group). Any stem of a kind is
+    grouped alike: stem ``s`` of kind ``k`` has, at place ``p``, the group of
+    ``groups[k][p]`` with ``s`` for the first stem's name. Errors are
+    :func:`group_tensors`' own, naming the tensor it names."""
+    qc = read_quant(config, where=f"{where}/config.json")
+    names = [t.fqn for t in tensors]
+    by_stem: dict[str, list[int]] = {}
+    for i, stem in enumerate([fqn.rpartition(".")[0] for fqn in names]):
+        at = by_stem.get(stem)
+        if at is None:
+            by_stem[stem] = [i]
+        else:
+            at.append(i)
+    anchored = dict.fromkeys(fqn.rpartition(".")[0] for fqn in names if fqn.endswith(ANCHOR_ENDS))
+    kinds: dict[tuple[tuple[str, tuple[int, ...], str], ...], int] = {}
+    groups: list[tuple[QuantGroup | None, ...]] = []
+    stems: list[tuple[str, int, list[int]]] = []
+    first: list[int] = []
+    for stem in anchored:
+        at = by_stem[stem]
+        cut = len(stem)
+        sig = tuple([(tensors[i].fqn[cut:], tensors[i].shape, tensors[i].dtype) for i in at])
+        kind = kinds.get(sig)
+        if kind is None:
+            members = [tensors[i] for i in at]
+            try:
+                found = _walk(members, qc, where)
+            except ShardctlError:
+                group_tensors(tensors, config, where=where)  # the error the whole walk gives
+                raise
+            kind = kinds[sig] = len(groups)
+            groups.append(tuple(found.get(t.fqn) for t in members))
+            first.append(len(stems))
+        stems.append((stem, kind, at))
+    return StemKinds(stems, groups, first)
 
 
 def _group_at(
@@ -418,45 +481,64 @@ def describe_model(
      'members': {'qweight': 'I32 [64, 256]', 'scales': 'F16 [4, 256]', ...}, 'bytes': 37888}
     """
     tensors = tuple(tensors)
-    groups = group_tensors(tensors, config, where=where)
+    kinds = group_kinds(tensors, config, where=where)
     qc = read_quant(config, where=f"{where}/config.json")
-    if not groups and qc is None:
+    if qc is None and not any(g is not None for kind in kinds.groups for g in kind):
         return None
-    rows: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[int]] = {}
-    # 45,000 groups of a few shapes: a member's description and bytes once per (role, dtype,
-    # shape), a group's once per group object (each group is listed under every member)
+    # 45,000 groups of a few kinds: each kind's groups described once (its first stem's),
+    # then counted per stem; a member's description and bytes once per (role, dtype, shape)
     described: dict[tuple[str, str, tuple[int, ...]], tuple[tuple[str, str], int]] = {}
     size_of: dict[tuple[str, tuple[int, ...]], int] = {}
-    seen: set[str] = set()
-    for g in groups.values():
-        if g.logical.fqn in seen:
+    per_kind: list[tuple[list[tuple[str, str, tuple[tuple[str, str], ...], int]], int]] = []
+    for k, kind in enumerate(kinds.groups):
+        first_stem, _, stem_tensors = kinds.stems[kinds.first[k]]
+        distinct: dict[str, tuple[str, str, tuple[tuple[str, str], ...], int]] = {}
+        for g in kind:
+            if g is None:
+                continue
+            suffix = g.logical.fqn[len(first_stem) :]  # "." and the logical weight's leaf
+            if suffix in distinct:
+                continue
+            members, size = [], 0
+            for m in g.members:
+                info = m.info
+                key_m = (m.role, info.dtype, info.shape)
+                hit = described.get(key_m)
+                if hit is None:
+                    text = f"{info.dtype} {list(info.shape)}"
+                    hit = described[key_m] = ((m.role, text), _nbytes(info, size_of))
+                members.append(hit[0])
+                size += hit[1]
+            distinct[suffix] = (suffix, g.scheme, tuple(members), size)
+        # the bytes of the stem's tensors that are in a group (the same places in every stem)
+        grouped = sum(
+            _nbytes(tensors[i], size_of)
+            for i, g in zip(stem_tensors, kind, strict=True)
+            if g is not None
+        )
+        per_kind.append((list(distinct.values()), grouped))
+    rows: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[int]] = {}
+    weights = quantized = 0
+    for stem, k, _ in kinds.stems:
+        distinct_groups, grouped = per_kind[k]
+        if not distinct_groups:
             continue
-        seen.add(g.logical.fqn)
-        members, size = [], 0
-        for m in g.members:
-            info = m.info
-            key_m = (m.role, info.dtype, info.shape)
-            hit = described.get(key_m)
-            if hit is None:
-                text = f"{info.dtype} {list(info.shape)}"
-                hit = described[key_m] = ((m.role, text), _nbytes(info, size_of))
-            members.append(hit[0])
-            size += hit[1]
-        key = (_INDEX.sub(".*.", g.logical.fqn), g.scheme, tuple(members))
-        row = rows.get(key)
-        if row is None:
-            row = rows[key] = [0, 0]
-        row[0] += 1
-        row[1] += size
-    total = quantized = 0
-    for t in tensors:
-        n = _nbytes(t, size_of)
-        total += n
-        if t.fqn in groups:
-            quantized += n
+        # The pattern of stem.leaf is the stem's, then the leaf: the leaf holds no dot, so
+        # _INDEX's matches (which may end at the dot before it) never reach into it.
+        head = _INDEX.sub(".*.", stem + ".")[:-1]
+        for suffix, scheme, described_members, size in distinct_groups:
+            key = (head + suffix, scheme, described_members)
+            row = rows.get(key)
+            if row is None:
+                row = rows[key] = [0, 0]
+            row[0] += 1
+            row[1] += size
+        weights += len(distinct_groups)
+        quantized += grouped
+    total = sum(_nbytes(t, size_of) for t in tensors)
     return {
         "method": qc.describe() if qc else "from tensor names",
-        "quantized_weights": len(seen),
+        "quantized_weights": weights,
         "quantized_bytes": quantized,
         "unquantized_bytes": total - quantized,
         "groups": [
