@@ -33,12 +33,15 @@ _KEYS = {"dtype", "shape", "data_offsets"}
 
 _STR = r'[^"\\\x00-\x1f]*'  # a JSON string's body without escapes or control characters
 _NUM = r"0|[1-9][0-9]*"  # a JSON integer without sign, fraction or exponent
+# The dtype and the shape's text are one group (``BF16","shape":[2,3``): an entry is five
+# strings, not six, and it is priced once per distinct such text.
+_DTYPE_SHAPE = '","shape":['
 _ENTRY = re.compile(
-    rf'([{{,])"({_STR})":\{{"dtype":"({_STR})","shape":\[([0-9,]*)\],'
+    rf'([{{,])"({_STR})":\{{"dtype":"({_STR}","shape":\[[0-9,]*)\],'
     rf'"data_offsets":\[({_NUM}),({_NUM})\]\}}'
 )
-# the literal characters of one entry: its length is this plus its five variable fields
-_FIXED = len('{"":{"dtype":"","shape":[],"data_offsets":[,]}')
+# the literal characters of one entry: its length is this plus its four variable fields
+_FIXED = len('{"":{"dtype":"],"data_offsets":[,]}')
 _METADATA = re.compile(rf'\{{"__metadata__":(\{{(?:"{_STR}":"{_STR}"(?:,"{_STR}":"{_STR}")*)?\}}),')
 _SHAPE = re.compile(rf"(?:(?:{_NUM})(?:,(?:{_NUM}))*)?")
 _JSON_SPACE = " \t\n\r"
@@ -82,8 +85,11 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
     begins: list[int] = []
     ends: list[int] = []
     one: dict[str, str] = {}  # one str per dtype, not one per tensor
-    shape_of: dict[str, tuple[int, ...]] = {}
-    size_of: dict[tuple[str, str], int] = {}
+    shape_of: dict[str, tuple[int, ...]] = {}  # one tuple per shape text
+    # per dtype-and-shape text: its dtype, shape and bytes (90,000 experts have a dozen)
+    dtype_of: dict[str, str] = {}
+    typed_shape: dict[str, tuple[int, ...]] = {}
+    size_of: dict[str, int] = {}
     covered = commas = 0
     first_sep = ""
     last_end = "0"  # the end text before the first entry: an in-order file begins at 0
@@ -91,23 +97,29 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
         rows = _ENTRY.findall(text, a, b)
         if not rows:
             return None
-        seps, nm, dts, shape_texts, begin_texts, end_texts = zip(*rows, strict=True)
+        seps, nm, kinds, begin_texts, end_texts = zip(*rows, strict=True)
         covered += len(rows) * _FIXED + sum(
-            sum(map(len, column)) for column in (nm, dts, shape_texts, begin_texts, end_texts)
+            sum(map(len, column)) for column in (nm, kinds, begin_texts, end_texts)
         )
         commas += seps.count(",")
         first_sep = first_sep or seps[0]
-        for d in set(dts):
+        for k in set(kinds).difference(size_of):
+            d, _, t = k.partition(_DTYPE_SHAPE)
             if d not in DTYPE_BITS:
                 return None
-            one.setdefault(d, d)
-        for t in set(shape_texts).difference(shape_of):
-            if _SHAPE.fullmatch(t) is None:
-                return None
-            shape = tuple(map(int, t.split(","))) if t else ()
-            if len(shape) > MAX_DIMS:
-                return None
-            shape_of[t] = shape
+            shape = shape_of.get(t)
+            if shape is None:
+                if _SHAPE.fullmatch(t) is None:
+                    return None
+                shape = tuple(map(int, t.split(","))) if t else ()
+                if len(shape) > MAX_DIMS:
+                    return None
+                shape_of[t] = shape
+            dtype_of[k] = one.setdefault(d, d)
+            typed_shape[k] = shape
+            # dtype × shape must be end − begin bytes (also catches end < begin: a negative
+            # span never equals a size)
+            size_of[k] = _size(d, shape)
         chunk_ends = list(map(int, end_texts))
         # Integers are canonical here (no sign, no leading zero): equal texts are equal
         # numbers, so entries in file order need only their ends converted.
@@ -116,16 +128,11 @@ def scan_entries(raw: bytes, data_offset: int, file_size: int) -> Columns | None
         else:
             chunk_begins = list(map(int, begin_texts))
         last_end = end_texts[-1]
-        # dtype × shape must be end − begin bytes (also catches end < begin: a negative span
-        # never equals a size); priced once per (dtype, shape text)
-        pairs = list(zip(dts, shape_texts, strict=True))
-        for pair in set(pairs).difference(size_of):
-            size_of[pair] = _size(pair[0], shape_of[pair[1]])
-        if list(map(size_of.__getitem__, pairs)) != list(map(sub, chunk_ends, chunk_begins)):
+        if list(map(size_of.__getitem__, kinds)) != list(map(sub, chunk_ends, chunk_begins)):
             return None
         names += nm
-        dtypes += map(one.__getitem__, dts)
-        shapes += map(shape_of.__getitem__, shape_texts)
+        dtypes += map(dtype_of.__getitem__, kinds)
+        shapes += map(typed_shape.__getitem__, kinds)
         begins += chunk_begins
         ends += chunk_ends
     n = len(names)
