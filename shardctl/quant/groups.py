@@ -34,8 +34,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, NamedTuple
 
 from shardctl.errors import InvalidInputError, ShardctlError
@@ -519,13 +521,15 @@ def describe_model(
         per_kind.append((list(distinct.values()), grouped))
     rows: dict[tuple[str, str, tuple[tuple[str, str], ...]], list[int]] = {}
     weights = quantized = 0
-    for stem, k, _ in kinds.stems:
+    # The pattern of stem.leaf is the stem's, then the leaf: the leaf holds no dot, so
+    # _INDEX's matches (which may end at the dot before it) never reach into it. Every
+    # stem's, with its final dot, in one pass (a match never crosses a newline).
+    heads = _INDEX.sub(".*.", "".join([stem + ".\n" for stem, _, _ in kinds.stems]))
+    for (_, k, _), head in zip(kinds.stems, heads.split("\n"), strict=False):
         distinct_groups, grouped = per_kind[k]
         if not distinct_groups:
             continue
-        # The pattern of stem.leaf is the stem's, then the leaf: the leaf holds no dot, so
-        # _INDEX's matches (which may end at the dot before it) never reach into it.
-        head = _INDEX.sub(".*.", stem + ".")[:-1]
+        head = head[:-1]
         for suffix, scheme, described_members, size in distinct_groups:
             key = (head + suffix, scheme, described_members)
             row = rows.get(key)
@@ -535,7 +539,12 @@ def describe_model(
             row[1] += size
         weights += len(distinct_groups)
         quantized += grouped
-    total = sum(_nbytes(t, size_of) for t in tensors)
+    total = sum(
+        _nbytes(TensorInfo("", shape, dtype), size_of) * count
+        for (dtype, shape), count in Counter(
+            zip(map(attrgetter("dtype"), tensors), map(attrgetter("shape"), tensors), strict=True)
+        ).items()
+    )
     return {
         "method": qc.describe() if qc else "from tensor names",
         "quantized_weights": weights,
