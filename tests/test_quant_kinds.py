@@ -178,3 +178,18 @@ def test_kinds_and_description_equal_the_walk_on_any_mix(tensors: list[TensorInf
     assert walk is not None
     _same_as_walk(tensors, {})
     assert describe_model(tensors, {}) == _describe_by_walk(tensors, {})
+
+
+def test_a_name_with_a_newline_is_described_as_by_the_walk() -> None:
+    # JSON allows "\n" in a tensor name; the stems' patterns are then worked out one by one
+    tensors = []
+    for stem in ("m.layers.0.a\nb", "m.layers.1.a\nb", "m.layers.2.c"):
+        tensors.append(TensorInfo(f"{stem}.weight", (256, 256), "F8_E4M3"))
+        tensors.append(TensorInfo(f"{stem}.weight_scale_inv", (2, 2), "F32"))
+    _same_as_walk(tensors, {})
+    described = describe_model(tensors, {})
+    assert described == _describe_by_walk(tensors, {})
+    assert [g["pattern"] for g in described["groups"]] == [
+        "m.layers.*.a\nb.weight",
+        "m.layers.*.c.weight",
+    ]

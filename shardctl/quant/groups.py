@@ -524,8 +524,12 @@ def describe_model(
     # The pattern of stem.leaf is the stem's, then the leaf: the leaf holds no dot, so
     # _INDEX's matches (which may end at the dot before it) never reach into it. Every
     # stem's, with its final dot, in one pass (a match never crosses a newline).
-    heads = _INDEX.sub(".*.", "".join([stem + ".\n" for stem, _, _ in kinds.stems]))
-    for (_, k, _), head in zip(kinds.stems, heads.split("\n"), strict=False):
+    text = "".join([stem + ".\n" for stem, _, _ in kinds.stems])
+    if text.count("\n") == len(kinds.stems):
+        heads = _INDEX.sub(".*.", text).split("\n")
+    else:  # a name holds a newline (JSON allows it): stem by stem
+        heads = [_INDEX.sub(".*.", stem + ".") for stem, _, _ in kinds.stems]
+    for (_, k, _), head in zip(kinds.stems, heads, strict=False):
         distinct_groups, grouped = per_kind[k]
         if not distinct_groups:
             continue
