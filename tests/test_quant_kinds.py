@@ -26,6 +26,8 @@ from shardctl.layout.resolve import _shape_key as shape_key
 from shardctl.model.inventory import from_checkpoint
 from shardctl.model.types import TensorInfo
 from shardctl.quant.groups import describe_model, group_kinds, group_tensors
+from shardctl.layout.types import Mesh
+from tests.test_layout_name_patterns import _both
 from tests.test_quant_many import bf16, fp8, gptq  # noqa: F401 (fixtures)
 
 _INDEX = re.compile(r"\.\d+\.")
@@ -99,6 +101,19 @@ def test_kinds_are_the_walks_groups_at_ten_thousand_tensors(
     assert describe_model(model.tensors, model.config) == _describe_by_walk(
         model.tensors, dict(model.config)
     )
+
+
+@pytest.mark.parametrize("scheme", ["fp8", "gptq"])
+def test_layout_by_kind_equals_every_tensor_placed_with_its_own_group(
+    scheme: str, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``resolve_rules`` keys a member's class by its stem kind's group and builds real groups
+    only for the tensors it places: the layout (and plan's bytes) equal those of placing every
+    tensor through the rules with the group its own stem's walk gives it."""
+    model = from_checkpoint(request.getfixturevalue(scheme))
+    for mesh in (Mesh(ep=2, tp=2), Mesh(pp=7, tp=2)):
+        fast, slow = _both(monkeypatch, model, mesh)
+        assert fast == slow, (scheme, mesh)
 
 
 def test_a_reshaped_scale_is_a_kind_of_its_own_and_still_refused(fp8: Path) -> None:  # noqa: F811

@@ -146,6 +146,14 @@ class StemKinds(NamedTuple):
     stems: list[tuple[str, int, list[int]]]  # (stem, kind, tensor indexes) per anchored stem
     groups: list[tuple[QuantGroup | None, ...]]  # per kind: the group at each place in its stem
     first: list[int]  # per kind: its first stem (an index into ``stems``)
+    qc: QuantConfig | None
+
+    def stem_groups(
+        self, s: int, tensors: Sequence[TensorInfo], *, where: str = "checkpoint"
+    ) -> dict[str, QuantGroup]:
+        """Stem ``s``'s own groups (of its own tensor objects), as the whole walk makes them:
+        for a caller that must hold a real group (placing a class's first tensor)."""
+        return _walk([tensors[i] for i in self.stems[s][2]], self.qc, where)
 
 
 @gc_paused
@@ -160,6 +168,9 @@ def group_kinds(
     :func:`group_tensors`' own, naming the tensor it names."""
     qc = read_quant(config, where=f"{where}/config.json")
     names = [t.fqn for t in tensors]
+    anchored = dict.fromkeys(fqn.rpartition(".")[0] for fqn in names if fqn.endswith(ANCHOR_ENDS))
+    if not anchored:
+        return StemKinds([], [], [], qc)  # no group (an unquantized checkpoint)
     by_stem: dict[str, list[int]] = {}
     for i, stem in enumerate([fqn.rpartition(".")[0] for fqn in names]):
         at = by_stem.get(stem)
@@ -167,7 +178,6 @@ def group_kinds(
             by_stem[stem] = [i]
         else:
             at.append(i)
-    anchored = dict.fromkeys(fqn.rpartition(".")[0] for fqn in names if fqn.endswith(ANCHOR_ENDS))
     kinds: dict[tuple[tuple[str, tuple[int, ...], str], ...], int] = {}
     groups: list[tuple[QuantGroup | None, ...]] = []
     stems: list[tuple[str, int, list[int]]] = []
@@ -188,7 +198,7 @@ def group_kinds(
             groups.append(tuple(found.get(t.fqn) for t in members))
             first.append(len(stems))
         stems.append((stem, kind, at))
-    return StemKinds(stems, groups, first)
+    return StemKinds(stems, groups, first, qc)
 
 
 def _group_at(
