@@ -23,10 +23,10 @@ from hypothesis import strategies as st
 from shardctl.errors import InvalidInputError
 from shardctl.layout.classes import classes_of
 from shardctl.layout.resolve import _shape_key as shape_key
+from shardctl.layout.types import Mesh
 from shardctl.model.inventory import from_checkpoint
 from shardctl.model.types import TensorInfo
 from shardctl.quant.groups import describe_model, group_kinds, group_tensors
-from shardctl.layout.types import Mesh
 from tests.test_layout_name_patterns import _both
 from tests.test_quant_many import bf16, fp8, gptq  # noqa: F401 (fixtures)
 
