@@ -1,10 +1,12 @@
 """Build a Mixtral-shaped many-tensor checkpoint with transformers' ``save_pretrained``.
 
-    python bench/many_tensors_build.py DIR EXPERTS LAYERS HIDDEN INTERMEDIATE
+    python bench/many_tensors_build.py DIR EXPERTS LAYERS HIDDEN INTERMEDIATE [MAX_SHARD_SIZE]
 
 Random bf16 weights (meta-device init, then filled); never downloaded. Each layer holds
 ``3 × EXPERTS`` expert tensors plus 7 others, so 256 × 16 gives 12,403 tensors and
-1,000 × 30 gives 90,213.
+1,000 × 30 gives 90,213. ``MAX_SHARD_SIZE`` (default ``2GB``, e.g. ``40MB``) is
+``save_pretrained``'s: a smaller one writes the checkpoint in many files with an index, as
+real checkpoints come (DeepSeek-V3: 163 files).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ def main() -> None:
 
     out = Path(sys.argv[1])
     experts, layers, hidden, inter = map(int, sys.argv[2:6])
+    max_shard_size = sys.argv[6] if len(sys.argv) > 6 else "2GB"
     cfg = MixtralConfig(
         hidden_size=hidden,
         intermediate_size=inter,
@@ -39,7 +42,7 @@ def main() -> None:
             p.uniform_(-0.02, 0.02)
     tmp = out.with_name(out.name + ".tmp")
     shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size="2GB")
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
     tmp.rename(out)
 
 
