@@ -110,6 +110,7 @@ class Interrupted(ShardctlError):
     """SIGINT (130) or SIGTERM (143) arrived; cleanup has run."""
 
     def __init__(self, signum: int):
+        self.signum = signum
         self.exit_code = EXIT_SIGTERM if signum == 15 else EXIT_SIGINT
         name = "SIGTERM" if signum == 15 else "SIGINT"
         super().__init__(f"interrupted by {name}; partial output removed")

@@ -75,8 +75,8 @@ def pid_gone(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat", "rb") as f:
             state = f.read().rsplit(b")", 1)[1].split()[0]
-    except FileNotFoundError:
-        return True
+    except (FileNotFoundError, ProcessLookupError):
+        return True  # ProcessLookupError (ESRCH): reaped between the open and the read
     except (OSError, IndexError):
         return False
     return state in (b"Z", b"X")

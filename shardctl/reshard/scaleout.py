@@ -60,6 +60,7 @@ from shardctl.reshard.peers import (
 
 JOIN_TIMEOUT_S = 300.0  # workers of one run may start this far apart (slow imports, queues)
 TERM_GRACE_S = 30.0  # after a peer is lost, SIGTERMs are ignored this long while we clean up
+TERM_LOOKS = 10  # torchrun's SIGTERM: look for the lost peer this many times, POLL_S apart
 
 
 def share_of(files: list[OutputFile], world: int, rank: int) -> list[OutputFile]:
@@ -256,11 +257,20 @@ class Group:
         """An interrupt that a lost peer explains (ours, or torchrun's SIGTERM) -> exit 5."""
         if not isinstance(exc, (Interrupted, KeyboardInterrupt)):
             return exc
-        if self.lost is None:
+        # torchrun's agent SIGTERMs the survivors once a worker has failed, and may do so
+        # before this worker can see it (the pid still readable, a store reply in flight): look
+        # again for up to TERM_LOOKS × POLL_S before calling it a plain signal (exit 143)
+        sigterm = isinstance(exc, Interrupted) and exc.signum == signal.SIGTERM
+        looks = TERM_LOOKS if self.agent_store and sigterm else 1
+        for look in range(looks):
+            if self.lost is not None:
+                break
+            if look:
+                time.sleep(POLL_S)
             try:
                 if not self.link.joined:  # interrupted while joining: every peer may have come
                     if not self.link.all_published():
-                        return exc
+                        continue
                     self.link.know_peers(self.where)
                 self.link.check(list(self.link.peers))
             except PeerLost as found:
