@@ -125,23 +125,10 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
             kinds = group_kinds(tensors, model.config, where=model.source)
         except ShardctlError:
             return None  # the per-tensor path raises it
-    # each tensor's group as a small int: its shape key's number (hashing 90,000 nested keys
-    # into the class keys took ~40 ms)
     gks: list[int | None] = [None] * n
-    stem_of: dict[str, list[int]] = {}
+    stem_of: list[int] = []
     if kinds is not None:
-        number: dict[tuple[object, ...], int] = {}
-        key_of = [
-            tuple(
-                None if g is None else number.setdefault(resolve._shape_key(g), len(number))
-                for g in kind
-            )
-            for kind in kinds.groups
-        ]
-        for stem, kind, at in kinds.stems:
-            stem_of[stem] = at
-            for i, key in zip(at, key_of[kind], strict=True):
-                gks[i] = key
+        gks, stem_of = kinds.tensor_keys(n, resolve._shape_key)
     keys = list(
         zip(
             patterns,
@@ -161,12 +148,11 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
     # reads its group, which must be whole in the model resolve_rules sees).
     subset = list(reps)
     groups: dict[str, QuantGroup] = {}
-    if stem_of:
+    if kinds is not None:
         # the reps' stems, grouped whole: each group as the walk over every tensor makes it
-        near = dict.fromkeys(t.fqn.rpartition(".")[0] for t in reps)
-        stems = [tensors[i] for s in near for i in stem_of.get(s, ())]
         try:
-            groups = group_tensors(stems, model.config, where=model.source)
+            for s in dict.fromkeys(stem_of[i] for i in order if stem_of[i] >= 0):
+                groups.update(kinds.stem_groups(s, tensors, where=model.source))
         except ShardctlError:
             return None
     if groups:
