@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardctl.checkpoint.hf import open_checkpoint
-from shardctl.checkpoint.hf_index import read_index
+from shardctl.checkpoint.hf_index import check_entry, read_index
 from shardctl.checkpoint.paths import PathGuard
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
@@ -33,22 +33,11 @@ INDEX = "model.safetensors.index.json"
 
 
 def _walk(path: Path, weight_map: dict[str, Any]) -> None:
-    """The entry-by-entry check ``read_index`` replaced (the reference for its errors)."""
-    where = str(path)
+    """Every entry checked in order (what ``read_index`` did before it checked each distinct
+    file name once): the reference for which entry its first error names."""
     guard = PathGuard(path.parent, follow=False)
     for fqn, rel in weight_map.items():
-        if not isinstance(rel, str):
-            raise InvalidInputError(
-                f"weight_map[{fqn!r}]: expected a file name, got {type(rel).__name__}",
-                where=where,
-            )
-        guard.check_syntax(rel, f"{where}: weight_map[{fqn!r}]")
-        if not rel.endswith(".safetensors"):
-            raise InvalidInputError(
-                f"index references non-safetensors file {rel!r} (weight_map[{fqn!r}])",
-                where=where,
-                hint="shardctl reads pickle weights only with --allow-pickle, never via an index",
-            )
+        check_entry(guard, str(path), fqn, rel)
 
 
 _VALUES = [

@@ -49,19 +49,24 @@ def read_index(path: Path) -> tuple[dict[str, Any], dict[str, str]]:
         first = dict(zip(reversed(weight_map.values()), reversed(weight_map.keys()), strict=True))
         entries = [(first[rel], rel) for rel in dict.fromkeys(weight_map.values())]
     for fqn, rel in entries:
-        if not isinstance(rel, str):
-            raise InvalidInputError(
-                f"weight_map[{fqn!r}]: expected a file name, got {type(rel).__name__}",
-                where=where,
-            )
-        guard.check_syntax(rel, f"{where}: weight_map[{fqn!r}]")
-        if not rel.endswith(".safetensors"):
-            raise InvalidInputError(
-                f"index references non-safetensors file {rel!r} (weight_map[{fqn!r}])",
-                where=where,
-                hint="shardctl reads pickle weights only with --allow-pickle, never via an index",
-            )
+        check_entry(guard, where, fqn, rel)
     return metadata, weight_map
+
+
+def check_entry(guard: PathGuard, where: str, fqn: str, rel: Any) -> None:
+    """One ``weight_map`` entry: a safe relative path to a ``*.safetensors`` file."""
+    if not isinstance(rel, str):
+        raise InvalidInputError(
+            f"weight_map[{fqn!r}]: expected a file name, got {type(rel).__name__}",
+            where=where,
+        )
+    guard.check_syntax(rel, f"{where}: weight_map[{fqn!r}]")
+    if not rel.endswith(".safetensors"):
+        raise InvalidInputError(
+            f"index references non-safetensors file {rel!r} (weight_map[{fqn!r}])",
+            where=where,
+            hint="shardctl reads pickle weights only with --allow-pickle, never via an index",
+        )
 
 
 def compare_index(
