@@ -24,6 +24,7 @@ from shardctl.checkpoint.hf_index import check_entry, read_index
 from shardctl.checkpoint.paths import PathGuard
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh
+from shardctl.model.inventory import tensor_infos
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
 from tests._cli import run_cli
@@ -90,6 +91,10 @@ def test_many_files_open_inspect_plan_reshard_verify(many_files: Path, tmp_path:
     files = set(weight_map.values())
     assert len(weight_map) > 10_000 and len(files) > 20
     ck = open_checkpoint(many_files)
+    # the inventory reads the headers' entries in file order, without building the locations
+    infos = tensor_infos(ck)
+    assert "locations" not in vars(ck)
+    assert [t.fqn for t in infos] == list(ck.locations)  # the same order, file then offset
     assert len(ck.locations) == len(weight_map)
     assert {n: loc.path.name for n, loc in ck.locations.items()} == weight_map
 

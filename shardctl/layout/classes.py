@@ -119,8 +119,9 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
     # Grouped by stem kind (quant.groups.group_kinds): one group_tensors walk per kind, not
     # one group object per weight (45,000 FP8 experts took ~0.5 s).
     kinds: StemKinds | None = None
-    ends = joined + "\n"
-    if any(end + "\n" in ends for end in ANCHOR_ENDS):  # else no group: skip the walk
+    # a pattern keeps its name's end (only whole-number parts become "#", and no anchor end
+    # is one): the few patterns say whether any name ends like a group's anchor
+    if any(p.endswith(ANCHOR_ENDS) for p in first_of_pattern):  # else no group: no walk
         try:
             kinds = group_kinds(tensors, model.config, where=model.source)
         except ShardctlError:
