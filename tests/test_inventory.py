@@ -196,3 +196,56 @@ def test_no_torch_import() -> None:
         "sys.exit('torch' in sys.modules or 'transformers' in sys.modules)"
     )
     assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
+
+
+_ROUTER = {"mlp.gate.weight", "mlp.gate.e_score_correction_bias"}
+
+
+@pytest.mark.parametrize(
+    ("family", "version", "dtype", "f32"),
+    [
+        # transformers 5.24 keeps DeepSeek's router (V3: and its bias) in F32 when it saves a
+        # 16-bit model (_keep_in_fp32_modules_strict); 5.23 and older saved them as the model
+        ("deepseek_v3", "5.24.0", "bfloat16", _ROUTER),
+        ("deepseek_v3", "5.25.0.dev0", "float16", _ROUTER),
+        ("deepseek_v3", "6.0.0", "bfloat16", _ROUTER),
+        ("deepseek_v2", "5.24.0", "bfloat16", {"mlp.gate.weight"}),
+        ("deepseek_v3", "5.23.0", "bfloat16", set()),
+        ("deepseek_v3", "4.46.3", "bfloat16", set()),
+        ("deepseek_v3", None, "bfloat16", set()),  # no writer named: as the older ones
+        ("deepseek_v3", "not a version", "bfloat16", set()),
+        ("deepseek_v3", "5.24.0", "float32", set()),  # everything F32 already
+        ("qwen3_moe", "5.24.0", "bfloat16", set()),  # a family without such modules
+    ],
+)  # fmt: skip
+def test_config_inventory_follows_the_writers_fp32_modules(
+    family: str, version: str | None, dtype: str, f32: set[str]
+) -> None:
+    from tests._models import CONFIGS
+
+    config: dict[str, Any] = {**CONFIGS[family], "torch_dtype": dtype}
+    if version is not None:
+        config["transformers_version"] = version
+    code = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}[dtype]
+    tensors = tensors_from_config(config, code)
+    kept = {t.fqn.split(".", 3)[3] for t in tensors if t.dtype == "F32" and code != "F32"}
+    assert kept == f32
+    if f32:  # every MoE layer's router, none of the dense layer 0
+        routers = [t for t in tensors if t.fqn.endswith(".mlp.gate.weight")]
+        assert len(routers) == 3 and all(t.dtype == "F32" for t in routers)
+
+
+def test_quantized_config_keeps_the_writers_fp32_router() -> None:
+    # an FP8 config written by transformers 5.24 (a model quantized after from_pretrained):
+    # the router F32 as 5.24 keeps it; the published release's (4.33) router BF16, bias F32
+    from tests._models import CONFIGS
+
+    fp8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+           "activation_scheme": "dynamic"}  # fmt: skip
+    base = {**CONFIGS["deepseek_v3"], "torch_dtype": "bfloat16", "quantization_config": fp8}
+    for version, router in (("5.24.0", "F32"), ("4.33.1", "BF16")):
+        tensors = tensors_from_config({**base, "transformers_version": version}, "BF16")
+        dtypes = {t.fqn: t.dtype for t in tensors}
+        assert dtypes["model.layers.1.mlp.gate.weight"] == router
+        assert dtypes["model.layers.1.mlp.gate.e_score_correction_bias"] == "F32"
+        assert dtypes["model.layers.1.mlp.experts.0.up_proj.weight"] == "F8_E4M3"

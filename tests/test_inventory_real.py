@@ -8,6 +8,7 @@ real file's tensors — names, shapes, dtypes, and order — read with safetenso
 
 from __future__ import annotations
 
+from operator import attrgetter
 from pathlib import Path
 
 import pytest
@@ -53,7 +54,9 @@ def test_checkpoint_inventory_equals_config_inventory(
     root = checkpoints[name]
     disk = from_checkpoint(root)
     conf = from_config_file(root / "config.json")
-    assert disk.tensors == conf.tensors
+    # in name order: a file holds its tensors by dtype, then name (safetensors' order), and
+    # transformers >= 5.24 saves DeepSeek's router in F32 (first in the file)
+    assert tuple(sorted(disk.tensors, key=attrgetter("fqn"))) == conf.tensors
     assert disk.dims == conf.dims
     assert (
         (disk.architecture, disk.dtype)

@@ -48,6 +48,11 @@ def _deepseek_v3(out: Path, **overrides: Any) -> Path:
         for layer in model.model.layers[1:]:
             bias = layer.mlp.gate.e_score_correction_bias
             bias.copy_(torch.randn(bias.shape, generator=g))
+            # transformers >= 5.24 keeps the router weight in F32 (random F32 values); the
+            # published checkpoints store it BF16 and Megatron-Core holds it in params_dtype
+            # (BF16 here), so it gets BF16 values, stored as transformers stores them
+            gate = layer.mlp.gate.weight
+            gate.copy_(gate.to(torch.bfloat16).to(gate.dtype))
     model.save_pretrained(out)
     return out
 

@@ -185,6 +185,11 @@ class Family:
     # in another dtype than the model's 16-bit one, as the published files do (DeepSeek-V3's FP8
     # release keeps mlp.gate.e_score_correction_bias in F32; save_pretrained writes it BF16).
     quantized_dtypes: tuple[tuple[str, str], ...] = ()
+    # (first transformers version, fqn glob): tensors that ``save_pretrained`` of a 16-bit
+    # model keeps in F32 from that version on (the model's ``_keep_in_fp32_modules_strict``).
+    # A config's ``transformers_version`` (the writer's, which save_pretrained records) says
+    # which applies; a config without one is read as written before any (shardctl/model/archs.py).
+    fp32_kept: tuple[tuple[str, str], ...] = ()
     # ---- megatron-moe: Megatron-Core torch_dist (None: --format megatron refuses the family)
     megatron: MegatronDecl | None = None
     # vllm-families: how vLLM names and fuses the tensors in ``sharded_state``

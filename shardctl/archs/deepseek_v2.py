@@ -354,6 +354,7 @@ def mla_family(
     defaults: Config,
     follows: str = FOLLOWS,
     megatron: MegatronDecl | None = None,  # megatron-moe: how Megatron-Core holds it
+    fp32_kept: tuple[tuple[str, str], ...] = (),
 ) -> Family:
     """A DeepSeek MLA + MoE family. ``router_bias``: V3's ``e_score_correction_bias``;
     ``mlp_bias``: the MLPs follow the config's ``mlp_bias`` (V2) or never have one (V3);
@@ -396,6 +397,7 @@ def mla_family(
         config_keys=CONFIG_KEYS,
         closed_form=False,
         megatron=megatron,
+        fp32_kept=fp32_kept,
     )
 
 
@@ -408,6 +410,9 @@ FAMILY = mla_family(
     mlp_bias=True,
     route_weights=_softmax_weights,
     defaults=V2_DEFAULTS,
+    # transformers 5.24 keeps the router in F32 (DeepseekV2PreTrainedModel's
+    # _keep_in_fp32_modules_strict = ["gate.weight"]); 5.23 saved it in the model's dtype
+    fp32_kept=(("5.24", "model.layers.*.mlp.gate.weight"),),
 )
 
 # vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)

@@ -15,7 +15,8 @@ FP8: a config with their ``quantization_config`` (``quant_method: fp8``, ``weigh
     every q_a / q_b / kv_a_proj_with_mqa / kv_b / o projection and every dense, shared and routed
     expert gate / up / down projection:  weight F8_E4M3 + weight_scale_inv F32 [⌈out/128⌉, ⌈in/128⌉]
     mlp.gate.e_score_correction_bias     F32 (transformers keeps it fp32; save_pretrained from a
-                                         bf16 model writes BF16)
+                                         bf16 model writes BF16 before 5.24, F32 with the router
+                                         weight from 5.24 on: ``fp32_kept``)
     MTP eh_proj [H, 2H]                  BF16, no scale (vLLM deepseek_mtp.py builds it as a plain
                                          nn.Linear); embeddings, head, norms, router weight BF16
 
@@ -63,6 +64,12 @@ FAMILY = mla_family(
     defaults=V3_DEFAULTS,
     # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
     megatron=MegatronDecl(moe="mlp", shared="shared_experts", router="sigmoid_bias", mla=True),
+    # transformers 5.24 saves the router and its bias in F32 (_keep_in_fp32_modules_strict =
+    # ["e_score_correction_bias", "gate.weight"]); 5.23 saved both in the model's dtype
+    fp32_kept=(
+        ("5.24", "model.layers.*.mlp.gate.weight"),
+        ("5.24", "model.layers.*.mlp.gate.e_score_correction_bias"),
+    ),
 )
 
 # flagships: the published FP8 checkpoint's storage (see the module docstring)

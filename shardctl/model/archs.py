@@ -17,6 +17,7 @@ family, biases off).
 from __future__ import annotations
 
 import fnmatch
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -52,7 +53,9 @@ def dims_from_config(config: Mapping[str, Any], *, where: str = "config") -> Mod
 def tensors_from_config(
     config: Mapping[str, Any], dtype: str, *, where: str = "config"
 ) -> tuple[TensorInfo, ...]:
-    """Every tensor ``save_pretrained`` writes for ``config``, sorted by fqn, all in ``dtype``.
+    """Every tensor ``save_pretrained`` writes for ``config``, sorted by fqn, in ``dtype`` but
+    for the modules the writer (``transformers_version``) keeps in F32 (``Family.fp32_kept``)
+    and a quantized release's own dtypes (``Family.quantized_dtypes``).
 
     ``dtype`` is a safetensors code (``"BF16"``); see :func:`shardctl.dtypes.normalize_dtype`.
     """
@@ -63,7 +66,27 @@ def tensors_from_config(
     if config.get("quantization_config") is not None:  # the quantized checkpoint's tensors
         tensors = expand(tensors, config, family.quantizable, where=where)
         tensors = _stored_dtypes(tensors, family.quantized_dtypes)
+    if dtype in ("BF16", "F16"):
+        kept = writer_keeps_fp32(config, family.fp32_kept)
+        tensors = _stored_dtypes(tensors, tuple((glob, "F32") for glob in kept))
     return tensors
+
+
+_VERSION = re.compile(r"(\d+)\.(\d+)")
+
+
+def writer_keeps_fp32(
+    config: Mapping[str, Any], kept: tuple[tuple[str, str], ...]
+) -> tuple[str, ...]:
+    """The globs of ``kept`` (``Family.fp32_kept``) that apply to a checkpoint whose config
+    says it was written by ``transformers_version``: those whose version is at or below it.
+    A config without a readable version (a manifest's inline keys, a hand-written one) keeps
+    none: what older transformers, and the published releases, store."""
+    m = _VERSION.match(str(config.get("transformers_version") or ""))
+    if m is None or not kept:
+        return ()
+    writer = (int(m.group(1)), int(m.group(2)))
+    return tuple(glob for since, glob in kept if writer >= tuple(int(x) for x in since.split(".")))
 
 
 def _stored_dtypes(
