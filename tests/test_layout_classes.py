@@ -53,16 +53,42 @@ def _outcome(
     options: LayoutOptions = LayoutOptions(),  # noqa: B008
 ) -> Any:
     """``staged_weight_bytes`` by class or by tensor, or the error it raises."""
-    real = engine_mod._staged_by_class
+    real, real_resolve = engine_mod._staged_by_class, engine_mod._resolve_by_class
     with _fresh():
         if not by_class:
             engine_mod._staged_by_class = lambda *a: None  # type: ignore[assignment]
+            engine_mod._resolve_by_class = lambda *a: None  # type: ignore[assignment]
         try:
             return staged_weight_bytes(model, mesh, rules=rules, options=options)
         except ShardctlError as err:
             return ("refused", type(err).__name__, str(err), err.where, err.hint)
         finally:
             engine_mod._staged_by_class = real
+            engine_mod._resolve_by_class = real_resolve
+
+
+def _resolution(
+    model: ModelInfo,
+    mesh: Mesh,
+    *,
+    by_class: bool,
+    rules: tuple[RuleSpec, ...] = (),
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008
+) -> Any:
+    """``engine.resolve`` by class or by tensor (``None``: the class path handed over), or
+    the error it raises."""
+    real = engine_mod._resolve_by_class
+    with _fresh():
+        try:
+            if by_class:
+                engine_mod._check_options(mesh, options)
+                return engine_mod._resolve_by_class(model, mesh, rules, options)
+            engine_mod._resolve_by_class = lambda *a: None  # type: ignore[assignment]
+            return engine_mod.resolve(model, mesh, rules=rules, options=options)
+        except ShardctlError as err:
+            return ("refused", type(err).__name__, str(err), err.where, err.hint)
+        finally:
+            engine_mod._resolve_by_class = real
 
 
 def _shard_bytes(
@@ -95,6 +121,81 @@ def test_bytes_by_class_equal_per_tensor_and_the_shards(
             slow = _outcome(model, mesh, by_class=False, options=options)
             assert fast == slow, (name, mesh, options)
             assert fast[1] == _shard_bytes(model, mesh, options)
+
+
+_FP8 = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic"}  # fmt: skip
+RESOLVE_CASES = [
+    *CASES,
+    ("deepseek_v3", dict(num_nextn_predict_layers=1, include_mtp_layers=True),
+     [Mesh(pp=2, ep=2, tp=2), Mesh(ep=4)]),
+    ("deepseek_v3", dict(quantization_config=_FP8, hidden_size=256, moe_intermediate_size=128,
+                         intermediate_size=256), [Mesh(ep=2), Mesh(pp=2, ep=4), Mesh(tp=2)]),
+    ("mixtral-quant", dict(quantization_config=_FP8), [Mesh(tp=2, ep=2), Mesh(pp=2)]),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides", "meshes"), RESOLVE_CASES, ids=[c[0] for c in RESOLVE_CASES]
+)
+def test_resolution_by_class_equals_per_tensor(
+    name: str, overrides: dict[str, Any], meshes: list[Mesh]
+) -> None:
+    # build_layout's resolution (every tensor's split, placement, stages and ep rank, and the
+    # padded shapes) from the classes, equal to the one from a rule per tensor
+    model = _model(name, **overrides)
+    compared = 0
+    for mesh in meshes:
+        for options in (
+            LayoutOptions(pipeline="vllm"),
+            LayoutOptions(pipeline="tensorrt-llm", vocab_padding="megatron", uneven="chunk"),
+        ):
+            fast = _resolution(model, mesh, by_class=True, options=options)
+            slow = _resolution(model, mesh, by_class=False, options=options)
+            if isinstance(slow, tuple):  # refused: the class path hands over
+                assert fast is None, (name, mesh, options)
+                continue
+            assert fast is not None, (name, mesh)  # the class path is taken
+            compared += 1
+            assert fast.tensors == slow.tensors, (name, mesh, options)
+            assert (fast.stages, fast.padded_shapes) == (slow.stages, slow.padded_shapes)
+            assert list(fast.padded_shapes) == list(slow.padded_shapes)
+            # the shards: byte for byte the per-tensor layout's
+            with _fresh():
+                layout = build_layout(model, mesh, options=options)
+            engine_mod._resolve_by_class, real = (lambda *a: None), engine_mod._resolve_by_class
+            try:
+                with _fresh():
+                    per_tensor = build_layout(model, mesh, options=options)
+            finally:
+                engine_mod._resolve_by_class = real
+            assert layout == per_tensor
+    assert compared > 0, name
+
+
+@given(
+    pp=st.integers(1, 4),
+    ep=st.sampled_from([1, 2, 3, 4, 8]),
+    tp=st.sampled_from([1, 2, 3, 4, 8]),
+    pipeline=st.sampled_from(["even", "vllm", "tensorrt-llm"]),
+    padding=st.sampled_from(["none", "tp", "megatron"]),
+)
+@settings(max_examples=40, deadline=None)
+def test_any_mesh_resolves_alike(pp: int, ep: int, tp: int, pipeline: str, padding: str) -> None:
+    """Every mesh, valid or not: the same resolution, or the class path hands over and the
+    per-tensor path decides (with its own error)."""
+    mesh = Mesh(pp=pp, ep=ep, tp=tp)
+    options = LayoutOptions(pipeline=pipeline, vocab_padding=padding)
+    fast = _resolution(_MIXTRAL, mesh, by_class=True, options=options)
+    slow = _resolution(_MIXTRAL, mesh, by_class=False, options=options)
+    if fast is None or isinstance(fast, tuple):
+        assert isinstance(slow, tuple), (mesh, options)  # handed over only where it refuses
+        if isinstance(fast, tuple):
+            assert fast == slow  # an option error: raised before either path
+    else:
+        assert (fast.tensors, fast.stages, fast.padded_shapes) == (
+            slow.tensors, slow.stages, slow.padded_shapes
+        )  # fmt: skip
 
 
 @pytest.mark.parametrize("name", ["deepseek_v3", "mixtral", "gpt2", "stablelm", "gpt_oss"])

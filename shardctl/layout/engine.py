@@ -305,6 +305,9 @@ def resolve(
 ) -> Resolution:
     """Rules, stages and ep ranks for every tensor (the shared half of both entry points)."""
     _check_options(mesh, options)
+    by_class = _resolve_by_class(model, mesh, rules, options)
+    if by_class is not None:
+        return by_class
     static = model_rules(model, rules)
     stages = assign_layers(static.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
     layer_stage = stage_of_layers(stages, static.num_layers)
@@ -348,6 +351,76 @@ def resolve(
             placement = label
         plans.append(TensorPlan(t.info, spec, placement, on, ep_rank, t.packed))
     return Resolution(stages, tuple(plans), padded)
+
+
+def _resolve_by_class(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], options: LayoutOptions
+) -> Resolution | None:
+    """:func:`resolve` from the tensor classes (:mod:`shardctl.layout.classes`): each class's
+    split, placement and fixed stages worked out once from its first tensor, each tensor's
+    stage and ep rank from its own layer and expert numbers. The rule per tensor that
+    ``resolve_rules`` makes (~20 MB and ~0.3 s at 100,000 tensors) is never built. None (the
+    per-tensor path decides, and raises its own error) where :func:`class_counts` hands over."""
+    from shardctl.layout.classes import rule_classes
+
+    rc = rule_classes(model, rules)
+    if rc is None:
+        return None
+    tp, ep, pp = mesh.tp, mesh.ep, mesh.pp
+    try:
+        stages = assign_layers(rc.num_layers, pp, options.pipeline, options.layers_per_stage)
+        if ep > 1:
+            _check_ep(ep, rc.num_experts)
+        specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
+        # per class: its spec, placement, stages when it has no layer number, padded shape
+        per_class: list[tuple[SplitSpec, str, tuple[int, ...], tuple[int, ...] | None]] = []
+        for t in rc.rules:
+            key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
+            hit = specs.get(key)
+            if hit is None:
+                hit = specs[key] = _split_spec(t, tp, options)
+            spec, placement = hit
+            fixed = (
+                () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, pp, rc.tied)
+            )
+            padded = None
+            if spec.padded is not None and spec.dim is not None:
+                if spec.padded != t.info.shape[spec.dim]:
+                    padded = tuple(
+                        spec.padded if i == spec.dim else s for i, s in enumerate(t.info.shape)
+                    )
+            if t.packed:
+                placement = f"E·S(0)/{ep}·{placement}"
+            per_class.append((spec, placement, fixed, padded))
+    except LayoutError:
+        return None
+    layer_stage = stage_of_layers(stages, rc.num_layers)
+    on_layer = {x: (layer_stage[x],) for x in range(rc.num_layers)}  # one tuple per layer
+    experts_per_rank = rc.num_experts // ep if rc.num_experts else 1
+    labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
+    has_layer = [t.layer is not None for t in rc.rules]
+    has_expert = [t.expert is not None and not t.packed for t in rc.rules]
+    plans: list[TensorPlan] = []
+    padded_shapes: dict[str, tuple[int, ...]] = {}
+    for info, c, layer, expert in zip(model.tensors, rc.of, rc.layers, rc.experts, strict=True):
+        spec, placement, on, padded = per_class[c]
+        if has_layer[c]:
+            stage = on_layer.get(layer) if layer is not None else None
+            if stage is None:
+                return None  # not a layer of the stack (rule_classes checked: never)
+            on = stage
+        if padded is not None:
+            padded_shapes[info.fqn] = padded
+        ep_rank = None
+        if has_expert[c]:
+            # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
+            ep_rank = expert // experts_per_rank if ep > 1 else 0  # type: ignore[operator]
+            label = labels.get((ep_rank, placement))
+            if label is None:
+                label = labels[ep_rank, placement] = f"E{ep_rank}/{ep}·{placement}"
+            placement = label
+        plans.append(TensorPlan(info, spec, placement, on, ep_rank, rc.rules[c].packed))
+    return Resolution(stages, tuple(plans), padded_shapes)
 
 
 def _expert_rows(shard: Shard, e: int, ep: int) -> Shard:
