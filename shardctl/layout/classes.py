@@ -236,7 +236,13 @@ def _column(numbers: list[str], starts: list[int], slots: Iterable[int | None]) 
     return list(map(value.__getitem__, text))
 
 
-__all__ = ["RuleClasses", "classes_of", "rule_classes"]
+def forget(model: ModelInfo) -> None:
+    """Drop :func:`rule_classes`' cached result for ``model`` (three columns of its tensor
+    count and the classes' first tensors), for a caller that has built its layout."""
+    _CACHE.forget(model)
+
+
+__all__ = ["RuleClasses", "classes_of", "forget", "rule_classes"]
 
 
 _CACHE: PerModel[RuleClasses | None] = PerModel(classes_of)

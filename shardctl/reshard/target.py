@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from shardctl.checkpoint import plan_files, record_table
 from shardctl.checkpoint.source import Source, SourceShard
 from shardctl.errors import UsageError
-from shardctl.layout import bounds, resolve
+from shardctl.layout import bounds, classes, resolve
 from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, RuleSpec
 
@@ -77,7 +77,8 @@ def plan(
     bounds.check_mesh(source.model, mesh or Mesh())  # before build_layout materializes shards
     bounds.check_config(source.model)
     layout = build_layout(source.model, mesh or Mesh(), rules=rules, options=options)
-    resolve.forget(source.model)  # the per-tensor rules are in the layout now
+    resolve.forget(source.model)  # the per-tensor rules (or the classes) are in the layout now
+    classes.forget(source.model)
     rfiles, where = plan_files.rank_files(layout, order, max_shard_size)
     return Plan("ranks", layout, tuple(rfiles), where, None)
 
