@@ -44,6 +44,25 @@ def _fresh() -> Iterator[None]:
         resolve_mod._CACHE.clear()
 
 
+@contextmanager
+def _per_tensor(on: bool = True) -> Iterator[None]:
+    """Fresh caches; with ``on``, both class paths (weight bytes and resolution) hand over, so
+    the engine decides tensor by tensor."""
+    real = engine_mod._staged_by_class, engine_mod._resolve_by_class
+    with _fresh():
+        if on:
+            engine_mod._staged_by_class = lambda *a: None  # type: ignore[assignment]
+            engine_mod._resolve_by_class = lambda *a: None  # type: ignore[assignment]
+        try:
+            yield
+        finally:
+            engine_mod._staged_by_class, engine_mod._resolve_by_class = real
+
+
+def _refused(err: ShardctlError) -> tuple[str, ...]:
+    return ("refused", type(err).__name__, str(err), err.where, err.hint)
+
+
 def _outcome(
     model: ModelInfo,
     mesh: Mesh,
@@ -53,18 +72,11 @@ def _outcome(
     options: LayoutOptions = LayoutOptions(),  # noqa: B008
 ) -> Any:
     """``staged_weight_bytes`` by class or by tensor, or the error it raises."""
-    real, real_resolve = engine_mod._staged_by_class, engine_mod._resolve_by_class
-    with _fresh():
-        if not by_class:
-            engine_mod._staged_by_class = lambda *a: None  # type: ignore[assignment]
-            engine_mod._resolve_by_class = lambda *a: None  # type: ignore[assignment]
+    with _per_tensor(not by_class):
         try:
             return staged_weight_bytes(model, mesh, rules=rules, options=options)
         except ShardctlError as err:
-            return ("refused", type(err).__name__, str(err), err.where, err.hint)
-        finally:
-            engine_mod._staged_by_class = real
-            engine_mod._resolve_by_class = real_resolve
+            return _refused(err)
 
 
 def _resolution(
@@ -77,18 +89,14 @@ def _resolution(
 ) -> Any:
     """``engine.resolve`` by class or by tensor (``None``: the class path handed over), or
     the error it raises."""
-    real = engine_mod._resolve_by_class
-    with _fresh():
+    with _per_tensor(not by_class):
         try:
             if by_class:
                 engine_mod._check_options(mesh, options)
                 return engine_mod._resolve_by_class(model, mesh, rules, options)
-            engine_mod._resolve_by_class = lambda *a: None  # type: ignore[assignment]
             return engine_mod.resolve(model, mesh, rules=rules, options=options)
         except ShardctlError as err:
-            return ("refused", type(err).__name__, str(err), err.where, err.hint)
-        finally:
-            engine_mod._resolve_by_class = real
+            return _refused(err)
 
 
 def _shard_bytes(
@@ -161,14 +169,10 @@ def test_resolution_by_class_equals_per_tensor(
             assert (fast.stages, fast.padded_shapes) == (slow.stages, slow.padded_shapes)
             assert list(fast.padded_shapes) == list(slow.padded_shapes)
             # the shards: byte for byte the per-tensor layout's
-            with _fresh():
+            with _per_tensor(False):
                 layout = build_layout(model, mesh, options=options)
-            engine_mod._resolve_by_class, real = (lambda *a: None), engine_mod._resolve_by_class
-            try:
-                with _fresh():
-                    per_tensor = build_layout(model, mesh, options=options)
-            finally:
-                engine_mod._resolve_by_class = real
+            with _per_tensor():
+                per_tensor = build_layout(model, mesh, options=options)
             assert layout == per_tensor
     assert compared > 0, name
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
@@ -35,6 +35,9 @@ from shardctl.layout.types import (
     Stage,
 )
 from shardctl.model.types import ModelInfo, TensorInfo
+
+if TYPE_CHECKING:
+    from shardctl.layout.classes import RuleClasses
 
 VOCAB_PADDING: tuple[str, ...] = ("none", "tp", "megatron")
 UNEVEN: tuple[str, ...] = ("error", "chunk")
@@ -183,25 +186,9 @@ def class_counts(
     rc = rule_classes(model, rules)
     if rc is None:
         return None
-    tp, ep = mesh.tp, mesh.ep
+    ep = mesh.ep
     try:
-        stages = assign_layers(rc.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
-        if ep > 1:
-            _check_ep(ep, rc.num_experts)
-        specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
-        split_of: list[SplitSpec] = []
-        fixed: list[tuple[int, ...]] = []  # the stages of a class without layer numbers
-        for t in rc.rules:
-            key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
-            hit = specs.get(key)
-            if hit is None:
-                hit = specs[key] = _split_spec(t, tp, options)
-            split_of.append(hit[0])
-            fixed.append(
-                ()
-                if t.layer is not None
-                else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
-            )
+        stages, per_class = _class_specs(rc, mesh, options)
     except LayoutError:
         return None
     layer_stage = stage_of_layers(stages, rc.num_layers)
@@ -221,11 +208,61 @@ def class_counts(
                 return None  # not a layer of the stack (rule_classes checked: never)
             on: tuple[int, ...] = (stage,)
         else:
-            on = fixed[c]
+            on = per_class[c][2]
         # as resolve: an expert rule's tensor sits on its ep rank, a packed one on every rank
         placed_on = None if t.packed or t.expert is None else ep_rank
-        out.append(ClassCount(t, split_of[c], on, placed_on, count))
+        out.append(ClassCount(t, per_class[c][0], on, placed_on, count))
     return stages, out
+
+
+def _class_specs(
+    rc: RuleClasses, mesh: Mesh, options: LayoutOptions
+) -> tuple[tuple[Stage, ...], list[tuple[SplitSpec, str, tuple[int, ...]]]]:
+    """The stages, and per class its split, printable placement and the stages of a class
+    without layer numbers (``()`` for one with them), as :func:`resolve` gives its first
+    tensor; raises what that would (the class paths then hand over)."""
+    stages = assign_layers(rc.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
+    if mesh.ep > 1:
+        _check_ep(mesh.ep, rc.num_experts)
+    specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
+    out: list[tuple[SplitSpec, str, tuple[int, ...]]] = []
+    for t in rc.rules:
+        key = _spec_key(t)
+        hit = specs.get(key)
+        if hit is None:
+            hit = specs[key] = _split_spec(t, mesh.tp, options)
+        fixed = (
+            () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
+        )
+        out.append((*hit, fixed))
+    return stages, out
+
+
+def _spec_key(t: TensorRule) -> tuple[object, ...]:
+    """What a tensor's split depends on. ``parts`` by identity: resolve_rules shares one tuple
+    per (rule, shape), and hashing the Part dataclasses was 180,000 Python __hash__ calls at
+    90,000 tensors."""
+    return (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
+
+
+def _packed_label(ep: int, placement: str) -> str:
+    """A packed expert tensor's placement: dim 0 (the experts) split over ``ep``."""
+    return f"E·S(0)/{ep}·{placement}"
+
+
+def _expert_label(labels: dict[tuple[int, str], str], ep_rank: int, ep: int, placement: str) -> str:
+    """An expert's placement on ``ep_rank``: one string per (ep rank, placement) in ``labels``."""
+    label = labels.get((ep_rank, placement))
+    if label is None:
+        label = labels[ep_rank, placement] = f"E{ep_rank}/{ep}·{placement}"
+    return label
+
+
+def _padded_shape(spec: SplitSpec, shape: tuple[int, ...]) -> tuple[int, ...] | None:
+    """``shape`` with its split dim padded (vocab padding), or None when nothing is padded."""
+    if spec.padded is None or spec.dim is None or spec.padded == shape[spec.dim]:
+        return None
+    return tuple(spec.padded if i == spec.dim else n for i, n in enumerate(shape))
 
 
 def _staged_by_class(
@@ -320,9 +357,7 @@ def resolve(
     padded: dict[str, tuple[int, ...]] = {}
     labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
     for t in static.tensors:
-        # ``parts`` by identity: resolve_rules shares one tuple per (rule, shape), and hashing
-        # the Part dataclasses was 180,000 Python __hash__ calls at 90,000 tensors
-        key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
+        key = _spec_key(t)
         hit = specs.get(key)
         if hit is None:
             try:
@@ -334,21 +369,16 @@ def resolve(
             on: tuple[int, ...] = (layer_stage[t.layer],)
         else:
             on = _non_layer_stages(t.info.fqn, t.stage, mesh.pp, static.tied)
-        if spec.padded is not None and spec.dim is not None:
-            if spec.padded != t.info.shape[spec.dim]:
-                padded[t.info.fqn] = tuple(
-                    spec.padded if i == spec.dim else s for i, s in enumerate(t.info.shape)
-                )
+        grown = _padded_shape(spec, t.info.shape)
+        if grown is not None:
+            padded[t.info.fqn] = grown
         ep_rank = None
         if t.packed:
-            placement = f"E·S(0)/{mesh.ep}·{placement}"
+            placement = _packed_label(mesh.ep, placement)
         elif t.expert is not None:
             # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
             ep_rank = t.expert // experts_per_rank if mesh.ep > 1 else 0
-            label = labels.get((ep_rank, placement))
-            if label is None:
-                label = labels[ep_rank, placement] = f"E{ep_rank}/{mesh.ep}·{placement}"
-            placement = label
+            placement = _expert_label(labels, ep_rank, mesh.ep, placement)
         plans.append(TensorPlan(t.info, spec, placement, on, ep_rank, t.packed))
     return Resolution(stages, tuple(plans), padded)
 
@@ -366,34 +396,18 @@ def _resolve_by_class(
     rc = rule_classes(model, rules)
     if rc is None:
         return None
-    tp, ep, pp = mesh.tp, mesh.ep, mesh.pp
+    ep = mesh.ep
     try:
-        stages = assign_layers(rc.num_layers, pp, options.pipeline, options.layers_per_stage)
-        if ep > 1:
-            _check_ep(ep, rc.num_experts)
-        specs: dict[tuple[object, ...], tuple[SplitSpec, str]] = {}
-        # per class: its spec, placement, stages when it has no layer number, padded shape
-        per_class: list[tuple[SplitSpec, str, tuple[int, ...], tuple[int, ...] | None]] = []
-        for t in rc.rules:
-            key = (t.info.shape, t.dim, id(t.parts), t.groups, t.vocab, t.quant)
-            hit = specs.get(key)
-            if hit is None:
-                hit = specs[key] = _split_spec(t, tp, options)
-            spec, placement = hit
-            fixed = (
-                () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, pp, rc.tied)
-            )
-            padded = None
-            if spec.padded is not None and spec.dim is not None:
-                if spec.padded != t.info.shape[spec.dim]:
-                    padded = tuple(
-                        spec.padded if i == spec.dim else s for i, s in enumerate(t.info.shape)
-                    )
-            if t.packed:
-                placement = f"E·S(0)/{ep}·{placement}"
-            per_class.append((spec, placement, fixed, padded))
+        stages, specs = _class_specs(rc, mesh, options)
     except LayoutError:
         return None
+    # per class: its spec, placement (a packed one's with its ep share), stages when it has
+    # no layer number, padded shape
+    per_class = [
+        (spec, _packed_label(ep, placement) if t.packed else placement, fixed,
+         _padded_shape(spec, t.info.shape))
+        for t, (spec, placement, fixed) in zip(rc.rules, specs, strict=True)
+    ]  # fmt: skip
     layer_stage = stage_of_layers(stages, rc.num_layers)
     on_layer = {x: (layer_stage[x],) for x in range(rc.num_layers)}  # one tuple per layer
     experts_per_rank = rc.num_experts // ep if rc.num_experts else 1
@@ -415,10 +429,7 @@ def _resolve_by_class(
         if has_expert[c]:
             # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
             ep_rank = expert // experts_per_rank if ep > 1 else 0  # type: ignore[operator]
-            label = labels.get((ep_rank, placement))
-            if label is None:
-                label = labels[ep_rank, placement] = f"E{ep_rank}/{ep}·{placement}"
-            placement = label
+            placement = _expert_label(labels, ep_rank, ep, placement)
         plans.append(TensorPlan(info, spec, placement, on, ep_rank, rc.rules[c].packed))
     return Resolution(stages, tuple(plans), padded_shapes)
 
