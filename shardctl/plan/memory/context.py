@@ -7,9 +7,12 @@ micro-batches, budget) and prices one rank of a stage; the pieces live beside it
 
 from __future__ import annotations
 
+from typing import Any
+
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
+from shardctl.plan.memory.allocator import engine_params, stage_load_extra
 from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
@@ -107,6 +110,8 @@ class Context:
         # Per stage index; the search shares them between meshes that agree on what they key.
         self._cache: dict[int, tuple[int, int, dict[str, int]]] = {}
         self._counts: dict[int, Counts] = {}
+        self._load_extra: dict[int, int] = {}
+        self._params: list[Any] | None = None
 
     # -- weights -------------------------------------------------------------------------
     def counts(self, st: Stage) -> Counts:
@@ -172,7 +177,7 @@ class Context:
         tensors = weights + kv + acts + grads + opt
         frag_base = tensors - kv if self.training is None else tensors
         if self.vllm:
-            items = self.vllm_overhead().items()
+            items = {**self.vllm_overhead().items(), "allocator": self.load_extra(st)}
         elif self.sglang:
             items = sglang_overhead(
                 self.hw.device_memory,
@@ -181,6 +186,7 @@ class Context:
                 fraction=self.mem_fraction_static,
                 init=self.workload.non_torch_memory,
             ).items()
+            items["allocator"] = self.load_extra(st)
         elif self.trtllm:
             items = self.trtllm_overhead(weights + acts).items()
         else:
@@ -192,6 +198,22 @@ class Context:
             )
         detail.update({f"overhead.{k}": v for k, v in items.items()})
         return RankMemory(weights, kv, acts, grads, opt, sum(items.values()), detail, host, nvme)
+
+    def load_extra(self, st: Stage) -> int:
+        """What the caching allocator holds beyond the weights the engine loads on the
+        fullest rank of ``st`` (:mod:`.allocator`): allocated bytes for vLLM, reserved for
+        SGLang (the two engines' own measures). 0 without a tensor inventory (a model known by
+        its dimensions or a parameter count), or with quantization applied at load."""
+        hit = self._load_extra.get(st.index)
+        if hit is not None:
+            return hit
+        value = 0
+        if self.model.tensors and self.quant.method == "none" and not self.quant.overrides:
+            if self._params is None:
+                self._params = engine_params(self.model, self.mesh)
+            value = stage_load_extra(self._params, st, self.mesh, reserved=self.sglang)
+        self._load_extra[st.index] = value
+        return value
 
     def vllm_overhead(self) -> VllmOverhead:
         """vLLM's non-torch memory and CUDA graphs (they replace the ``overhead:`` items)."""

@@ -1,0 +1,248 @@
+"""What PyTorch's CUDA caching allocator adds to the weights an engine loads.
+
+vLLM's "Model loading took 67.8 GiB" is ``torch.cuda.memory_allocated`` after the load
+(``DeviceMemoryProfiler``: ``reset_peak_memory_stats`` then ``max_memory_allocated``), and
+SGLang's "Load weight end. … mem usage" is free device memory before minus after
+(``get_available_gpu_memory``: ``empty_cache`` then ``mem_get_info``, i.e. what the allocator
+holds from CUDA). Neither is the checkpoint's byte count: the caching allocator
+(c10/cuda/CUDACachingAllocator.cpp, default settings: no expandable segments, no
+``max_split_size``, no power-of-two rounding) hands out blocks, not bytes:
+
+- a request is rounded up to 512 bytes (``round_size``);
+- up to 1 MiB it comes from the small pool, carved out of 2 MiB segments (``kSmallBuffer``);
+- above 1 MiB and under 10 MiB from 20 MiB segments (``kLargeBuffer``); from 10 MiB on from a
+  segment of its own, rounded up to 2 MiB (``kRoundLarge``);
+- a free block is taken best fit (the smallest that holds the request) and split only if what
+  is left is over 1 MiB in the large pool (``should_split``: ``remaining > kSmallSize``), at
+  least 512 bytes in the small pool; an unsplit block is allocated whole, and
+  ``memory_allocated`` counts the block (``allocated_bytes += block->size``).
+
+So a tensor-parallel slice whose size is an odd number of MiB (Qwen2.5-72B's ``down_proj`` at
+tp 2: ``[8192, 14784]`` bf16, 231 MiB) occupies 232 MiB: 80 MiB over its 80 layers, the
+difference between shardctl's 67.71 GiB of weights and vLLM's logged 67.8.
+
+The engines load their own parameters, not the checkpoint's tensors: vLLM and SGLang fuse
+``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``
+(``packed_modules_mapping``), and every expert of a layer into ``w13``/``w2`` (``FusedMoE``),
+each with its own scales. The sizes priced here are those fused parameters, each the sum of its
+members' bytes on the rank.
+"""
+
+from __future__ import annotations
+
+import re
+import weakref
+from bisect import bisect_left, insort
+from collections import Counter
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from shardctl.dtypes import nbytes
+from shardctl.errors import ShardctlError
+from shardctl.layout.types import LayoutOptions, Mesh, Stage
+from shardctl.model.types import ModelInfo
+
+MIN_BLOCK = 512  # kMinBlockSize: every request is rounded up to a multiple of this
+SMALL_SIZE = 2**20  # kSmallSize: largest request of the small pool; larger remainders split
+SMALL_BUFFER = 2 * 2**20  # kSmallBuffer: a small-pool segment
+LARGE_BUFFER = 20 * 2**20  # kLargeBuffer: the segment of a request under kMinLargeAlloc
+MIN_LARGE_ALLOC = 10 * 2**20  # kMinLargeAlloc: from here a request gets its own segment
+ROUND_LARGE = 2 * 2**20  # kRoundLarge: such a segment's size is a multiple of this
+
+
+@dataclass
+class CachingAllocator:
+    """PyTorch's CUDA caching allocator with its default settings, for a run of allocations
+    that are never freed (a model's parameters as it loads): ``allocated`` is what
+    ``torch.cuda.memory_allocated`` reports after them, ``reserved`` what
+    ``torch.cuda.memory_reserved`` does (the segments taken from CUDA).
+
+    >>> a = CachingAllocator()
+    >>> a.malloc(231 * 2**20)  # remainder of its 232 MiB segment is 1 MiB: not split
+    243269632
+    >>> a.malloc(12 * 2**20 + 2**19)  # 12.5 MiB in a 14 MiB segment: 1.5 MiB split off
+    13107200
+    >>> a.allocated // 2**20, a.reserved // 2**20
+    (244, 246)
+    """
+
+    allocated: int = 0
+    reserved: int = 0
+
+    def __post_init__(self) -> None:
+        # free block sizes per pool (small, large), kept sorted: best fit is bisect_left
+        self._free: tuple[list[int], list[int]] = ([], [])
+
+    def malloc(self, nbytes: int) -> int:
+        """Allocate ``nbytes``; the bytes of the block it occupies (0 for an empty tensor)."""
+        if nbytes <= 0:
+            return 0  # a zero-size tensor holds no block
+        size = -(-nbytes // MIN_BLOCK) * MIN_BLOCK
+        small = size <= SMALL_SIZE
+        pool = self._free[0 if small else 1]
+        i = bisect_left(pool, size)
+        if i < len(pool):
+            block = pool.pop(i)
+        else:
+            block = _segment(size)
+            self.reserved += block
+        rest = block - size
+        if rest >= MIN_BLOCK if small else rest > SMALL_SIZE:
+            insort(pool, rest)
+            block = size
+        self.allocated += block
+        return block
+
+
+def _segment(size: int) -> int:
+    """``get_allocation_size``: the segment CUDA is asked for when no free block holds ``size``."""
+    if size <= SMALL_SIZE:
+        return SMALL_BUFFER
+    if size < MIN_LARGE_ALLOC:
+        return LARGE_BUFFER
+    return -(-size // ROUND_LARGE) * ROUND_LARGE
+
+
+def load_extra(sizes: Iterable[int], *, reserved: bool) -> int:
+    """What the allocator holds beyond ``sizes`` once all are allocated in order: allocated
+    (vLLM's measure) or reserved (SGLang's) minus their bytes."""
+    a = CachingAllocator()
+    total = 0
+    for n in sizes:
+        a.malloc(n)
+        total += n
+    return (a.reserved if reserved else a.allocated) - total
+
+
+# ---- the engines' parameters ----------------------------------------------------------------
+
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+_EXPERT_W13 = re.compile(r"\.experts\.(?:w1|w3|gate_proj|up_proj)\.")
+_EXPERT_W2 = re.compile(r"\.experts\.(?:w2|down_proj)\.")
+_QKV = re.compile(r"\.(?:q_proj|k_proj|v_proj)\.")
+_GATE_UP = re.compile(r"\.(?:gate_proj|up_proj)\.")
+
+
+def param_name(fqn: str) -> str:
+    """The engine parameter a checkpoint tensor loads into (vLLM's and SGLang's fusions).
+
+    >>> param_name("model.layers.3.block_sparse_moe.experts.7.w3.weight")
+    'model.layers.3.block_sparse_moe.experts.w13.weight'
+    >>> param_name("model.layers.3.self_attn.k_proj.weight_scale_inv")
+    'model.layers.3.self_attn.qkv_proj.weight_scale_inv'
+    >>> param_name("model.layers.3.mlp.shared_expert.up_proj.weight")
+    'model.layers.3.mlp.shared_expert.gate_up_proj.weight'
+    """
+    if ".experts." in fqn:
+        name = _EXPERT.sub(".experts.", fqn)
+        name = _EXPERT_W13.sub(".experts.w13.", name)
+        return _EXPERT_W2.sub(".experts.w2.", name)
+    return _GATE_UP.sub(".gate_up_proj.", _QKV.sub(".qkv_proj.", fqn))
+
+
+@dataclass
+class _Param:
+    """One engine parameter: its bytes on each tp rank, where it sits, how many it is."""
+
+    sizes: list[int]  # bytes on tp rank r (members summed)
+    layer: int | None
+    stages: tuple[int, ...]  # for a parameter outside the layers: the stages holding it
+    ep_rank: int | None  # None: on every ep rank
+
+
+def engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
+    """The engine's parameters of ``model`` on ``mesh`` (preset rules, the engine's own split),
+    in the model's order; a layer's fused parameter sums its members on each rank."""
+    from shardctl.layout.classes import rule_classes
+    from shardctl.layout.engine import _class_specs, resolve
+    from shardctl.layout.pipeline import layer_index
+    from shardctl.layout.split import local_numels
+
+    tp, ep = mesh.tp, mesh.ep
+    out: dict[tuple[str, int | None, int | None], _Param] = {}
+    lone: list[_Param] = []  # parameters outside the layers: one allocation per tensor
+
+    def add(fqn: str, dtype: str, numels: Sequence[int], share: int, layer: int | None,
+            stages: tuple[int, ...], ep_rank: int | None, count: int) -> None:  # fmt: skip
+        sizes = [nbytes(dtype, n // share) for n in numels]
+        if layer is None:
+            lone.extend(_Param(sizes, None, stages, ep_rank) for _ in range(count))
+            return
+        key = (param_name(fqn), layer, ep_rank)
+        p = out.get(key)
+        if p is None:
+            out[key] = _Param([s * count for s in sizes], layer, (), ep_rank)
+        else:
+            p.sizes = [a + s * count for a, s in zip(p.sizes, sizes, strict=True)]
+
+    rc = rule_classes(model, ())
+    specs = None
+    if rc is not None:
+        try:
+            specs = _class_specs(rc, mesh, LayoutOptions())[1]
+        except ShardctlError:
+            specs = None  # the per-tensor path raises what applies
+    if rc is not None and specs is not None:
+        numels: dict[int, tuple[int, ...]] = {}
+        for (c, layer, e), count in _class_layer_counts(model, rc, ep):
+            t = rc.rules[c]
+            spec, _, fixed = specs[c]
+            n = numels.get(id(spec))
+            if n is None:
+                n = numels[id(spec)] = local_numels(spec, tp)
+            on_rank = None if t.packed or t.expert is None else e
+            add(t.info.fqn, t.info.dtype, n, ep if t.packed else 1,
+                layer if t.layer is not None else None, fixed, on_rank, count)  # fmt: skip
+    else:
+        res = resolve(model, Mesh(tp=tp, ep=ep, pp=mesh.pp))
+        for tp_ in res.tensors:
+            layer = layer_index(tp_.info.fqn)
+            add(tp_.info.fqn, tp_.info.dtype, local_numels(tp_.split, tp),
+                ep if tp_.packed else 1, layer, tp_.stages, tp_.ep_rank, 1)  # fmt: skip
+    return [*out.values(), *lone]
+
+
+# (id(model), ep) -> (the model, weakly; its (class, layer, ep rank) counts): a search prices
+# many meshes of one model, and counting 90,000 tensors is ~20 ms.
+_COUNTS: dict[tuple[int, int], tuple[weakref.ref[ModelInfo], list[Any]]] = {}
+
+
+def _class_layer_counts(model: ModelInfo, rc: Any, ep: int) -> list[Any]:
+    """``((class, layer, ep rank), count)`` of ``model``'s tensors (``rc``: its classes), in
+    order of first appearance; the ep rank of an expert tensor (None for the others)."""
+    key = (id(model), ep)
+    hit = _COUNTS.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]
+    per_rank = rc.num_experts // ep if rc.num_experts else 1
+    ep_of = {x: (x // per_rank if ep > 1 else 0) for x in set(rc.experts) if x is not None}
+    expert_rank = [ep_of.get(x) if x is not None else None for x in rc.experts]
+    counts = list(Counter(zip(rc.of, rc.layers, expert_rank, strict=True)).items())
+    if len(_COUNTS) >= 8:
+        _COUNTS.clear()
+    _COUNTS[key] = (weakref.ref(model), counts)
+    return counts
+
+
+def stage_load_extra(params: Sequence[_Param], st: Stage, mesh: Mesh, *, reserved: bool) -> int:
+    """The most :func:`load_extra` of any rank of stage ``st``: its parameters (the layers in
+    its range, and those outside the layers it holds) allocated in order on a fresh device."""
+    first, last = st.layers if st.layers is not None else (0, -1)
+    mine = [
+        p
+        for p in params
+        if (p.layer is not None and first <= p.layer <= last)
+        or (p.layer is None and st.index in p.stages)
+    ]
+    most = 0
+    seen: dict[tuple[int, ...], int] = {}  # ranks holding the same sizes (most of them)
+    for e in range(mesh.ep):
+        here = [p for p in mine if p.ep_rank is None or p.ep_rank == e]
+        for r in range(mesh.tp):
+            sizes = tuple(p.sizes[r] for p in here)
+            got = seen.get(sizes)
+            if got is None:
+                got = seen[sizes] = load_extra(sizes, reserved=reserved)
+            most = max(most, got)
+    return most
