@@ -132,6 +132,14 @@ def test_engine_params_of_a_saved_mixtral(tmp_path: Path) -> None:
     assert stage_load_extra(params, Stage(0, (0, 1)), mesh, reserved=False) == expected
 
 
+def test_a_model_without_a_preset_has_no_engine_params() -> None:
+    # placed by manifest rules only: the engine's own split is unknown, nothing is priced
+    from shardctl.model.types import ModelInfo, TensorInfo
+
+    m = ModelInfo("unknown", None, (TensorInfo("foo.weight", (64, 64), "BF16"),), "BF16", "x")
+    assert engine_params(m, Mesh(tp=2)) == []
+
+
 QWEN25_72B = """
 model: {model_type: qwen2, architectures: [Qwen2ForCausalLM], hidden_size: 8192,
         intermediate_size: 29568, num_hidden_layers: 80, num_attention_heads: 64,

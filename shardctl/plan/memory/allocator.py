@@ -153,7 +153,16 @@ class _Param:
 
 def engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     """The engine's parameters of ``model`` on ``mesh`` (preset rules, the engine's own split),
-    in the model's order; a layer's fused parameter sums its members on each rank."""
+    in the model's order; a layer's fused parameter sums its members on each rank. Empty for a
+    model the preset does not place (an architecture without one, placed by manifest rules:
+    the engine's split is unknown, so its allocations are not priced)."""
+    try:
+        return _engine_params(model, mesh)
+    except ShardctlError:
+        return []
+
+
+def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     from shardctl.layout.classes import rule_classes
     from shardctl.layout.engine import _class_specs, resolve
     from shardctl.layout.pipeline import layer_index
