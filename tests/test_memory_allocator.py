@@ -223,3 +223,16 @@ def test_simulator_matches_torch_on_a_gpu() -> None:
     for n in sizes:
         a.malloc(n)
     assert json.loads(done.stdout) == [a.allocated, a.reserved]
+
+
+def test_vllm_0_2_counts_reserved_bytes(tmp_path: Path) -> None:
+    # vLLM of December 2023 sized the cache from free device memory (``mem_get_info``): the
+    # segments count. Llama-2-70B at tp 4: every matrix a whole number of 2 MiB but the
+    # embedding and head ([8000, 8192] bf16, 125 MiB: 1 MiB left of 126, not split); 161 norms
+    # of 16 KiB fill two 2 MiB small segments. Allocated (0.6 and V1): the 2 MiB of the two
+    # unsplit blocks; reserved (0.2): those, plus the small segments' free remainder.
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "manifests/llama-2-70b-vllm-0.2-tp4.yaml").read_text()
+    assert _detail(tmp_path, text)["overhead.allocator"] == 2 * MiB + 4 * MiB - 161 * 16_384
+    v06 = text.replace('vllm_version: "0.2"', 'vllm_version: "0.6"')
+    assert _detail(tmp_path, v06)["overhead.allocator"] == 2 * MiB

@@ -201,9 +201,10 @@ class Context:
 
     def load_extra(self, st: Stage) -> int:
         """What the caching allocator holds beyond the weights the engine loads on the
-        fullest rank of ``st`` (:mod:`.allocator`): allocated bytes for vLLM, reserved for
-        SGLang (the two engines' own measures). 0 without a tensor inventory (a model known by
-        its dimensions or a parameter count), or with quantization applied at load."""
+        fullest rank of ``st`` (:mod:`.allocator`), as the engine measures it: allocated bytes
+        for vLLM (torch's counters), reserved for SGLang and for vLLM "0.2" (free device memory,
+        ``mem_get_info``). 0 without a tensor inventory (a model known by its dimensions or a
+        parameter count), or with quantization applied at load."""
         hit = self._load_extra.get(st.index)
         if hit is not None:
             return hit
@@ -211,7 +212,8 @@ class Context:
         if self.model.tensors and self.quant.method == "none" and not self.quant.overrides:
             if self._params is None:
                 self._params = engine_params(self.model, self.mesh)
-            value = stage_load_extra(self._params, st, self.mesh, reserved=self.sglang)
+            reserved = self.sglang or self.workload.vllm_version == "0.2"
+            value = stage_load_extra(self._params, st, self.mesh, reserved=reserved)
         self._load_extra[st.index] = value
         return value
 
