@@ -321,3 +321,16 @@ def test_a_save_pretrained_header_in_chunks_is_the_same_columns() -> None:
     moved = _compact(shuffled)
     size2 = size - len(raw) + len(moved)
     assert _scan_in_chunks(moved, size2, 1 << 30) == _scan_in_chunks(moved, size2, 50) == whole
+
+
+@pytest.mark.parametrize("tail", ["", " ", " " * 7, " " * 64, " " * 65, "\n\t\r " * 100, " x", "x"])
+def test_scan_finds_the_closing_brace_past_any_trailing_whitespace(tail: str) -> None:
+    # safetensors pads with up to 7 spaces; the scanner steps over 64 and strips longer runs
+    raw = ('{"a":{"dtype":"BF16","shape":[2],"data_offsets":[0,4]}}' + tail).encode()
+    size = 8 + len(raw) + 4
+    got = scan_entries(raw, 8 + len(raw), size)
+    if "x" in tail:
+        assert got is None and _outcome(raw, size)[0] == "refused"
+    else:
+        assert got is not None and got[1] == ["a"]
+        assert _outcome(raw, size) == _strict(raw, size)
