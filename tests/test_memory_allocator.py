@@ -171,6 +171,23 @@ def test_vllm_qwen25_72b_tp2_down_proj_rounding(tmp_path: Path) -> None:
     assert d["overhead.allocator"] == 80 * MiB
 
 
+def test_a_model_known_by_its_dimensions_is_priced_alike() -> None:
+    # a library caller's ModelInfo without tensors: its family's tensors for those dimensions
+    from shardctl.model.types import ModelDims, ModelInfo
+    from shardctl.plan.memory.estimate import estimate
+    from shardctl.plan.memory.hardware import HardwareSpec
+    from shardctl.plan.memory.shapes import split_layers
+    from shardctl.plan.memory.spec import Workload
+
+    dims = ModelDims(8192, 80, 64, 8, 128, 29568, 152064, False)
+    w = Workload(sequence_length=8192, engine="vllm", vllm_version="0.19")
+    for arch, expected in (("qwen2", 80 * MiB), ("unknown", 0)):
+        model = ModelInfo(arch, dims, (), "BF16", "inline")
+        plan = estimate(model, Mesh(tp=2), split_layers(80, 1),
+                        hardware=HardwareSpec.preset("h100-sxm"), workload=w)  # fmt: skip
+        assert plan.coords[(0, 0, 1)].detail["overhead.allocator"] == expected, arch
+
+
 def test_vllm_dense_llama_has_nothing_to_round(tmp_path: Path) -> None:
     # Llama-3-8B at tp 1: every matrix is a whole number of 2 MiB; norms are 8 KiB
     text = (

@@ -130,7 +130,11 @@ def test_dec_2023_profile_keeps_all_reduces_only_at_tp_above_1() -> None:
     kept = (2 * 32 + 1) * 4096 * 4096 * 2
     assert two.detail["activations.retained_allreduce"] == kept
     assert two.activations == six.activations + kept
-    assert two.overhead == six.overhead
+    # the same overhead but the allocator's: "0.2" read free memory (reserved segments), "0.6"
+    # torch's allocated bytes (shardctl/plan/memory/allocator.py)
+    alloc = "overhead.allocator"
+    assert two.overhead - two.detail[alloc] == six.overhead - six.detail[alloc]
+    assert two.detail[alloc] > six.detail[alloc] > 0
 
 
 def test_llama31_8b_rtx3090_20k_fits() -> None:

@@ -171,13 +171,11 @@ def test_pipeline_rows(pp: int, logged: int) -> None:
 
 @pytest.mark.xfail(
     strict=True,
-    reason="vLLM logged 19,920 tokens (3.04 GiB of KV); shardctl gives 21,360 (+7.2 %): the "
-    "pool is a 3 GiB remainder of 75.23, so the non-KV terms' combined 0.22 GiB gap (weights "
-    "67.71 vs 67.80 GiB, sampler 2.24 vs 2.29, non-torch 2.04 vs 2.09: each within 3 %) is 7 % "
-    "of it; no term was refitted to this row. The weights' share is the caching allocator's: "
-    "down_proj [8192, 14784] takes a 232 MiB block, 80 MiB over 80 layers (67.79 GiB); a "
-    "model with tensors (a manifest's config) is priced so, 20,848 tokens (+4.7 %), this "
-    "dims-only model has no allocator term",
+    reason="vLLM logged 19,920 tokens (3.04 GiB of KV); shardctl gives 20,848 (+4.7 %; 21,360, "
+    "+7.2 %, before the caching allocator's 80 MiB: down_proj [8192, 14784] takes a 232 MiB "
+    "block, so 67.71 GiB of weights load as 67.79, the log's 67.8). The pool is a 3 GiB "
+    "remainder of 75.23, so the 0.14 GiB left (sampler 2.24 vs 2.29 GiB, non-torch 2.04 vs "
+    "2.09: each within 3 %) is 4.7 % of it; no term was refitted to this row",
 )
 def test_qwen25_72b_tp2_small_pool() -> None:
     # qwen-qwen2-5-72b-instruc--h100-80gb--tp2pp1dp1--8192.log: "Model loading took 67.8 GiB",

@@ -212,6 +212,31 @@ def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     return [*out.values(), *lone]
 
 
+def with_tensors(model: ModelInfo) -> ModelInfo | None:
+    """``model`` when it has tensors; for a model known by its dimensions only (a library
+    caller's ``ModelInfo(..., tensors=())``) of a family the closed form describes, the tensors
+    its family file gives for those dimensions (``Family.tensors``, in the model's dtype); else
+    None (a bare parameter count, or a family whose shapes need more than the dimensions)."""
+    if model.tensors:
+        return model
+    from dataclasses import replace
+    from types import MappingProxyType
+
+    from shardctl.archs import find
+    from shardctl.model.types import TensorInfo
+
+    family = find(model.architecture)
+    if model.dims is None or family is None or not family.closed_form:
+        return None
+    config = model.config or MappingProxyType({"model_type": model.architecture})
+    try:
+        shapes = family.tensors(config, model.dims, "model")
+    except (ShardctlError, KeyError, TypeError, ValueError):
+        return None
+    tensors = tuple(TensorInfo(fqn, shape, model.dtype) for fqn, shape in sorted(shapes))
+    return replace(model, tensors=tensors)
+
+
 # (id(model), ep) -> (the model, weakly; its (class, layer, ep rank) counts): a search prices
 # many meshes of one model, and counting 90,000 tensors is ~20 ms.
 _COUNTS: dict[tuple[int, int], tuple[weakref.ref[ModelInfo], list[Any]]] = {}

@@ -12,7 +12,7 @@ from typing import Any
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
-from shardctl.plan.memory.allocator import engine_params, stage_load_extra
+from shardctl.plan.memory.allocator import engine_params, stage_load_extra, with_tensors
 from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
@@ -203,15 +203,17 @@ class Context:
         """What the caching allocator holds beyond the weights the engine loads on the
         fullest rank of ``st`` (:mod:`.allocator`), as the engine measures it: allocated bytes
         for vLLM (torch's counters), reserved for SGLang and for vLLM "0.2" (free device memory,
-        ``mem_get_info``). 0 without a tensor inventory (a model known by its dimensions or a
-        parameter count), or with quantization applied at load."""
+        ``mem_get_info``). A model known by its dimensions takes its family's tensors for them
+        (:func:`.allocator.with_tensors`); 0 for a bare parameter count, a family whose shapes
+        need more than the dimensions, or quantization applied at load."""
         hit = self._load_extra.get(st.index)
         if hit is not None:
             return hit
         value = 0
-        if self.model.tensors and self.quant.method == "none" and not self.quant.overrides:
+        if self.quant.method == "none" and not self.quant.overrides:
             if self._params is None:
-                self._params = engine_params(self.model, self.mesh)
+                model = with_tensors(self.model)
+                self._params = [] if model is None else engine_params(model, self.mesh)
             reserved = self.sglang or self.workload.vllm_version == "0.2"
             value = stage_load_extra(self._params, st, self.mesh, reserved=reserved)
         self._load_extra[st.index] = value
