@@ -273,7 +273,7 @@ def test_serving_engines_refuse_training() -> None:
 
 
 def test_search_prices_serving_engines_as_plan_does(tmp_path: Path) -> None:
-    # 60 × 8,192 = 491,520 tokens > SGLang's 442,926 on one H100: plan exits 1; the search over
+    # 60 × 8,192 = 491,520 tokens > SGLang's 442,914 on one H100: plan exits 1; the search over
     # 2 GPUs keeps only layouts that plan itself says fit, under the same budget.
     path = tmp_path / "s.yaml"
     path.write_text(
