@@ -140,6 +140,30 @@ def test_a_model_without_a_preset_has_no_engine_params() -> None:
     assert engine_params(m, Mesh(tp=2)) == []
 
 
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe", "qwen2"])
+def test_class_and_per_tensor_paths_give_the_same_params(
+    name: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # qwen3_moe here has a dense layer 0 (mlp_only_layers) before its expert layers; qwen2
+    # carries q/k/v biases: fused parameters alike whichever path builds them
+    from shardctl.layout import classes
+    from shardctl.model.inventory import from_checkpoint
+    from shardctl.plan.memory import allocator
+
+    model = from_checkpoint(make_checkpoint(name, tmp_path / "ck"))
+    for mesh in (Mesh(tp=2), Mesh(tp=2, ep=2, pp=2)):
+        if name == "qwen2" and mesh.ep > 1:
+            continue
+        allocator._PARAMS.clear()
+        by_class = allocator.engine_params(model, mesh)
+        allocator._PARAMS.clear()
+        monkeypatch.setattr(classes, "rule_classes", lambda m, r: None)
+        per_tensor = allocator.engine_params(model, mesh)
+        monkeypatch.undo()
+        allocator._PARAMS.clear()
+        assert by_class and by_class == per_tensor, mesh
+
+
 QWEN25_72B = """
 model: {model_type: qwen2, architectures: [Qwen2ForCausalLM], hidden_size: 8192,
         intermediate_size: 29568, num_hidden_layers: 80, num_attention_heads: 64,

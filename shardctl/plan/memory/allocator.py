@@ -36,6 +36,7 @@ from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from shardctl.dtypes import nbytes
@@ -141,6 +142,17 @@ def param_name(fqn: str) -> str:
     return _GATE_UP.sub(".gate_up_proj.", _QKV.sub(".qkv_proj.", fqn))
 
 
+_WHOLE_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+
+
+@lru_cache(maxsize=4096)
+def _param_key(fqn: str) -> str:
+    """:func:`param_name` with its whole numbers as ``#``: the same for the members of one
+    fused parameter whichever layer their class's first tensor names (a class's tensor stands
+    for every layer of it; the layer is the key's other half)."""
+    return _WHOLE_NUMBER.sub(".#", param_name(fqn))
+
+
 @dataclass
 class _Param:
     """One engine parameter: its bytes on each tp rank, where it sits, how many it is."""
@@ -156,10 +168,22 @@ def engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     in the model's order; a layer's fused parameter sums its members on each rank. Empty for a
     model the preset does not place (an architecture without one, placed by manifest rules:
     the engine's split is unknown, so its allocations are not priced)."""
+    key = (id(model), mesh.tp, mesh.ep, mesh.pp)
+    hit = _PARAMS.get(key)
+    if hit is not None and hit[0]() is model:
+        return hit[1]  # a search prices every dp of one (tp, ep, pp) alike
     try:
-        return _engine_params(model, mesh)
+        params = _engine_params(model, mesh)
     except ShardctlError:
-        return []
+        params = []
+    if len(_PARAMS) >= 8:
+        _PARAMS.clear()
+    _PARAMS[key] = (weakref.ref(model), params)
+    return params
+
+
+# (id(model), tp, ep, pp) -> (the model, weakly; its engine parameters on that mesh)
+_PARAMS: dict[tuple[int, int, int, int], tuple[weakref.ref[ModelInfo], list[_Param]]] = {}
 
 
 def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
@@ -178,7 +202,7 @@ def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
         if layer is None:
             lone.extend(_Param(sizes, None, stages, ep_rank) for _ in range(count))
             return
-        key = (param_name(fqn), layer, ep_rank)
+        key = (_param_key(fqn), layer, ep_rank)
         p = out.get(key)
         if p is None:
             out[key] = _Param([s * count for s in sizes], layer, (), ep_rank)
