@@ -102,10 +102,12 @@ def decode_json(raw: bytes, where: str) -> JsonObject:
 
 
 def pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
+    """``n`` bytes at ``offset``: one ``pread`` of them all, more only after a short read (an
+    11 MB header in 1 MiB reads, joined, took twice as long and twice the memory)."""
     chunks: list[bytes] = []
     got = 0
     while got < n:
-        chunk = os.pread(fd, min(n - got, 1 << 20), offset + got)
+        chunk = os.pread(fd, n - got, offset + got)
         if not chunk:
             raise InvalidInputError(
                 f"file ended at byte {offset + got} while reading {n} bytes at {offset} "
@@ -114,7 +116,7 @@ def pread_exact(fd: int, n: int, offset: int, where: str) -> bytes:
             )
         chunks.append(chunk)
         got += len(chunk)
-    return b"".join(chunks)
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 def json_type(v: Any) -> str:
