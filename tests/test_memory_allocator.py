@@ -277,3 +277,17 @@ def test_vllm_0_2_counts_reserved_bytes(tmp_path: Path) -> None:
     assert _detail(tmp_path, text)["overhead.allocator"] == 2 * MiB + 4 * MiB - 161 * 16_384
     v06 = text.replace('vllm_version: "0.2"', 'vllm_version: "0.6"')
     assert _detail(tmp_path, v06)["overhead.allocator"] == 2 * MiB
+
+
+def test_uneven_pipeline_stages_are_priced(tmp_path: Path) -> None:
+    # DeepSeek-V3's 61 layers over pp 2 in vLLM's convention ([31, 30]): the allocator's layout
+    # takes the plan's stages (an even split would refuse 61 layers, and the term was 0)
+    root = Path(__file__).resolve().parent.parent
+    text = (root / "manifests/deepseek-v3-tp8-pp2.yaml").read_text()
+    text = text.replace("workload:\n", "workload:\n  engine: vllm\n", 1)
+    path = tmp_path / "m.yaml"
+    path.write_text(text)
+    done = run_cli("plan", str(path), "--json")
+    assert done.returncode in (0, 1), done.stderr
+    stages = json.loads(done.stdout)["memory_model"]["detail_per_stage"]
+    assert len(stages) == 2 and all(s["overhead.allocator"] > 0 for s in stages)

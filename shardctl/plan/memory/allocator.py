@@ -163,17 +163,22 @@ class _Param:
     ep_rank: int | None  # None: on every ep rank
 
 
-def engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
-    """The engine's parameters of ``model`` on ``mesh`` (preset rules, the engine's own split),
-    in the model's order; a layer's fused parameter sums its members on each rank. Empty for a
-    model the preset does not place (an architecture without one, placed by manifest rules:
-    the engine's split is unknown, so its allocations are not priced)."""
-    key = (id(model), mesh.tp, mesh.ep, mesh.pp)
+def engine_params(
+    model: ModelInfo,
+    mesh: Mesh,
+    options: LayoutOptions = LayoutOptions(),  # noqa: B008
+) -> list[_Param]:
+    """The engine's parameters of ``model`` on ``mesh`` (preset rules, the engine's own split;
+    ``options``: the plan's stages as ``layers_per_stage``), in the model's order; a layer's
+    fused parameter sums its members on each rank. Empty for a model the preset does not place
+    (an architecture without one, placed by manifest rules: the engine's split is unknown, so
+    its allocations are not priced)."""
+    key = (id(model), mesh.tp, mesh.ep, mesh.pp, options)
     hit = _PARAMS.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1]  # a search prices every dp of one (tp, ep, pp) alike
     try:
-        params = _engine_params(model, mesh)
+        params = _engine_params(model, mesh, options)
     except ShardctlError:
         params = []
     if len(_PARAMS) >= 8:
@@ -182,11 +187,11 @@ def engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     return params
 
 
-# (id(model), tp, ep, pp) -> (the model, weakly; its engine parameters on that mesh)
-_PARAMS: dict[tuple[int, int, int, int], tuple[weakref.ref[ModelInfo], list[_Param]]] = {}
+# (id(model), tp, ep, pp, options) -> (the model, weakly; its engine parameters on that mesh)
+_PARAMS: dict[tuple[Any, ...], tuple[weakref.ref[ModelInfo], list[_Param]]] = {}
 
 
-def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
+def _engine_params(model: ModelInfo, mesh: Mesh, options: LayoutOptions) -> list[_Param]:
     from shardctl.layout.classes import rule_classes
     from shardctl.layout.engine import _class_specs, resolve
     from shardctl.layout.pipeline import layer_index
@@ -213,7 +218,7 @@ def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
     specs = None
     if rc is not None:
         try:
-            specs = _class_specs(rc, mesh, LayoutOptions())[1]
+            specs = _class_specs(rc, mesh, options)[1]
         except ShardctlError:
             specs = None  # the per-tensor path raises what applies
     if rc is not None and specs is not None:
@@ -228,7 +233,7 @@ def _engine_params(model: ModelInfo, mesh: Mesh) -> list[_Param]:
             add(t.info.fqn, t.info.dtype, n, ep if t.packed else 1,
                 layer if t.layer is not None else None, fixed, on_rank, count)  # fmt: skip
     else:
-        res = resolve(model, Mesh(tp=tp, ep=ep, pp=mesh.pp))
+        res = resolve(model, Mesh(tp=tp, ep=ep, pp=mesh.pp), options=options)
         for tp_ in res.tensors:
             layer = layer_index(tp_.info.fqn)
             add(tp_.info.fqn, tp_.info.dtype, local_numels(tp_.split, tp),

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from shardctl.dtypes import DTYPE_BITS
-from shardctl.layout.types import Mesh, Stage
+from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.allocator import engine_params, stage_load_extra, with_tensors
 from shardctl.plan.memory.budget import engine_utilization, memory_budget
@@ -213,7 +213,10 @@ class Context:
         if self.quant.method == "none" and not self.quant.overrides:
             if self._params is None:
                 model = with_tensors(self.model)
-                self._params = [] if model is None else engine_params(model, self.mesh)
+                # the plan's stages (any convention), and any tp split the engine would take
+                lps = tuple(s.num_layers for s in self.stages) if self.mesh.pp > 1 else None
+                options = LayoutOptions(layers_per_stage=lps, uneven="chunk")
+                self._params = [] if model is None else engine_params(model, self.mesh, options)
             reserved = self.sglang or self.workload.vllm_version == "0.2"
             value = stage_load_extra(self._params, st, self.mesh, reserved=reserved)
         self._load_extra[st.index] = value
