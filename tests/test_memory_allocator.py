@@ -18,9 +18,9 @@ import pytest
 from shardctl.layout.types import Mesh, Stage
 from shardctl.plan.memory.allocator import (
     CachingAllocator,
+    ParamNames,
     engine_params,
     load_extra,
-    param_name,
     stage_load_extra,
 )
 from tests._cli import run_cli
@@ -76,32 +76,60 @@ def test_a_split_remainder_serves_a_later_request() -> None:
     assert a.reserved == 14 * MiB
 
 
+L = "model.layers.#."
+
+
 @pytest.mark.parametrize(
-    ("fqn", "param"),
+    ("arch", "fqn", "param"),
     [
-        ("model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.qkv_proj.weight"),
-        ("model.layers.0.self_attn.v_proj.bias", "model.layers.0.self_attn.qkv_proj.bias"),
-        ("model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.o_proj.weight"),
-        ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.gate_up_proj.weight"),
-        ("model.layers.1.mlp.down_proj.weight", "model.layers.1.mlp.down_proj.weight"),
-        ("model.layers.2.mlp.experts.17.up_proj.weight", "model.layers.2.mlp.experts.w13.weight"),
+        ("llama", "model.layers.3.self_attn.q_proj.weight", L + "self_attn.qkv_proj.weight"),
+        ("qwen2", "model.layers.3.self_attn.v_proj.bias", L + "self_attn.qkv_proj.bias"),
+        ("llama", "model.layers.3.self_attn.o_proj.weight", L + "self_attn.o_proj.weight"),
+        ("llama", "model.layers.1.mlp.gate_proj.weight", L + "mlp.gate_up_proj.weight"),
         (
+            "llama",
+            "model.layers.3.self_attn.k_proj.weight_scale",
+            L + "self_attn.qkv_proj.weight_scale",
+        ),
+        (
+            "qwen3_moe",
+            "model.layers.2.mlp.experts.17.up_proj.weight",
+            L + "mlp.experts.routed_experts.w13_weight",
+        ),
+        (
+            "deepseek_v3",
             "model.layers.2.mlp.experts.17.down_proj.weight_scale_inv",
-            "model.layers.2.mlp.experts.w2.weight_scale_inv",
+            L + "mlp.experts.routed_experts.w2_weight_scale_inv",
         ),
         (
+            "mixtral",
             "model.layers.2.block_sparse_moe.experts.3.w1.weight",
-            "model.layers.2.block_sparse_moe.experts.w13.weight",
+            L + "block_sparse_moe.experts.routed_experts.w13_weight",
         ),
         (
+            "deepseek_v3",
             "model.layers.2.mlp.shared_experts.gate_proj.weight",
-            "model.layers.2.mlp.shared_experts.gate_up_proj.weight",
+            L + "mlp.experts._shared_experts._layer.gate_up_proj.weight",
         ),
-        ("model.embed_tokens.weight", "model.embed_tokens.weight"),
+        (
+            "deepseek_v3",
+            "model.layers.2.self_attn.q_a_proj.weight",
+            L + "self_attn.fused_qkv_a_proj.weight",
+        ),
+        (
+            "deepseek_v3",
+            "model.layers.2.self_attn.kv_a_proj_with_mqa.weight",
+            L + "self_attn.fused_qkv_a_proj.weight",
+        ),
+        ("llama", "model.embed_tokens.weight", "model.embed_tokens.weight"),
+        ("llama", "model.layers.3.self_attn.q_proj.qweight", L + "self_attn.q_proj.qweight"),
+        ("gpt2", "transformer.h.4.attn.c_attn.weight", "transformer.h.#.attn.c_attn.weight"),
     ],
 )
-def test_param_names_follow_the_engines_fusions(fqn: str, param: str) -> None:
-    assert param_name(fqn) == param
+def test_param_names_follow_the_familys_vllm_declaration(arch: str, fqn: str, param: str) -> None:
+    # the rules --format vllm writes by (formats/vllm/spec.py), numbers as #; a scale joins its
+    # weight's parameter; no rule (GPTQ qweight, a family without a declaration): its own
+    assert ParamNames(arch).key(fqn) == param
 
 
 def test_engine_params_of_a_saved_mixtral(tmp_path: Path) -> None:

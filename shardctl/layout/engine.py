@@ -180,25 +180,16 @@ def class_counts(
     rank come from its layer and expert numbers through two small maps, and the tensors are
     counted per (class, stage, ep rank) in one C-level pass. None (the per-tensor path
     decides, and raises its own error) for any model or error that path handles itself."""
-    from shardctl.layout.classes import rule_classes
-
     _check_options(mesh, options)
-    rc = rule_classes(model, rules)
-    if rc is None:
+    got = class_layout(model, mesh, rules, options)
+    if got is None:
         return None
-    ep = mesh.ep
-    try:
-        stages, per_class = _class_specs(rc, mesh, options)
-    except LayoutError:
-        return None
+    rc, stages, per_class = got
     layer_stage = stage_of_layers(stages, rc.num_layers)
     stage_of: dict[int | None, int] = {
         x: layer_stage[x] for x in set(rc.layers) if x is not None and x < rc.num_layers
     }
-    per_rank = rc.num_experts // ep if rc.num_experts else 1
-    ep_of: dict[int | None, int] = {
-        x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None
-    }
+    ep_of = expert_ranks(rc, mesh.ep)
     layers, experts = map(stage_of.get, rc.layers), map(ep_of.get, rc.experts)
     out: list[ClassCount] = []
     for (c, stage, ep_rank), count in Counter(zip(rc.of, layers, experts, strict=True)).items():
@@ -213,6 +204,31 @@ def class_counts(
         placed_on = None if t.packed or t.expert is None else ep_rank
         out.append(ClassCount(t, per_class[c][0], on, placed_on, count))
     return stages, out
+
+
+def class_layout(
+    model: ModelInfo, mesh: Mesh, rules: Sequence[RuleSpec], options: LayoutOptions
+) -> tuple[RuleClasses, tuple[Stage, ...], list[tuple[SplitSpec, str, tuple[int, ...]]]] | None:
+    """``model``'s tensor classes (:func:`~shardctl.layout.classes.rule_classes`), the stages
+    and each class's split, printable placement and fixed stages (:func:`_class_specs`) on
+    ``mesh``; None where the per-tensor path must decide (it raises its own error)."""
+    from shardctl.layout.classes import rule_classes
+
+    rc = rule_classes(model, rules)
+    if rc is None:
+        return None
+    try:
+        stages, specs = _class_specs(rc, mesh, options)
+    except LayoutError:
+        return None
+    return rc, stages, specs
+
+
+def expert_ranks(rc: RuleClasses, ep: int) -> dict[int | None, int]:
+    """Each expert number of ``rc``'s tensors -> its ep rank: experts are contiguous per ep rank,
+    ``e // (E / ep)``, as Megatron and TensorRT-LLM place them."""
+    per_rank = rc.num_experts // ep if rc.num_experts else 1
+    return {x: x // per_rank if ep > 1 else 0 for x in set(rc.experts) if x is not None}
 
 
 def _class_specs(
@@ -391,16 +407,11 @@ def _resolve_by_class(
     stage and ep rank from its own layer and expert numbers. The rule per tensor that
     ``resolve_rules`` makes (~20 MB and ~0.3 s at 100,000 tensors) is never built. None (the
     per-tensor path decides, and raises its own error) where :func:`class_counts` hands over."""
-    from shardctl.layout.classes import rule_classes
-
-    rc = rule_classes(model, rules)
-    if rc is None:
+    got = class_layout(model, mesh, rules, options)
+    if got is None:
         return None
+    rc, stages, specs = got
     ep = mesh.ep
-    try:
-        stages, specs = _class_specs(rc, mesh, options)
-    except LayoutError:
-        return None
     # per class: its spec, placement (a packed one's with its ep share), stages when it has
     # no layer number, padded shape
     per_class = [
@@ -410,7 +421,7 @@ def _resolve_by_class(
     ]  # fmt: skip
     layer_stage = stage_of_layers(stages, rc.num_layers)
     on_layer = {x: (layer_stage[x],) for x in range(rc.num_layers)}  # one tuple per layer
-    experts_per_rank = rc.num_experts // ep if rc.num_experts else 1
+    ep_of = expert_ranks(rc, ep)
     labels: dict[tuple[int, str], str] = {}  # one string per (ep rank, placement), shared
     has_layer = [t.layer is not None for t in rc.rules]
     has_expert = [t.expert is not None and not t.packed for t in rc.rules]
@@ -427,8 +438,7 @@ def _resolve_by_class(
             padded_shapes[info.fqn] = padded
         ep_rank = None
         if has_expert[c]:
-            # Experts are contiguous per ep rank: e // (E / ep), as Megatron and TRT-LLM do.
-            ep_rank = expert // experts_per_rank if ep > 1 else 0  # type: ignore[operator]
+            ep_rank = ep_of[expert]
             placement = _expert_label(labels, ep_rank, ep, placement)
         plans.append(TensorPlan(info, spec, placement, on, ep_rank, rc.rules[c].packed))
     return Resolution(stages, tuple(plans), padded_shapes)

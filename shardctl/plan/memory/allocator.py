@@ -24,7 +24,8 @@ difference between shardctl's 67.71 GiB of weights and vLLM's logged 67.8.
 The engines load their own parameters, not the checkpoint's tensors: vLLM and SGLang fuse
 ``q/k/v_proj`` into ``qkv_proj`` and ``gate/up_proj`` into ``gate_up_proj``
 (``packed_modules_mapping``), and every expert of a layer into ``w13``/``w2`` (``FusedMoE``),
-each with its own scales. The sizes priced here are those fused parameters, each the sum of its
+each with its own scales. Which tensor joins which parameter is the family's vLLM declaration
+(:class:`ParamNames`); the sizes priced here are those fused parameters, each the sum of its
 members' bytes on the rank.
 """
 
@@ -36,7 +37,6 @@ from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Any
 
 from shardctl.dtypes import nbytes
@@ -118,43 +118,54 @@ def load_extra(sizes: Iterable[int], *, reserved: bool) -> int:
 
 # ---- the engines' parameters ----------------------------------------------------------------
 
-_EXPERT = re.compile(r"\.experts\.\d+\.")
-_EXPERT_W13 = re.compile(r"\.experts\.(?:w1|w3|gate_proj|up_proj)\.")
-_EXPERT_W2 = re.compile(r"\.experts\.(?:w2|down_proj)\.")
-_QKV = re.compile(r"\.(?:q_proj|k_proj|v_proj)\.")
-_GATE_UP = re.compile(r"\.(?:gate_proj|up_proj)\.")
-
-
-def param_name(fqn: str) -> str:
-    """The engine parameter a checkpoint tensor loads into (vLLM's and SGLang's fusions).
-
-    >>> param_name("model.layers.3.block_sparse_moe.experts.7.w3.weight")
-    'model.layers.3.block_sparse_moe.experts.w13.weight'
-    >>> param_name("model.layers.3.self_attn.k_proj.weight_scale_inv")
-    'model.layers.3.self_attn.qkv_proj.weight_scale_inv'
-    >>> param_name("model.layers.3.mlp.shared_expert.up_proj.weight")
-    'model.layers.3.mlp.shared_expert.gate_up_proj.weight'
-    """
-    if ".experts." in fqn:
-        name = _EXPERT.sub(".experts.", fqn)
-        name = _EXPERT_W13.sub(".experts.w13.", name)
-        return _EXPERT_W2.sub(".experts.w2.", name)
-    return _GATE_UP.sub(".gate_up_proj.", _QKV.sub(".qkv_proj.", fqn))
-
-
 _WHOLE_NUMBER = re.compile(r"\.\d+(?=\.|$)")
+# a tensor named after its weight: ``….weight_scale_inv``, ``….weight_scale``
+_WEIGHT_SUFFIX = re.compile(r"(.*\.weight)(_\w+)")
 
 
-@lru_cache(maxsize=4096)
-def _param_key(fqn: str) -> str:
-    """:func:`param_name` with its whole numbers as ``#``: the same for the members of one
-    fused parameter whichever layer their class's first tensor names (a class's tensor stands
-    for every layer of it; the layer is the key's other half)."""
-    return _WHOLE_NUMBER.sub(".#", param_name(fqn))
+class ParamNames:
+    """Which engine parameter each checkpoint tensor loads into, from the family's own vLLM
+    declaration (``Family.vllm``, :mod:`shardctl.formats.vllm.spec`: the rules ``--format vllm``
+    writes by): ``q/k/v_proj`` into ``qkv_proj``, every expert of a layer into
+    ``routed_experts.w13_weight``, and so on. SGLang's model files fuse alike. A tensor named
+    after a weight (``….weight_scale_inv``) joins that weight's parameter, as vLLM keeps
+    ``w13_weight_scale_inv`` beside ``w13_weight``. A tensor no rule names (a family without a
+    declaration or with a refused one — GPT-2, Llama-4, gpt-oss —, GPTQ's ``qweight``) is a
+    parameter of its own.
+
+    Keys have their whole numbers as ``#``: members of one fused parameter share a key
+    whichever layer their class's first tensor names (the layer is the key's other half)."""
+
+    def __init__(self, architecture: str) -> None:
+        from shardctl.archs import find
+
+        family = find(architecture)
+        spec = family.vllm if family is not None else None
+        rules = spec.rules if spec is not None else ()  # a refused declaration has none
+        self.rules = [(re.compile(rx), name) for rx, name, _ in rules]
+        self.keys: dict[str, str] = {}
+
+    def key(self, fqn: str) -> str:
+        got = self.keys.get(fqn)
+        if got is None:
+            name = self._name(fqn)
+            if name is None:
+                m = _WEIGHT_SUFFIX.fullmatch(fqn)
+                base = self._name(m.group(1)) if m is not None else None
+                name = fqn if base is None else base + (m.group(2) if m is not None else "")
+            got = self.keys[fqn] = _WHOLE_NUMBER.sub(".#", name)
+        return got
+
+    def _name(self, fqn: str) -> str | None:
+        for rx, name in self.rules:
+            m = rx.fullmatch(fqn)
+            if m is not None:
+                return m.expand(name)
+        return None
 
 
 @dataclass
-class _Param:
+class EngineParam:
     """One engine parameter: its bytes on each tp rank, where it sits, how many it is."""
 
     sizes: list[int]  # bytes on tp rank r (members summed)
@@ -167,7 +178,7 @@ def engine_params(
     model: ModelInfo,
     mesh: Mesh,
     options: LayoutOptions = LayoutOptions(),  # noqa: B008
-) -> list[_Param]:
+) -> list[EngineParam]:
     """The engine's parameters of ``model`` on ``mesh`` (preset rules, the engine's own split;
     ``options``: the plan's stages as ``layers_per_stage``), in the model's order; a layer's
     fused parameter sums its members on each rank. Empty for a model the preset does not place
@@ -188,40 +199,35 @@ def engine_params(
 
 
 # (id(model), tp, ep, pp, options) -> (the model, weakly; its engine parameters on that mesh)
-_PARAMS: dict[tuple[Any, ...], tuple[weakref.ref[ModelInfo], list[_Param]]] = {}
+_PARAMS: dict[tuple[Any, ...], tuple[weakref.ref[ModelInfo], list[EngineParam]]] = {}
 
 
-def _engine_params(model: ModelInfo, mesh: Mesh, options: LayoutOptions) -> list[_Param]:
-    from shardctl.layout.classes import rule_classes
-    from shardctl.layout.engine import _class_specs, resolve
+def _engine_params(model: ModelInfo, mesh: Mesh, options: LayoutOptions) -> list[EngineParam]:
+    from shardctl.layout.engine import class_layout, resolve
     from shardctl.layout.pipeline import layer_index
     from shardctl.layout.split import local_numels
 
     tp, ep = mesh.tp, mesh.ep
-    out: dict[tuple[str, int | None, int | None], _Param] = {}
-    lone: list[_Param] = []  # parameters outside the layers: one allocation per tensor
+    names = ParamNames(model.architecture)
+    out: dict[tuple[str, int | None, int | None], EngineParam] = {}
+    lone: list[EngineParam] = []  # parameters outside the layers: one allocation per tensor
 
     def add(fqn: str, dtype: str, numels: Sequence[int], share: int, layer: int | None,
             stages: tuple[int, ...], ep_rank: int | None, count: int) -> None:  # fmt: skip
         sizes = [nbytes(dtype, n // share) for n in numels]
         if layer is None:
-            lone.extend(_Param(sizes, None, stages, ep_rank) for _ in range(count))
+            lone.extend(EngineParam(sizes, None, stages, ep_rank) for _ in range(count))
             return
-        key = (_param_key(fqn), layer, ep_rank)
+        key = (names.key(fqn), layer, ep_rank)
         p = out.get(key)
         if p is None:
-            out[key] = _Param([s * count for s in sizes], layer, (), ep_rank)
+            out[key] = EngineParam([s * count for s in sizes], layer, (), ep_rank)
         else:
             p.sizes = [a + s * count for a, s in zip(p.sizes, sizes, strict=True)]
 
-    rc = rule_classes(model, ())
-    specs = None
-    if rc is not None:
-        try:
-            specs = _class_specs(rc, mesh, options)[1]
-        except ShardctlError:
-            specs = None  # the per-tensor path raises what applies
-    if rc is not None and specs is not None:
+    got = class_layout(model, mesh, (), options)
+    if got is not None:
+        rc, _, specs = got
         numels: dict[int, tuple[int, ...]] = {}
         for (c, layer, e), count in _class_layer_counts(model, rc, ep):
             t = rc.rules[c]
@@ -278,9 +284,9 @@ def _class_layer_counts(model: ModelInfo, rc: Any, ep: int) -> list[Any]:
     hit = _COUNTS.get(key)
     if hit is not None and hit[0]() is model:
         return hit[1]
-    per_rank = rc.num_experts // ep if rc.num_experts else 1
-    ep_of = {x: (x // per_rank if ep > 1 else 0) for x in set(rc.experts) if x is not None}
-    expert_rank = [ep_of.get(x) if x is not None else None for x in rc.experts]
+    from shardctl.layout.engine import expert_ranks
+
+    expert_rank = list(map(expert_ranks(rc, ep).get, rc.experts))
     counts = list(Counter(zip(rc.of, rc.layers, expert_rank, strict=True)).items())
     if len(_COUNTS) >= 8:
         _COUNTS.clear()
@@ -288,7 +294,9 @@ def _class_layer_counts(model: ModelInfo, rc: Any, ep: int) -> list[Any]:
     return counts
 
 
-def stage_load_extra(params: Sequence[_Param], st: Stage, mesh: Mesh, *, reserved: bool) -> int:
+def stage_load_extra(
+    params: Sequence[EngineParam], st: Stage, mesh: Mesh, *, reserved: bool
+) -> int:
     """The most :func:`load_extra` of any rank of stage ``st``: its parameters (the layers in
     its range, and those outside the layers it holds) allocated in order on a fresh device."""
     first, last = st.layers if st.layers is not None else (0, -1)

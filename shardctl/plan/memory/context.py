@@ -7,12 +7,15 @@ micro-batches, budget) and prices one rank of a stage; the pieces live beside it
 
 from __future__ import annotations
 
-from typing import Any
-
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
-from shardctl.plan.memory.allocator import engine_params, stage_load_extra, with_tensors
+from shardctl.plan.memory.allocator import (
+    EngineParam,
+    engine_params,
+    stage_load_extra,
+    with_tensors,
+)
 from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.engines import engine_profile
 from shardctl.plan.memory.hardware import HardwareSpec
@@ -111,7 +114,7 @@ class Context:
         self._cache: dict[int, tuple[int, int, dict[str, int]]] = {}
         self._counts: dict[int, Counts] = {}
         self._load_extra: dict[int, int] = {}
-        self._params: list[Any] | None = None
+        self._params: list[EngineParam] | None = None
 
     # -- weights -------------------------------------------------------------------------
     def counts(self, st: Stage) -> Counts:
