@@ -36,7 +36,8 @@ import weakref
 from bisect import bisect_left, insort
 from collections import Counter
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+from types import MappingProxyType
 from typing import Any
 
 from shardctl.dtypes import nbytes
@@ -254,9 +255,6 @@ def with_tensors(model: ModelInfo) -> ModelInfo | None:
     None (a bare parameter count, or a family whose shapes need more than the dimensions)."""
     if model.tensors:
         return model
-    from dataclasses import replace
-    from types import MappingProxyType
-
     from shardctl.archs import find
     from shardctl.model.types import TensorInfo
 
