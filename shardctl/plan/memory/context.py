@@ -25,6 +25,7 @@ from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.precision import priced_per_tensor
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
+from shardctl.plan.memory.rotary import rotary_cache_bytes
 from shardctl.plan.memory.sglang import (
     default_mem_fraction_static,
     default_mem_fraction_static_v05,
@@ -73,6 +74,12 @@ class Context:
         self.vllm = training is None and workload.engine == "vllm"
         self.sglang = training is None and workload.engine == "sglang"
         self.trtllm = training is None and workload.engine == "trtllm"
+        # the engine's cos/sin tables, on every rank (:mod:`.rotary`)
+        self.rotary_cache = (
+            rotary_cache_bytes(model, self.nb, engine=workload.engine)
+            if self.vllm or self.sglang
+            else 0
+        )
         self.mem_fraction_static = (
             workload.mem_fraction_static
             if workload.mem_fraction_static is not None
@@ -180,7 +187,11 @@ class Context:
         tensors = weights + kv + acts + grads + opt
         frag_base = tensors - kv if self.training is None else tensors
         if self.vllm:
-            items = {**self.vllm_overhead().items(), "allocator": self.load_extra(st)}
+            items = {
+                **self.vllm_overhead().items(),
+                "allocator": self.load_extra(st),
+                "rotary_cache": self.rotary_cache,
+            }
         elif self.sglang:
             items = sglang_overhead(
                 self.hw.device_memory,
@@ -190,6 +201,7 @@ class Context:
                 init=self.workload.non_torch_memory,
             ).items()
             items["allocator"] = self.load_extra(st)
+            items["rotary_cache"] = self.rotary_cache
         elif self.trtllm:
             items = self.trtllm_overhead(weights + acts).items()
         else:

@@ -54,10 +54,12 @@ INIT_TP1_OTHER = round(0.35 * GiB)
 INIT_DISTRIBUTED: dict[str, int] = {g: round(1.25 * GiB) for g, p in GPUS.items() if p.switched}
 INIT_DISTRIBUTED["h200"] = round(1.96 * GiB)
 INIT_DISTRIBUTED_OTHER = round(0.13 * GiB)
-# What loading allocates beyond the weights' bytes (rotary caches, workspaces): "mem usage" of
-# "Load weight end" minus Llama-3.1-8B's 14.96 GiB of bf16 weights in three public logs:
-# 15.02 (2025-07-14), 15.09 (2025-01-23), 15.11 GB (PR #4760) → 0.06, 0.13, 0.15; the median.
-LOAD_EXTRA = round(0.13 * GiB)
+# What loading allocates beyond the weights' bytes (workspaces): "mem usage" of "Load weight
+# end" minus Llama-3.1-8B's 14.96 GiB of bf16 weights in three public logs: 15.02 (2025-07-14),
+# 15.09 (2025-01-23), 15.11 GB (PR #4760) → 0.06, 0.13, 0.15; the median, less that model's
+# float32 rotary table (131,072 positions × 128 × 4 B = 64 MiB), which is priced per model
+# (:mod:`.rotary`, item ``rotary_cache``).
+LOAD_EXTRA = round(0.13 * GiB) - 131_072 * 128 * 4
 PAGE_SIZE = 1  # ``--page-size`` default: one token per page
 
 
