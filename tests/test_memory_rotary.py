@@ -187,3 +187,75 @@ def test_the_table_reaches_every_engine_that_builds_one() -> None:
     assert item("sglang") == 131_072 * 128 * 4
     # transformers computes rope per step from inv_freq: no table; TRT-LLM not modelled
     assert item("hf") is None and item("trtllm") is None
+
+
+# -- the engines' length check (plan/memory/context_length.py) -----------------------------
+
+
+def _phi2(tmp_path: Path, length: int, engine: str = "vllm") -> Path:
+    text = (ROOT / "manifests/phi-2-tp2.yaml").read_text()
+    head, _, _ = text.partition("mesh: {tp: 2}")
+    version = '\n  vllm_version: "0.19"' if engine == "vllm" else ""
+    path = tmp_path / f"phi2-{engine}-{length}.yaml"
+    path.write_text(
+        head + "mesh: {tp: 1}\nhardware: {gpu: h100-sxm}\nworkload:\n"
+        f"  sequence_length: {length}\n  engine: {engine}{version}\n"
+    )
+    return path
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_length_past_the_models_positions_does_not_fit(tmp_path: Path, engine: str) -> None:
+    # llm-d-planner's vLLM 0.19 sweep: microsoft/phi-2 (max_position_embeddings 2048) with
+    # --max-model-len 8192 did not start ("User-specified max_model_len (8192) is greater
+    # than the derived max_model_len (max_position_embeddings=2048.0 ...)"); at 2048 it did.
+    # shardctl said "fits" for both before this check.
+    long = run_cli("plan", str(_phi2(tmp_path, 8192, engine)), "--json")
+    assert long.returncode == 1, long.stderr
+    doc = json.loads(long.stdout)
+    refusal = doc["memory_model"]["engine_refusal"]
+    assert doc["fits"] is False and "2,048 positions" in refusal
+    assert "max_position_embeddings" in refusal and "sequence_length" in refusal
+    assert refusal in doc["memory_model"]["warnings"]
+    text = run_cli("plan", str(_phi2(tmp_path, 8192, engine)))
+    assert text.returncode == 1 and "does not fit: " + engine + " refuses" in text.stdout
+    # the search agrees: no layout is priced, each rejected for the length
+    found = run_cli("plan", str(_phi2(tmp_path, 8192, engine)), "--search", "--json")
+    assert found.returncode == 1, found.stderr
+    got = json.loads(found.stdout)
+    assert got["candidates"] == [] and got["rejected"]["engine_refuses_length"] > 0
+    short = run_cli("plan", str(_phi2(tmp_path, 2048, engine)), "--json")
+    assert (
+        short.returncode == 0 and json.loads(short.stdout)["memory_model"]["engine_refusal"] is None
+    )
+
+
+def test_derived_length_follows_vllm() -> None:
+    from shardctl.plan.memory.context_length import derived_max_len, refusal
+
+    def derived(config: dict[str, Any], arch: str = "llama") -> float | None:
+        got = derived_max_len(ModelInfo(arch, None, (), "BF16", "config", config))
+        return None if got is None else got[0]
+
+    assert derived({"max_position_embeddings": 4096}) == 4096
+    assert derived({"max_position_embeddings": 4096, "seq_length": 2048}) == 2048  # smallest
+    assert derived({"max_position_embeddings": 4096, "model_max_length": 16384}) == 16384
+    assert derived({}) is None  # no key: vLLM takes the user's length
+    # llama3 keeps the length; linear multiplies; yarn starts from the original length
+    llama3 = {"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 8192}
+    assert derived({"max_position_embeddings": 131072, "rope_scaling": llama3}) == 131072
+    linear = {"rope_type": "linear", "factor": 4.0}
+    assert derived({"max_position_embeddings": 4096, "rope_scaling": linear}) == 16384
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert derived({"max_position_embeddings": 32768, "rope_scaling": yarn}) == 131072
+    # Gemma-3's length is already scaled
+    gemma3 = {"max_position_embeddings": 131072, "rope_scaling": linear}
+    assert derived(gemma3, "gemma3_text") == 131072
+    # a multimodal config: the language model's section
+    assert derived({"text_config": {"max_position_embeddings": 10_485_760}}, "llama4") == 10_485_760
+    # the refusal names the key and the override; other engines and lengths within: none
+    model = ModelInfo("phi", None, (), "F16", "config", {"max_position_embeddings": 2048})
+    why = refusal(model, "vllm", 2049)
+    assert why is not None and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in why
+    assert refusal(model, "vllm", 2048) is None and refusal(model, "hf", 8192) is None
+    assert refusal(model, "trtllm", 8192) is None

@@ -146,9 +146,12 @@ def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> Non
         of += f" (device memory; engine fraction {fraction} priced as overhead)"
     elif result.memory.mode == "inference" and share is not None:
         of += f" (gpu_memory_utilization {share} × {fmt_in(result.device_memory or 0, unit)})"
+    if result.memory.refused is not None:
+        console.print(f"{verdict}: {escape(result.memory.refused)}", highlight=False)
     console.print(
-        f"{verdict}: largest rank {worst.rank} needs {fmt_in(worst.total, unit)} of the "
-        f"budget {of}: {worst.total / budget:.1%}, headroom {fmt_in(budget - worst.total, unit)}"
+        f"{'memory' if result.memory.refused is not None else verdict}: largest rank "
+        f"{worst.rank} needs {fmt_in(worst.total, unit)} of the budget {of}: "
+        f"{worst.total / budget:.1%}, headroom {fmt_in(budget - worst.total, unit)}"
     )
     kv = result.memory.kv
     if kv is not None and kv.capacity is not None and kv.sequence_length:

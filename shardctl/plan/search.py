@@ -39,6 +39,7 @@ from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.budget import engine_utilization, memory_budget
 from shardctl.plan.memory.budget import fits as fits_budget
 from shardctl.plan.memory.context import Context
+from shardctl.plan.memory.context_length import refusal
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.overhead import OverheadSpec
 from shardctl.plan.memory.shapes import shape_from_model
@@ -47,6 +48,9 @@ from shardctl.plan.memory.summaries import stage_comm
 from shardctl.plan.memory.vllm import engine_hardware
 from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
 from shardctl.plan.weights import options_for, weights_per_coord
+
+# rejection reason of every mesh when the serving engine refuses the sequence length
+ENGINE_REFUSES = "engine_refuses_length"
 
 
 @cache
@@ -94,10 +98,12 @@ def search(
     term_cache: dict[Any, Any] = {}
     count_cache: dict[Any, Any] = {}
 
+    # an engine that refuses the length refuses every layout: none is priced (plan's verdict)
+    refused = None if training else refusal(model, workload.engine, workload.sequence_length)
     meshes = _model_parallel(model, n, hw, options, base, rules, rej, quant)
     for tp, pp, ep, stages, per_stage in meshes:
         for dp in range(1, n // (tp * pp * ep) + 1):
-            reason = _dp_reason(dp, workload, training)
+            reason = _dp_reason(dp, workload, training) or (refused and ENGINE_REFUSES)
             if reason:
                 rej[reason] += 1
                 continue
@@ -115,7 +121,7 @@ def search(
                 else:
                     fits.append(cand)
     fits.sort(key=_sort_key(options.objective))
-    notes = []
+    notes = [refused] if refused else []
     if hw.device_memory is None:
         notes.append("hardware.device_memory is not set: every valid layout is kept")
     if model.dims is None:
@@ -238,6 +244,8 @@ def invalid_reason(
         _stage_weights(model, replace(mesh, dp=1), rules, base)
     except LayoutError:
         return "layout_refused"
+    if training is None and refusal(model, workload.engine, workload.sequence_length):
+        return _dp_reason(mesh.dp, workload, training) or ENGINE_REFUSES
     return _dp_reason(mesh.dp, workload, training)
 
 

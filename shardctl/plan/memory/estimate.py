@@ -14,6 +14,7 @@ from shardctl.errors import InvalidInputError
 from shardctl.layout.types import Mesh, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.context import Context
+from shardctl.plan.memory.context_length import refusal
 from shardctl.plan.memory.hardware import HardwareSpec
 from shardctl.plan.memory.moe import moe_params
 from shardctl.plan.memory.overhead import OverheadSpec
@@ -110,6 +111,7 @@ def estimate(
         if shape is not None and shape.dims.num_experts
         else None,
         inputs=_inputs(ctx, model),
+        refused=None if training else refusal(model, workload.engine, workload.sequence_length),
     )
 
 

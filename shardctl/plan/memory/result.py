@@ -93,6 +93,9 @@ class MemoryPlan:
     hardware: HardwareSpec
     moe: MoeParams | None
     inputs: Mapping[str, Any]
+    # why the workload's serving engine refuses to start at all (context_length.refusal):
+    # the verdict is then "does not fit" whatever the memory
+    refused: str | None = None
 
     def for_rank(self, rank: int) -> RankMemory:
         c = self.mesh.coord(rank)
@@ -115,6 +118,8 @@ class MemoryPlan:
 
     @property
     def fits(self) -> bool | None:
+        if self.refused is not None:
+            return False
         return fits(self.peak, self.budget)
 
     @property
@@ -138,6 +143,8 @@ class MemoryPlan:
                     f"({p / 2**30:.2f} GiB vs {mean / 2**30:.2f} GiB); consider "
                     "pipeline.layers_per_stage to move layers off it"
                 )
+        if self.refused is not None:
+            out.insert(0, self.refused)
         if self.inputs.get("approximate"):
             out.append(str(self.inputs["approximate"]))
         if self.kv is not None and self.kv.capacity is not None and self.fits is False:
@@ -162,6 +169,7 @@ class MemoryPlan:
                 "load_balance": round(self.load_balance(), 4),
                 "stage_peak_bytes": stage_peaks,
                 "warnings": self.warnings(),
+                "engine_refusal": self.refused,
                 "inputs": dict(self.inputs),
                 "detail_per_stage": [
                     dict(self.coords[(p, 0, 0)].detail) for p in range(self.mesh.pp)

@@ -1,0 +1,112 @@
+"""The longest sequence a serving engine accepts for a model, and its refusal past it.
+
+vLLM refuses to start when ``--max-model-len`` exceeds what it derives from the model's config
+(``vllm/config/model.py``, ``_get_and_verify_max_len``), before any memory is measured:
+
+    ValueError: User-specified max_model_len (8192) is greater than the derived max_model_len
+    (max_position_embeddings=2048.0 or model_max_length=None in model's config.json). To allow
+    overriding this maximum, set the env var VLLM_ALLOW_LONG_MAX_MODEL_LEN=1. ...
+
+(microsoft/phi-2 at 8,192 in the llm-d-planner vLLM 0.19 sweep; the same model at 2,048
+started). The derivation, on the language model's config:
+
+- the smallest of ``max_position_embeddings``, ``n_positions``, ``max_seq_len``,
+  ``seq_length``, ``model_max_length``, ``max_target_positions``, ``max_sequence_length``,
+  ``max_seq_length``, ``seq_len``; a config ``model_max_length`` replaces it (Command-R);
+- times the rope ``factor`` for rope types other than ``llama3``, ``longrope``/``su`` and
+  ``default`` (no factor), except Gemma-3, whose length is already scaled; ``yarn`` starts
+  from ``original_max_position_embeddings`` instead;
+- no key at all: vLLM takes the user's length (no refusal).
+
+SGLang refuses the same way (``ModelConfig``: "User-specified context_length ... is greater
+than the derived context_length"; ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1`` overrides),
+from the same keys and rope factor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from shardctl.model.types import ModelInfo
+
+_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+_UNSCALED = ("llama3", "longrope", "su", "default")
+_OVERRIDE = {
+    "vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
+    "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1",
+}
+
+
+def _int(x: Any) -> int | None:
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+def derived_max_len(model: ModelInfo) -> tuple[float, str] | None:
+    """The engine's derived maximum length of ``model`` and the config key it came from, or
+    None when the config names no length (the engine then takes the user's)."""
+    config: Mapping[str, Any] = model.config
+    sub = config.get("text_config")
+    if isinstance(sub, Mapping) and not any(k in config for k in _KEYS):
+        config = sub  # a multimodal config: vLLM reads the language model's (hf_text_config)
+    found = [(v, k) for k in _KEYS if (v := _int(config.get(k))) is not None]
+    if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
+        found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
+    if not found:
+        return None
+    length: float
+    length, key = min(found)
+    if _int(config.get("model_max_length")) is not None:
+        length, key = config["model_max_length"], "model_max_length"
+    if "gemma3" in model.architecture:
+        return length, key
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and params:
+        ropes = [v for v in params.values() if isinstance(v, Mapping)]
+        ropes = ropes if ropes and len(ropes) == len(params) else [params]
+    else:
+        scaling = config.get("rope_scaling")
+        ropes = [scaling] if isinstance(scaling, Mapping) and scaling else []
+    factor = 1.0
+    for rope in ropes:
+        kind = rope.get("rope_type", rope.get("type", "default"))
+        if kind in _UNSCALED:
+            continue
+        f = rope.get("factor")
+        if isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0:
+            factor = float(f)
+        original = _int(rope.get("original_max_position_embeddings"))
+        if kind == "yarn" and original is not None:
+            length, key = original, "rope original_max_position_embeddings"
+    return length * factor, key
+
+
+def refusal(model: ModelInfo, engine: str, max_model_len: int) -> str | None:
+    """Why ``engine`` (``"vllm"`` or ``"sglang"``) refuses to start ``model`` at
+    ``max_model_len`` tokens, or None when it accepts the length."""
+    if engine not in _OVERRIDE or max_model_len <= 0:
+        return None
+    got = derived_max_len(model)
+    if got is None or max_model_len <= got[0]:
+        return None
+    length, key = got
+    allowed = _int(model.config.get("model_max_length"))
+    if allowed is not None and max_model_len <= allowed:
+        return None
+    shown = int(length) if float(length).is_integer() else length
+    return (
+        f"{engine} refuses to start: sequence_length {max_model_len} is longer than the "
+        f"model's {shown:,} positions ({key} in config.json); lower workload.sequence_length "
+        f"to {int(length)} or less, or run the engine with {_OVERRIDE[engine]} (positions past "
+        f"{int(length)} are untrained)"
+    )
