@@ -259,3 +259,13 @@ def test_derived_length_follows_vllm() -> None:
     assert why is not None and "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1" in why
     assert refusal(model, "vllm", 2048) is None and refusal(model, "hf", 8192) is None
     assert refusal(model, "trtllm", 8192) is None
+
+
+def test_refusal_without_a_budget_is_still_a_verdict(tmp_path: Path) -> None:
+    # No device memory, so no memory verdict, but the engine would not start: exit 1, said once.
+    path = _phi2(tmp_path, 8192)
+    path.write_text(path.read_text().replace("hardware: {gpu: h100-sxm}\n", ""))
+    done = run_cli("plan", str(path))
+    assert done.returncode == 1, done.stderr
+    assert "does not fit: vllm refuses to start" in done.stdout
+    assert "no verdict" not in done.stdout

@@ -131,6 +131,9 @@ def _rank_table(result: PlanResult, unit: tuple[str, int], *, all_ranks: bool) -
 def _verdict(result: PlanResult, console: Console, unit: tuple[str, int]) -> None:
     budget = result.budget
     if budget is None:
+        if result.memory.refused is not None:  # no budget, but the engine would not start
+            console.print(f"[red]does not fit[/red]: {escape(result.memory.refused)}")
+            return
         console.print("no verdict: hardware.device_memory is not set")
         return
     worst = max(result.ranks, key=lambda r: r.total)
