@@ -269,3 +269,29 @@ def test_refusal_without_a_budget_is_still_a_verdict(tmp_path: Path) -> None:
     assert done.returncode == 1, done.stderr
     assert "does not fit: vllm refuses to start" in done.stdout
     assert "no verdict" not in done.stdout
+
+
+def test_sglang_derives_its_length_its_own_way() -> None:
+    from shardctl.plan.memory.context_length import derived_max_len, refusal
+
+    def both(config: dict[str, Any], arch: str = "qwen2") -> tuple[float | None, float | None]:
+        model = ModelInfo(arch, None, (), "BF16", "config", config)
+        got = [derived_max_len(model, e) for e in ("vllm", "sglang")]
+        return (None if got[0] is None else got[0][0], None if got[1] is None else got[1][0])
+
+    # Qwen2.5 with yarn × 4: vLLM 32,768 × 4; SGLang keeps 32,768 (original named in the rope)
+    yarn = {"type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32768}
+    assert both({"max_position_embeddings": 32768, "rope_scaling": yarn}) == (131072, 32768)
+    # the first key in SGLang's order, the smallest in vLLM's
+    assert both({"max_position_embeddings": 4096, "seq_length": 8192}) == (4096, 8192)
+    # Gemma-3's linear factor: skipped by vLLM, applied by SGLang
+    linear = {"rope_type": "linear", "factor": 8.0}
+    assert both({"max_position_embeddings": 131072, "rope_scaling": linear}, "gemma3_text") == (
+        131072,
+        1_048_576,
+    )
+    model = ModelInfo("qwen2", None, (), "BF16", "config",
+                      {"max_position_embeddings": 32768, "rope_scaling": yarn})  # fmt: skip
+    assert refusal(model, "vllm", 65536) is None
+    why = refusal(model, "sglang", 65536)
+    assert why is not None and "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1" in why

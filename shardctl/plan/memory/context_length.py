@@ -20,7 +20,11 @@ started). The derivation, on the language model's config:
 
 SGLang refuses the same way (``ModelConfig``: "User-specified context_length ... is greater
 than the derived context_length"; ``SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1`` overrides),
-from the same keys and rope factor.
+but derives the length its own way (``hf_transformers_utils.get_context_length``): the first
+of ``max_sequence_length``, ``seq_length``, ``max_seq_len``, ``model_max_length``,
+``max_position_embeddings`` (in that order, not the smallest), times ``rope_scaling``'s
+``factor`` unless the rope is ``llama3`` or names ``original_max_position_embeddings`` (so a
+Qwen2.5 with yarn × 4 stays at its 32,768 in SGLang and reaches 131,072 in vLLM); no key: 2,048.
 """
 
 from __future__ import annotations
@@ -52,13 +56,49 @@ def _int(x: Any) -> int | None:
     return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
 
 
-def derived_max_len(model: ModelInfo) -> tuple[float, str] | None:
-    """The engine's derived maximum length of ``model`` and the config key it came from, or
-    None when the config names no length (the engine then takes the user's)."""
+_SGLANG_KEYS = (
+    "max_sequence_length",
+    "seq_length",
+    "max_seq_len",
+    "model_max_length",
+    "max_position_embeddings",
+)
+
+
+def _text_config(model: ModelInfo) -> Mapping[str, Any]:
     config: Mapping[str, Any] = model.config
     sub = config.get("text_config")
     if isinstance(sub, Mapping) and not any(k in config for k in _KEYS):
-        config = sub  # a multimodal config: vLLM reads the language model's (hf_text_config)
+        return sub  # a multimodal config: the engines read the language model's
+    return config
+
+
+def _sglang_max_len(model: ModelInfo) -> tuple[float, str] | None:
+    config = _text_config(model)
+    found = [(v, k) for k in _SGLANG_KEYS if (v := _int(config.get(k))) is not None]
+    if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
+        found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
+    if not found:
+        return None  # SGLang assumes 2,048; an inline model without a config is not refused
+    length, key = found[0]
+    scaling = config.get("rope_scaling")
+    factor = 1.0
+    if isinstance(scaling, Mapping) and scaling:
+        f = scaling.get("factor", 1)
+        if isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0:
+            factor = float(f)
+        if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
+            factor = 1.0
+    return length * factor, key
+
+
+def derived_max_len(model: ModelInfo, engine: str = "vllm") -> tuple[float, str] | None:
+    """The maximum length ``engine`` (``"vllm"`` or ``"sglang"``) derives for ``model`` and
+    the config key it came from, or None when the config names no length (vLLM then takes the
+    user's)."""
+    if engine == "sglang":
+        return _sglang_max_len(model)
+    config = _text_config(model)
     found = [(v, k) for k in _KEYS if (v := _int(config.get(k))) is not None]
     if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
         found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
@@ -96,12 +136,12 @@ def refusal(model: ModelInfo, engine: str, max_model_len: int) -> str | None:
     ``max_model_len`` tokens, or None when it accepts the length."""
     if engine not in _OVERRIDE or max_model_len <= 0:
         return None
-    got = derived_max_len(model)
+    got = derived_max_len(model, engine)
     if got is None or max_model_len <= got[0]:
         return None
     length, key = got
-    allowed = _int(model.config.get("model_max_length"))
-    if allowed is not None and max_model_len <= allowed:
+    allowed = _int(_text_config(model).get("model_max_length"))
+    if engine == "vllm" and allowed is not None and max_model_len <= allowed:
         return None
     shown = int(length) if float(length).is_integer() else length
     return (
