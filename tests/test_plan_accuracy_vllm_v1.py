@@ -116,67 +116,34 @@ def _positions(dims: ModelDims, n: int) -> ModelDims:
     return dataclasses.replace(dims, max_position_embeddings=n)
 
 
+# config.json shapes of the rows below, with their positions (so the rotary table is priced)
+CODELLAMA_7B = _positions(ModelDims(4096, 32, 32, 32, 128, 11008, 32016, False), 16384)
+GEMMA_7B = _positions(ModelDims(3072, 28, 16, 16, 256, 24576, 256000, True), 8192)
+GRANITE31_8B = _positions(ModelDims(4096, 40, 32, 8, 128, 12800, 49155, True), 131072)
+GRANITE31_2B = _positions(ModelDims(2048, 40, 32, 8, 64, 8192, 49155, True), 131072)
+PHI2 = dataclasses.replace(  # two-matrix GELU MLP; partial rotary 0.4 of head_dim 80
+    _positions(ModelDims(2560, 32, 32, 32, 80, 10240, 51200, False), 2048), gated_mlp=False
+)
+
+
 # Held out for the rotary table (plan/memory/rotary.py) and everything else: none of these
-# logs was read before the terms were set. config.json shapes; positions set so the table is
-# priced (Llama-3.1: 131,072 × 128 × 2 B = 32 MiB, the 14.99 − 14.96 GiB between the log's
-# "Model loading took" and the checkpoint's bytes).
+# logs was read before the terms were set. Llama-3.1's table, 131,072 × 128 × 2 B = 32 MiB, is
+# the 14.99 − 14.96 GiB between the log's "Model loading took" and the checkpoint's bytes.
 @pytest.mark.parametrize(
     ("arch", "dims", "dtype", "length", "logged"),
     [
         # codellama-codellama-7b-h--h100-80gb--tp1pp1dp1--8192.log: 12.56 GiB, peak 0.77GiB,
-        # 126,256 tokens (CodeLlama-7b-hf: MHA, vocab 32,016, 16,384 positions)
-        (
-            "llama",
-            ModelDims(4096, 32, 32, 32, 128, 11008, 32016, False, max_position_embeddings=16384),
-            "BF16",
-            8192,
-            126_256,
-        ),
+        # 126,256 tokens (CodeLlama-7b-hf: MHA, vocab 32,016)
+        ("llama", CODELLAMA_7B, "BF16", 8192, 126_256),
         # google-gemma-7b--h100-80gb--tp1pp1dp1--8192.log: 15.91 GiB, peak 3.63GiB, 129,760
         # (head_dim 256, vocab 256,000, tied)
-        (
-            "gemma",
-            ModelDims(3072, 28, 16, 16, 256, 24576, 256000, True, max_position_embeddings=8192),
-            "BF16",
-            8192,
-            129_760,
-        ),
+        ("gemma", GEMMA_7B, "BF16", 8192, 129_760),
         # granite-3-1-8b--h100-80gb--tp1pp1dp1--8192.log: 15.25 GiB, 384,432 tokens
-        (
-            "granite",
-            ModelDims(4096, 40, 32, 8, 128, 12800, 49155, True, max_position_embeddings=131072),
-            "BF16",
-            8192,
-            384_432,
-        ),
+        ("granite", GRANITE31_8B, "BF16", 8192, 384_432),
         # granite-3-1-2b--h100-80gb--tp1pp1dp1--8192.log: 4.74 GiB, 908,048 tokens
-        (
-            "granite",
-            ModelDims(2048, 40, 32, 8, 64, 8192, 49155, True, max_position_embeddings=131072),
-            "BF16",
-            8192,
-            908_048,
-        ),
+        ("granite", GRANITE31_2B, "BF16", 8192, 908_048),
         # microsoft-phi-2--h100-80gb--tp1pp1dp1--2048.log: float16, 5.19 GiB, 226,112 tokens
-        # (two-matrix GELU MLP; partial rotary 0.4 of head_dim 80)
-        (
-            "phi",
-            ModelDims(
-                2560,
-                32,
-                32,
-                32,
-                80,
-                10240,
-                51200,
-                False,
-                max_position_embeddings=2048,
-                gated_mlp=False,
-            ),
-            "F16",
-            2048,
-            226_112,
-        ),
+        ("phi", PHI2, "F16", 2048, 226_112),
         # meta-llama-llama-3-1-8b---h100-80gb--tp1pp1dp1--{2048,4096}.log and
         # meta-llama-llama-3-1-8b--h100-80gb--tp1pp1dp1--{16384,32768}.log: 476,016 tokens at
         # every --max-model-len (the profile runs max_num_batched_tokens = 8,192 tokens)

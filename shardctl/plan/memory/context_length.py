@@ -30,30 +30,21 @@ Qwen2.5 with yarn × 4 stays at its 32,768 in SGLang and reaches 131,072 in vLLM
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
 
 from shardctl.model.types import ModelInfo
-
-_KEYS = (
-    "max_position_embeddings",
-    "n_positions",
-    "max_seq_len",
-    "seq_length",
-    "model_max_length",
-    "max_target_positions",
-    "max_sequence_length",
-    "max_seq_length",
-    "seq_len",
+from shardctl.plan.memory.rotary import (
+    LENGTH_KEYS,
+    positive_int,
+    positive_number,
+    rope_sets,
+    text_config,
 )
+
 _UNSCALED = ("llama3", "longrope", "su", "default")
 _OVERRIDE = {
     "vllm": "VLLM_ALLOW_LONG_MAX_MODEL_LEN=1",
     "sglang": "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1",
 }
-
-
-def _int(x: Any) -> int | None:
-    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
 
 
 _SGLANG_KEYS = (
@@ -65,17 +56,9 @@ _SGLANG_KEYS = (
 )
 
 
-def _text_config(model: ModelInfo) -> Mapping[str, Any]:
-    config: Mapping[str, Any] = model.config
-    sub = config.get("text_config")
-    if isinstance(sub, Mapping) and not any(k in config for k in _KEYS):
-        return sub  # a multimodal config: the engines read the language model's
-    return config
-
-
 def _sglang_max_len(model: ModelInfo) -> tuple[float, str] | None:
-    config = _text_config(model)
-    found = [(v, k) for k in _SGLANG_KEYS if (v := _int(config.get(k))) is not None]
+    config = text_config(model.config)
+    found = [(v, k) for k in _SGLANG_KEYS if (v := positive_int(config.get(k))) is not None]
     if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
         found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
     if not found:
@@ -84,9 +67,7 @@ def _sglang_max_len(model: ModelInfo) -> tuple[float, str] | None:
     scaling = config.get("rope_scaling")
     factor = 1.0
     if isinstance(scaling, Mapping) and scaling:
-        f = scaling.get("factor", 1)
-        if isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0:
-            factor = float(f)
+        factor = positive_number(scaling.get("factor")) or 1.0
         if "original_max_position_embeddings" in scaling or scaling.get("rope_type") == "llama3":
             factor = 1.0
     return length * factor, key
@@ -98,34 +79,25 @@ def derived_max_len(model: ModelInfo, engine: str = "vllm") -> tuple[float, str]
     user's)."""
     if engine == "sglang":
         return _sglang_max_len(model)
-    config = _text_config(model)
-    found = [(v, k) for k in _KEYS if (v := _int(config.get(k))) is not None]
+    config = text_config(model.config)
+    found = [(v, k) for k in LENGTH_KEYS if (v := positive_int(config.get(k))) is not None]
     if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
         found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
     if not found:
         return None
     length: float
     length, key = min(found)
-    if _int(config.get("model_max_length")) is not None:
+    if positive_int(config.get("model_max_length")) is not None:
         length, key = config["model_max_length"], "model_max_length"
     if "gemma3" in model.architecture:
         return length, key
-    params = config.get("rope_parameters")
-    if isinstance(params, Mapping) and params:
-        ropes = [v for v in params.values() if isinstance(v, Mapping)]
-        ropes = ropes if ropes and len(ropes) == len(params) else [params]
-    else:
-        scaling = config.get("rope_scaling")
-        ropes = [scaling] if isinstance(scaling, Mapping) and scaling else []
     factor = 1.0
-    for rope in ropes:
+    for rope in rope_sets(config):
         kind = rope.get("rope_type", rope.get("type", "default"))
         if kind in _UNSCALED:
             continue
-        f = rope.get("factor")
-        if isinstance(f, (int, float)) and not isinstance(f, bool) and f > 0:
-            factor = float(f)
-        original = _int(rope.get("original_max_position_embeddings"))
+        factor = positive_number(rope.get("factor")) or factor
+        original = positive_int(rope.get("original_max_position_embeddings"))
         if kind == "yarn" and original is not None:
             length, key = original, "rope original_max_position_embeddings"
     return length * factor, key
@@ -140,7 +112,7 @@ def refusal(model: ModelInfo, engine: str, max_model_len: int) -> str | None:
     if got is None or max_model_len <= got[0]:
         return None
     length, key = got
-    allowed = _int(_text_config(model).get("model_max_length"))
+    allowed = positive_int(text_config(model.config).get("model_max_length"))
     if engine == "vllm" and allowed is not None and max_model_len <= allowed:
         return None
     shown = int(length) if float(length).is_integer() else length

@@ -41,30 +41,49 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
+from shardctl.archs import find
 from shardctl.model.types import ModelInfo
 
-# model types with no rotary embedding (learned absolute positions)
-_NO_ROPE = frozenset({"gpt2"})
 # families whose vLLM attention builds its rope in float32 whatever the model's dtype
 _FP32_IN_VLLM = frozenset({"gpt_oss"})
 
 
-def _number(x: Any) -> float | None:
+def positive_number(x: Any) -> float | None:
+    """``x`` as a float when it is a positive int or float (not a bool), else None."""
     if isinstance(x, bool) or not isinstance(x, (int, float)) or x <= 0:
         return None
     return float(x)
 
 
-def _text(config: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A multimodal config's language-model section (Llama-4, Gemma-3, Mistral-3), else the
-    config itself."""
+def positive_int(x: Any) -> int | None:
+    """``x`` when it is a positive int (not a bool), else None."""
+    return x if isinstance(x, int) and not isinstance(x, bool) and x > 0 else None
+
+
+# the config keys a maximum length may sit under (vLLM ``_get_and_verify_max_len``'s list)
+LENGTH_KEYS = (
+    "max_position_embeddings",
+    "n_positions",
+    "max_seq_len",
+    "seq_length",
+    "model_max_length",
+    "max_target_positions",
+    "max_sequence_length",
+    "max_seq_length",
+    "seq_len",
+)
+
+
+def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A multimodal config's language-model section (Llama-4, Gemma-3, Mistral-3: the engines'
+    ``hf_text_config``) when the top level names no length, else the config itself."""
     sub = config.get("text_config")
-    if isinstance(sub, Mapping) and "max_position_embeddings" not in config:
+    if isinstance(sub, Mapping) and not any(k in config for k in LENGTH_KEYS):
         return sub
     return config
 
 
-def _ropes(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
+def rope_sets(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
     """The distinct rope parameter sets a model builds: ``rope_parameters`` (transformers 5:
     one dict, or one per layer type) or ``rope_scaling`` (transformers 4), else the default."""
     params = config.get("rope_parameters")
@@ -80,10 +99,10 @@ def _ropes(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
 def _rows(rope: Mapping[str, Any], config: Mapping[str, Any], max_position: int) -> int | None:
     """Positions in one rope's table (None: a rope type this module does not know)."""
     kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    factor = _number(rope.get("factor"))
-    original = rope.get("original_max_position_embeddings")
-    if not isinstance(original, int) or isinstance(original, bool):
-        original = config.get("original_max_position_embeddings")
+    factor = positive_number(rope.get("factor"))
+    original = positive_int(rope.get("original_max_position_embeddings")) or positive_int(
+        config.get("original_max_position_embeddings")
+    )
     if kind in ("default", "llama3", "ntk", "mllama4"):
         return max_position
     if kind in ("linear", "dynamic"):
@@ -91,27 +110,25 @@ def _rows(rope: Mapping[str, Any], config: Mapping[str, Any], max_position: int)
             return max_position
         return math.ceil(max_position * factor) if factor is not None else None
     if kind in ("yarn", "deepseek_yarn", "deepseek_llama_scaling"):
-        if factor is None or not isinstance(original, int) or isinstance(original, bool):
+        if factor is None or original is None:
             return None
         return math.ceil(original * factor)
     if kind in ("longrope", "su"):
-        if not isinstance(original, int) or isinstance(original, bool):
-            return None
-        return original + max_position
+        return None if original is None else original + max_position
     return None
 
 
 def _rotary_dim(arch: str, config: Mapping[str, Any], head_dim: int) -> int:
-    rope_dim = config.get("qk_rope_head_dim")  # MLA: the rope part of each head
-    if isinstance(rope_dim, int) and not isinstance(rope_dim, bool) and rope_dim > 0:
+    rope_dim = positive_int(config.get("qk_rope_head_dim"))  # MLA: the rope part of each head
+    if rope_dim is not None:
         return rope_dim
-    fraction = _number(config.get("partial_rotary_factor"))
+    fraction = positive_number(config.get("partial_rotary_factor"))
     if fraction is None:
         params = config.get("rope_parameters")
         if isinstance(params, Mapping):
-            fraction = _number(params.get("partial_rotary_factor"))
+            fraction = positive_number(params.get("partial_rotary_factor"))
     if fraction is None and arch == "gpt_neox":
-        fraction = _number(config.get("rotary_pct")) or 0.25  # GPTNeoXConfig's default
+        fraction = positive_number(config.get("rotary_pct")) or 0.25  # GPTNeoXConfig's default
     return int(head_dim * (fraction if fraction is not None else 1.0))
 
 
@@ -122,14 +139,17 @@ def rotary_cache_bytes(model: ModelInfo, dtype_bytes: int, *, engine: str) -> in
     ``max_position_embeddings``)."""
     arch = model.architecture
     dims = model.dims
-    if dims is None or arch in _NO_ROPE:
+    if dims is None:
         return 0
-    config = _text(model.config)
+    family = find(arch)
+    if family is not None and family.memory(model.config).positions:
+        return 0  # learned absolute positions (GPT-2): no rotary table
+    config = text_config(model.config)
     if config.get("alibi") is True or config.get("position_embedding_type") == "alibi":
         return 0  # Falcon-7B-style ALiBi: no rotary table
-    max_position = config.get("max_position_embeddings")
-    if not isinstance(max_position, int) or isinstance(max_position, bool) or max_position <= 0:
-        max_position = dims.max_position_embeddings
+    max_position = positive_int(config.get("max_position_embeddings")) or (
+        dims.max_position_embeddings
+    )
     if max_position <= 0:
         return 0
     if engine == "sglang":
@@ -140,12 +160,12 @@ def rotary_cache_bytes(model: ModelInfo, dtype_bytes: int, *, engine: str) -> in
         item = dtype_bytes
     rotary_dim = _rotary_dim(arch, config, dims.head_dim)
     tables: dict[str, int] = {}  # one table per distinct rope, as get_rope caches them
-    for rope in _ropes(config):
+    for rope in rope_sets(config):
         rows = _rows(rope, config, max_position)
         if rows is not None:
             tables[repr(sorted(rope.items(), key=lambda kv: str(kv[0])))] = rows
-    local = config.get("rope_local_base_freq")
-    if arch in ("gemma3", "gemma3_text") and len(tables) == 1 and _number(local) is not None:
+    local = positive_number(config.get("rope_local_base_freq"))
+    if arch in ("gemma3", "gemma3_text") and len(tables) == 1 and local is not None:
         # Gemma-3 (transformers 4 config): the sliding layers use the default rope at
         # ``rope_local_base_freq``, the global ones ``rope_scaling`` (vLLM gemma3.py)
         tables["local"] = max_position
