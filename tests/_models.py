@@ -268,6 +268,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
             vision_output_dim=24, pixel_shuffle_ratio=0.5,
         ),
     ),
+    # flagships: the multimodal Gemma-3 (Gemma3ForConditionalGeneration): gemma3_text's model
+    # under language_model.* beside a SigLIP tower and the pooling projector (4 x 4 patches
+    # pooled to 4 tokens per image)
+    "gemma3": dict(
+        model_type="gemma3", mm_tokens_per_image=4, image_token_index=255,
+        boi_token_index=253, eoi_token_index=254,
+        text_config=dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, sliding_window=8,
+            max_position_embeddings=128, query_pre_attn_scalar=16,
+        ),
+        vision_config=dict(
+            hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+            image_size=56, patch_size=14, vision_use_head=False,
+        ),
+    ),
 }
 # fmt: on
 

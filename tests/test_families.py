@@ -61,6 +61,8 @@ FAMILIES: dict[str, list[Mesh]] = {
     "deepseek_v3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # flagships: multimodal Llama-4; the vision tower on the first stage, split like vLLM's
     "llama4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    # multimodal Gemma-3: gemma3_text (kv 2, sliding 5:1, tied) beside a SigLIP tower
+    "gemma3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -12,8 +12,9 @@ from __future__ import annotations
 import difflib
 import fnmatch
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from types import ModuleType
+from typing import Any
 
 from shardctl.archs import (
     cohere,
@@ -23,6 +24,7 @@ from shardctl.archs import (
     gemma,
     gemma2,
     gemma3,
+    gemma3_mm,
     glm4,
     gpt2,
     gpt_neox,
@@ -56,6 +58,7 @@ __all__ = [
     "closest_family",
     "family_for",
     "find",
+    "language_model",
     "refusal_hint",
 ]
 
@@ -91,6 +94,7 @@ _MODULES: tuple[ModuleType, ...] = (
     deepseek_v3,
     # flagships
     llama4,
+    gemma3_mm,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -98,7 +102,7 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 # model_type -> why it is refused and what to do, for a known relative a family file declines
-# (a module's optional ``REFUSED`` dict, e.g. gemma3.py: the multimodal "gemma3" config).
+# (a module's optional ``REFUSED`` dict, e.g. mistral.py: the multimodal "mistral3" config).
 REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
@@ -107,6 +111,20 @@ _LAYER_INDEX = re.compile(r"\.\d+\.")
 def find(model_type: str) -> Family | None:
     """The family of ``model_type``, or ``None`` when shardctl has no file for it."""
     return FAMILIES.get(model_type)
+
+
+def language_model(model_type: str, config: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """The language model of a multimodal family (``Family.text``: Gemma-3's ``gemma3_text``
+    section, defaults filled in) as ``(model_type, config)``; any other model as it is.
+
+    >>> language_model("gemma3", {"text_config": {"hidden_size": 2560}})[0]
+    'gemma3_text'
+    """
+    family = find(model_type)
+    if family is None or family.text is None:
+        return model_type, config
+    text = family.text(config)
+    return str(text.get("model_type") or model_type), text
 
 
 def closest_family(model_type: str, fqns: Iterable[str] = ()) -> str:

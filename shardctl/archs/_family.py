@@ -117,6 +117,10 @@ class ForwardSpec:
     # a multimodal config's section the forward level runs (Llama-4: "text_config"): its keys
     # are lifted to the top of the config verify reads, model_type kept (verify/adapters.py)
     sub_config: str = ""
+    # where the decoder layers sit in the unsharded reference, the model AutoModelForCausalLM
+    # builds from the whole config, when not at ``layer_prefix`` (Gemma-3's
+    # Gemma3ForConditionalGeneration: ``model.language_model.layers``)
+    reference_layers: str = ""
 
     def param(self, fqn: str) -> str:
         """The in-memory name of an on-disk ``fqn``."""
@@ -171,6 +175,17 @@ class Family:
     # cache per layer, shardctl/plan/memory/kv_layers.py): "none", "all" or "even" (0, 2, ...),
     # or "pattern": every ``sliding_window_pattern``-th layer global, the rest slide (Gemma-3).
     sliding_layers: str = "none"
+    # "pattern" without a ``sliding_window_pattern`` in the config: the config class's default
+    # (transformers' Gemma3TextConfig: 6; the published Gemma-3 configs leave the key out).
+    sliding_period: int = 0
+    # A multimodal family's language model: its ``text_config`` as a config of the text family
+    # (``model_type`` set, the config class's defaults filled in). The memory model reads KV
+    # layers, rotary tables and lengths from it (``shardctl.archs.language_model``).
+    text: Callable[[Config], Config] | None = None
+    # Tokens of one image's embeddings at their largest (vLLM's ``max_tokens_per_mm_item``):
+    # the engine profiles its encoder on a batch of them (plan/memory/vllm.py
+    # ``encoder_cache_bytes``). None: no image input, or a size not modelled.
+    image_tokens: Callable[[Config], int] | None = None
     follows: str = ""  # the engine code whose placement the rules follow
     # False: plan/memory/shapes.py's Llama/Mixtral closed-form counts do not describe this
     # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from

@@ -13,9 +13,8 @@ The per-head norms act on one head, so every rank holds them whole (replicated).
 and local/global rope are config (``layer_types``: verify's local config slices it to the rank's
 stage). Placement follows vLLM ``gemma3.py`` (``Gemma3ForCausalLM``).
 
-The multimodal config (model_type ``gemma3``, ``Gemma3ForConditionalGeneration``: a SigLIP vision
-tower, a projector and ``model.language_model.*`` names) has no family file: it is refused like
-any unknown architecture. Its text weights are this family once extracted with the text config.
+The multimodal config (model_type ``gemma3``, ``Gemma3ForConditionalGeneration``) is
+:mod:`gemma3_mm`: this model under ``language_model.`` beside a SigLIP tower.
 """
 
 from __future__ import annotations
@@ -33,16 +32,6 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
         config = {**config, "head_dim": 256}
     return decoder_dims(config, tied, where)
 
-
-REFUSED = {
-    "gemma3": (
-        "that is the multimodal Gemma-3 (Gemma3ForConditionalGeneration: vision tower, projector, "
-        "model.language_model.* names), which shardctl does not place; its text model is "
-        "supported as model_type 'gemma3_text' (Gemma3ForCausalLM): use a text-only checkpoint "
-        "(the text_config, tensors without the language_model prefix), or place every tensor "
-        "with manifest rules:"
-    )
-}
 
 _FAMILY = decoder_family(
     "gemma3",
@@ -66,7 +55,7 @@ _FAMILY = decoder_family(
         "rope_local_base_freq",
     ),
 )
-FAMILY = dataclasses.replace(_FAMILY, dims=_dims)
+FAMILY = dataclasses.replace(_FAMILY, dims=_dims, sliding_period=6)  # Gemma3TextConfig default
 
 # vllm-families: how vLLM names these tensors in sharded_state (shardctl/formats/vllm/spec.py)
 from shardctl.formats.vllm.spec import DECODER, declare  # noqa: E402

@@ -114,7 +114,7 @@ def _sub(config: Config, key: str, where: str) -> dict[str, object]:
     return dict(value)
 
 
-def text_config(config: Config, where: str) -> Config:
+def text_config(config: Config, where: str = "config") -> Config:
     """The ``text_config`` as a ``llama4_text`` config."""
     return {**_sub(config, "text_config", f"{where}: text_config"), "model_type": "llama4_text"}
 
@@ -214,6 +214,7 @@ FAMILY = Family(
     follows="vLLM mllama4.py (Llama4ForConditionalGeneration; text: llama4.py)",
     shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
     config_keys=(*COMMON, "boi_token_index", "eoi_token_index", "image_token_index"),
+    text=text_config,
     # the closed form's per-layer counts describe the text decoder only
     closed_form=False,
 )

@@ -183,7 +183,8 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
     device = torch.device(job.device)
     model = model.to(device).eval()
     dtype = next(model.parameters()).dtype
-    layers = model.get_submodule(adapter_for(str(job.config.get("model_type"))).layer_prefix)
+    spec = adapter_for(str(job.config.get("model_type")))
+    layers = model.get_submodule(spec.reference_layers or spec.layer_prefix)
     assert isinstance(layers, nn.ModuleList)
     ids = input_ids(job.seed, job.batch, job.seq_len, int(job.config["vocab_size"])).to(device)
     chosen: Routing = {}

@@ -7,6 +7,7 @@ micro-batches, budget) and prices one rank of a stage; the pieces live beside it
 
 from __future__ import annotations
 
+from shardctl.archs import find
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.layout.types import LayoutOptions, Mesh, Stage
 from shardctl.model.types import ModelInfo
@@ -25,7 +26,7 @@ from shardctl.plan.memory.overhead import OverheadSpec, overhead_bytes
 from shardctl.plan.memory.precision import priced_per_tensor
 from shardctl.plan.memory.quant import matrix_bytes, quantized_weight_bytes
 from shardctl.plan.memory.result import RankMemory
-from shardctl.plan.memory.rotary import rotary_cache_bytes
+from shardctl.plan.memory.rotary import language_config, rotary_cache_bytes
 from shardctl.plan.memory.sglang import (
     default_mem_fraction_static,
     default_mem_fraction_static_v05,
@@ -108,8 +109,16 @@ class Context:
             else workload.gpu_memory_utilization
         )
         n_layers = shape.dims.num_layers if shape is not None else 0
-        self.windows = layer_windows(model.architecture, model.config, n_layers)
-        self.mla_width = mla_latent_width(model.config)
+        arch, text = language_config(model)  # a multimodal model's text section
+        family = find(model.architecture)
+        # tokens of one image's embeddings (a multimodal family's ``image_tokens``; 0: none)
+        self.image_tokens = (
+            family.image_tokens(model.config)
+            if family is not None and family.image_tokens is not None
+            else 0
+        )
+        self.windows = layer_windows(arch, text, n_layers)
+        self.mla_width = mla_latent_width(text)
         self.batch = -(-workload.batch_size // mesh.dp)  # per dp replica
         self.microbatches = training.grad_accumulation(mesh.dp) if training else 1
         self.budget = memory_budget(

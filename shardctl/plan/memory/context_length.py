@@ -34,10 +34,10 @@ from collections.abc import Mapping
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.rotary import (
     LENGTH_KEYS,
+    language_config,
     positive_int,
     positive_number,
     rope_sets,
-    text_config,
 )
 
 _UNSCALED = ("llama3", "longrope", "su", "default")
@@ -57,7 +57,7 @@ _SGLANG_KEYS = (
 
 
 def _sglang_max_len(model: ModelInfo) -> tuple[float, str] | None:
-    config = text_config(model.config)
+    config = language_config(model)[1]
     found = [(v, k) for k in _SGLANG_KEYS if (v := positive_int(config.get(k))) is not None]
     if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
         found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
@@ -79,7 +79,7 @@ def derived_max_len(model: ModelInfo, engine: str = "vllm") -> tuple[float, str]
     user's)."""
     if engine == "sglang":
         return _sglang_max_len(model)
-    config = text_config(model.config)
+    arch, config = language_config(model)
     found = [(v, k) for k in LENGTH_KEYS if (v := positive_int(config.get(k))) is not None]
     if not found and model.dims is not None and model.dims.max_position_embeddings > 0:
         found = [(model.dims.max_position_embeddings, "max_position_embeddings")]
@@ -89,7 +89,7 @@ def derived_max_len(model: ModelInfo, engine: str = "vllm") -> tuple[float, str]
     length, key = min(found)
     if positive_int(config.get("model_max_length")) is not None:
         length, key = config["model_max_length"], "model_max_length"
-    if "gemma3" in model.architecture:
+    if arch == "gemma3_text":
         return length, key
     factor = 1.0
     for rope in rope_sets(config):
@@ -112,7 +112,7 @@ def refusal(model: ModelInfo, engine: str, max_model_len: int) -> str | None:
     if got is None or max_model_len <= got[0]:
         return None
     length, key = got
-    allowed = positive_int(text_config(model.config).get("model_max_length"))
+    allowed = positive_int(language_config(model)[1].get("model_max_length"))
     if engine == "vllm" and allowed is not None and max_model_len <= allowed:
         return None
     shown = int(length) if float(length).is_integer() else length

@@ -53,6 +53,8 @@ def layer_windows(
         return tuple(window if i % 2 == 0 else None for i in range(num_layers))
     if sliding == "pattern":  # Gemma-3: every N-th layer global, HF Gemma3TextConfig
         n = config.get("sliding_window_pattern", config.get("_sliding_window_pattern"))
+        if n is None and family is not None:
+            n = family.sliding_period
         if isinstance(n, int) and not isinstance(n, bool) and n > 0:
             return tuple(window if (i + 1) % n else None for i in range(num_layers))
     return (None,) * num_layers

@@ -41,7 +41,7 @@ import math
 from collections.abc import Mapping
 from typing import Any
 
-from shardctl.archs import find
+from shardctl.archs import find, language_model
 from shardctl.model.types import ModelInfo
 
 # families whose vLLM attention builds its rope in float32 whatever the model's dtype
@@ -81,6 +81,14 @@ def text_config(config: Mapping[str, Any]) -> Mapping[str, Any]:
     if isinstance(sub, Mapping) and not any(k in config for k in LENGTH_KEYS):
         return sub
     return config
+
+
+def language_config(model: ModelInfo) -> tuple[str, Mapping[str, Any]]:
+    """``model``'s language model as ``(model_type, config)``: a multimodal family's text
+    section with its config class's defaults (``archs.language_model``: Gemma-3's
+    ``gemma3_text``), else :func:`text_config` of the config itself."""
+    arch, config = language_model(model.architecture, model.config)
+    return arch, text_config(config)
 
 
 def rope_sets(config: Mapping[str, Any]) -> list[Mapping[str, Any]]:
@@ -137,14 +145,13 @@ def rotary_cache_bytes(model: ModelInfo, dtype_bytes: int, *, engine: str) -> in
     for ``model`` at activation element size ``dtype_bytes``; 0 when the model has no rotary
     embedding or its length is unknown (a bare parameter count, dimensions without
     ``max_position_embeddings``)."""
-    arch = model.architecture
     dims = model.dims
     if dims is None:
         return 0
-    family = find(arch)
+    family = find(model.architecture)
     if family is not None and family.memory(model.config).positions:
         return 0  # learned absolute positions (GPT-2): no rotary table
-    config = text_config(model.config)
+    arch, config = language_config(model)
     if config.get("alibi") is True or config.get("position_embedding_type") == "alibi":
         return 0  # Falcon-7B-style ALiBi: no rotary table
     max_position = positive_int(config.get("max_position_embeddings")) or (
@@ -165,7 +172,7 @@ def rotary_cache_bytes(model: ModelInfo, dtype_bytes: int, *, engine: str) -> in
         if rows is not None:
             tables[repr(sorted(rope.items(), key=lambda kv: str(kv[0])))] = rows
     local = positive_number(config.get("rope_local_base_freq"))
-    if arch in ("gemma3", "gemma3_text") and len(tables) == 1 and local is not None:
+    if arch == "gemma3_text" and len(tables) == 1 and local is not None:
         # Gemma-3 (transformers 4 config): the sliding layers use the default rope at
         # ``rope_local_base_freq``, the global ones ``rope_scaling`` (vLLM gemma3.py)
         tables["local"] = max_position

@@ -309,6 +309,26 @@ def moe_workspace_bytes(
     return elems * act_bytes
 
 
+def encoder_cache_bytes(
+    *, budget_tokens: int, item_tokens: int, hidden: int, act_bytes: int
+) -> int:
+    """A multimodal model's dummy encoder outputs, held through V1's profile run.
+
+    ``GPUModelRunner.profile_run`` (vllm/v1/worker/gpu_model_runner.py) runs the encoder on as
+    many of the largest items as the encoder budget holds (``compute_encoder_budget``:
+    ``max(max_num_batched_tokens, tokens of one item)``; "Encoder cache will be initialized
+    with a budget of 8192 tokens, and profiled with 32 image items of the maximum feature
+    size"), keeps the outputs in ``encoder_cache["tmp"]`` while the decoder's dummy forward and
+    the sampler run, and clears them after: they sit under torch's peak, ``item_tokens`` ×
+    ``hidden`` (the text width the projector maps to) per item in the model dtype.
+
+    >>> encoder_cache_bytes(budget_tokens=8192, item_tokens=256, hidden=5376, act_bytes=2)
+    88080384
+    """
+    budget = max(budget_tokens, item_tokens)
+    return budget // item_tokens * item_tokens * hidden * act_bytes
+
+
 def profile_activation_bytes(
     dims: ModelDims,
     *,

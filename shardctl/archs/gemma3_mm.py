@@ -1,0 +1,264 @@
+"""Gemma-3 multimodal (``gemma3``, ``Gemma3ForConditionalGeneration``): the published
+Gemma-3-4B/12B/27B ``-it`` and ``-pt`` repositories. Its ``text_config`` is a :mod:`gemma3`
+(``gemma3_text``) model under ``language_model.``; beside it a SigLIP vision tower and a
+projector that average-pools the patches to ``mm_tokens_per_image`` and maps them to the text
+width. On disk::
+
+    language_model.model.*                  gemma3_text's tensors, prefixed (tied: no lm_head)
+    vision_tower.embeddings.patch_embedding.weight [Hv, C, p, p] / .bias [Hv]   replicated
+    vision_tower.embeddings.position_embedding.weight [(S/p)², Hv]    rows split (vLLM:
+                                                                      VocabParallelEmbedding)
+    vision_tower.encoder.layers.{i}.self_attn.{q,k,v}_proj .weight [Hv, Hv] / .bias   colwise
+    vision_tower.encoder.layers.{i}.self_attn.out_proj.weight [Hv, Hv] rowwise, .bias replicated
+    vision_tower.encoder.layers.{i}.mlp.fc1 .weight [Iv, Hv] / .bias   colwise
+    vision_tower.encoder.layers.{i}.mlp.fc2.weight [Hv, Iv] rowwise, .bias replicated
+    vision_tower.encoder.layers.{i}.layer_norm{1,2} .weight/.bias [Hv]   replicated
+    vision_tower.post_layernorm .weight/.bias [Hv]                      replicated
+    multi_modal_projector.mm_input_projection_weight [Hv, H]             replicated
+    multi_modal_projector.mm_soft_emb_norm.weight [Hv]                   replicated
+
+(``Hv`` / ``Iv`` the vision ``hidden_size`` / ``intermediate_size``, ``p`` ``patch_size``, ``S``
+``image_size``, ``C`` ``num_channels``, ``H`` the text hidden size.) transformers 5.24
+``save_pretrained`` writes the tower as ``vision_tower.*``; the published files name it
+``vision_tower.vision_model.*``: the rules place both (their globs span the extra level), the
+config-only inventory gives the writer's names. With ``vision_use_head`` (SigLIP's default; the
+published Gemma-3 configs say false) the tower also has an attention-pooling ``head.*``, which
+neither transformers' Gemma-3 nor vLLM runs: replicated.
+
+Placement follows vLLM ``gemma3_mm.py`` / ``siglip.py`` in the default tensor-parallel encoder
+mode: q/k/v ``QKVParallelLinear`` (a plain even split of ``Hv`` rows is whole vision heads when
+tp divides their count), out_proj / fc2 ``RowParallelLinear`` (bias added once: whole on every
+rank), fc1 ``ColumnParallelLinear``, the position table ``VocabParallelEmbedding``, the patch
+convolution and the projector's ``nn.Parameter`` whole. The tower and projector make the image
+embeddings merged into the first stage's input embeddings, so they sit on the first pipeline
+stage (their ``layers.{i}`` are not decoder layers). The forward level of ``verify`` runs the
+text model (``gemma3_text`` built from ``text_config``): the ranks' text shards under their
+in-memory names (``language_model.`` dropped), logits compared with the unsharded model's; the
+tower and projector take no part in a token-only forward (``recomputed``), the structure and
+bitwise levels check them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from shardctl.archs import gemma3
+from shardctl.archs._decoder import R
+from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_int
+from shardctl.archs._keys import COMMON
+from shardctl.errors import InvalidInputError
+from shardctl.layout.types import RuleSpec
+from shardctl.model.types import ModelDims
+
+TEXT = "language_model."
+TEXT_TYPE = "gemma3_text"
+V = "vision_tower"
+# ``vision_tower.`` (transformers 5 save_pretrained) or ``vision_tower.vision_model.`` (hub)
+_VL = f"{V}.*encoder.layers.*"
+P = "multi_modal_projector"
+
+VISION_RULES: tuple[RuleSpec, ...] = tuple(
+    RuleSpec(match, tp=tp, stage="first")
+    for match, tp in (
+        (f"{_VL}.self_attn.[qkv]_proj.*", "colwise"),
+        (f"{_VL}.self_attn.out_proj.weight", "rowwise"),
+        (f"{_VL}.self_attn.out_proj.bias", R),
+        (f"{_VL}.mlp.fc1.*", "colwise"),
+        (f"{_VL}.mlp.fc2.weight", "rowwise"),
+        (f"{_VL}.mlp.fc2.bias", R),
+        (f"{_VL}.layer_norm*", R),
+        (f"{V}.*embeddings.position_embedding.weight", "colwise"),
+        (f"{V}.*", R),  # patch convolution, post_layernorm, SigLIP's unused pooling head
+        (f"{P}.*", R),  # mm_input_projection_weight, mm_soft_emb_norm
+    )
+)
+
+RULES: tuple[RuleSpec, ...] = (
+    tuple(
+        RuleSpec(
+            TEXT + r.match,
+            tp=r.tp,
+            parts=r.parts,
+            heads=r.heads,
+            stage=r.stage,
+            expert=r.expert,
+            groups=r.groups,
+        )
+        for r in gemma3.FAMILY.rules
+    )
+    + VISION_RULES
+)
+
+# transformers 5.24 Gemma3TextConfig defaults for the shape keys a published text_config leaves
+# out (google/gemma-3-4b-it names only hidden_size, intermediate_size, num_hidden_layers,
+# rope_scaling and sliding_window)
+TEXT_DEFAULTS: Config = {
+    "vocab_size": 262_208,
+    "hidden_size": 2304,
+    "intermediate_size": 9216,
+    "num_hidden_layers": 26,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 256,
+    "max_position_embeddings": 131_072,
+    "sliding_window": 4096,
+    "query_pre_attn_scalar": 256,
+    "rope_local_base_freq": 10_000.0,  # transformers 4's key; 5 writes rope_parameters
+}
+# transformers 5.24 SiglipVisionConfig defaults
+VISION_DEFAULTS: Config = {
+    "hidden_size": 768,
+    "intermediate_size": 3072,
+    "num_hidden_layers": 12,
+    "num_attention_heads": 12,
+    "num_channels": 3,
+    "image_size": 224,
+    "patch_size": 16,
+    "vision_use_head": True,
+}
+
+
+def _sub(config: Config, key: str, where: str) -> dict[str, object]:
+    value = config.get(key, {})
+    if not isinstance(value, Mapping):
+        raise InvalidInputError(
+            f"{key!r}: expected an object (the multimodal Gemma-3 config nests it); got "
+            f"{type(value).__name__}",
+            where=where,
+            hint=f"give {key} as in the model's config.json",
+        )
+    return dict(value)
+
+
+def text_config(config: Config, where: str = "config") -> Config:
+    """The ``text_config`` as a ``gemma3_text`` config, Gemma3TextConfig's defaults filled in.
+    A tied head unless either level says otherwise (Gemma3Config reads the top level)."""
+    text = {**TEXT_DEFAULTS, **_sub(config, "text_config", f"{where}: text_config")}
+    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    text["model_type"] = TEXT_TYPE
+    return text
+
+
+def _dims(config: Config, tied: bool, where: str) -> ModelDims:
+    return gemma3.FAMILY.dims(text_config(config, where), tied, f"{where}: text_config")
+
+
+def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
+    """The tower's and the projector's tensors, under the names save_pretrained writes."""
+    v = {**VISION_DEFAULTS, **_sub(config, "vision_config", f"{where}: vision_config")}
+    w = f"{where}: vision_config"
+    h, i = get_int(v, "hidden_size", w), get_int(v, "intermediate_size", w)
+    patch, image = get_int(v, "patch_size", w), get_int(v, "image_size", w)
+    e = f"{V}.embeddings"
+    out: Shapes = [
+        (f"{e}.patch_embedding.weight", (h, get_int(v, "num_channels", w), patch, patch)),
+        (f"{e}.patch_embedding.bias", (h,)),
+        (f"{e}.position_embedding.weight", ((image // patch) ** 2, h)),
+        (f"{V}.post_layernorm.weight", (h,)),
+        (f"{V}.post_layernorm.bias", (h,)),
+    ]
+    for n in range(get_int(v, "num_hidden_layers", w)):
+        p = f"{V}.encoder.layers.{n}"
+        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
+            out += [(f"{p}.self_attn.{proj}.weight", (h, h)), (f"{p}.self_attn.{proj}.bias", (h,))]
+        out += [
+            (f"{p}.mlp.fc1.weight", (i, h)),
+            (f"{p}.mlp.fc1.bias", (i,)),
+            (f"{p}.mlp.fc2.weight", (h, i)),
+            (f"{p}.mlp.fc2.bias", (h,)),
+        ]
+        for norm in ("layer_norm1", "layer_norm2"):
+            out += [(f"{p}.{norm}.weight", (h,)), (f"{p}.{norm}.bias", (h,))]
+    if v.get("vision_use_head"):  # SiglipMultiheadAttentionPoolingHead
+        hd = f"{V}.head"
+        out += [
+            (f"{hd}.probe", (1, 1, h)),
+            (f"{hd}.attention.in_proj_weight", (3 * h, h)),
+            (f"{hd}.attention.in_proj_bias", (3 * h,)),
+            (f"{hd}.attention.out_proj.weight", (h, h)),
+            (f"{hd}.attention.out_proj.bias", (h,)),
+            (f"{hd}.layernorm.weight", (h,)),
+            (f"{hd}.layernorm.bias", (h,)),
+            (f"{hd}.mlp.fc1.weight", (i, h)),
+            (f"{hd}.mlp.fc1.bias", (i,)),
+            (f"{hd}.mlp.fc2.weight", (h, i)),
+            (f"{hd}.mlp.fc2.bias", (h,)),
+        ]
+    out += [
+        (f"{P}.mm_input_projection_weight", (h, text_hidden)),
+        (f"{P}.mm_soft_emb_norm.weight", (h,)),
+    ]
+    return out
+
+
+def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
+    text = text_config(config, where)
+    shapes = gemma3.FAMILY.tensors(text, d, f"{where}: text_config")
+    return [(TEXT + n, s) for n, s in shapes] + vision_shapes(config, d.hidden_size, where)
+
+
+def _image_tokens(config: Config) -> int:
+    """``mm_tokens_per_image`` (Gemma3Config's default 256): the projector pools every image
+    to that many embeddings (vLLM's largest item without pan-and-scan)."""
+    return get_int(config, "mm_tokens_per_image", "config", default=256)
+
+
+def _memory(config: Config) -> MemoryFlags:
+    return gemma3.FAMILY.memory(text_config(config))
+
+
+def _local_config(
+    cfg: Config, d: ModelDims, tp: int, ep: int, first_layer: int, num_layers: int
+) -> dict[str, Any]:
+    """A rank's ``gemma3_text`` config: the text config with gemma3_text's local sizes."""
+    text = text_config(cfg)
+    text_forward = gemma3.FAMILY.forward
+    assert text_forward is not None
+    local = dict(text)
+    local.update(text_forward.local_config(text, d, tp, ep, first_layer, num_layers))
+    local["model_type"] = TEXT_TYPE
+    # the nested sections stay out of the text model's config
+    local.update(text_config=None, vision_config=None)
+    return local
+
+
+def _forward() -> ForwardSpec:
+    text_forward = gemma3.FAMILY.forward
+    assert text_forward is not None
+    return dataclasses.replace(
+        text_forward,
+        local_config=_local_config,
+        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+        recomputed=(f"{V}.*", f"{P}.*"),
+        sub_config="text_config",
+        # AutoModelForCausalLM builds Gemma3ForConditionalGeneration from the whole config
+        reference_layers="model.language_model.layers",
+    )
+
+
+FAMILY = Family(
+    name="gemma3_mm",
+    model_types=("gemma3",),
+    tied_default=True,
+    dims=_dims,
+    tensors=_tensors,
+    rules=RULES,
+    memory=_memory,
+    forward=_forward(),
+    follows="vLLM gemma3_mm.py (Gemma3ForConditionalGeneration; tower: siglip.py)",
+    shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
+    config_keys=(
+        *COMMON,
+        "boi_token_index",
+        "eoi_token_index",
+        "image_token_index",
+        "mm_tokens_per_image",
+    ),
+    text=text_config,
+    image_tokens=_image_tokens,
+    # the closed form's per-layer counts describe the text decoder only
+    closed_form=False,
+)
