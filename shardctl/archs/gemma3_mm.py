@@ -28,14 +28,15 @@ neither transformers' Gemma-3 nor vLLM runs: replicated.
 Placement follows vLLM ``gemma3_mm.py`` / ``siglip.py`` in the default tensor-parallel encoder
 mode: q/k/v ``QKVParallelLinear`` (a plain even split of ``Hv`` rows is whole vision heads when
 tp divides their count), out_proj / fc2 ``RowParallelLinear`` (bias added once: whole on every
-rank), fc1 ``ColumnParallelLinear``, the position table ``VocabParallelEmbedding``, the patch
-convolution and the projector's ``nn.Parameter`` whole. The tower and projector make the image
-embeddings merged into the first stage's input embeddings, so they sit on the first pipeline
-stage (their ``layers.{i}`` are not decoder layers). The forward level of ``verify`` runs the
-text model (``gemma3_text`` built from ``text_config``): the ranks' text shards under their
-in-memory names (``language_model.`` dropped), logits compared with the unsharded model's; the
-tower and projector take no part in a token-only forward (``recomputed``), the structure and
-bitwise levels check them.
+rank), fc1 ``ColumnParallelLinear``, the position table ``VocabParallelEmbedding`` (rows
+split); the patch convolution, the norms and the projector's ``nn.Parameter`` whole. The
+tower and projector make the image embeddings merged into the first stage's input embeddings,
+so they sit on the first pipeline stage (their ``layers.{i}`` are not decoder layers). The
+forward level of ``verify`` runs the text model (``gemma3_text`` built from ``text_config``):
+the ranks' text shards under their in-memory names (``language_model.`` dropped), logits
+compared with the unsharded model's (Gemma3ForConditionalGeneration on token input); the tower
+and projector take no part in a token-only forward (``recomputed``), the structure and bitwise
+levels check them.
 """
 
 from __future__ import annotations
@@ -46,7 +47,15 @@ from typing import Any
 
 from shardctl.archs import gemma3
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_int
+from shardctl.archs._family import (
+    Config,
+    Family,
+    ForwardSpec,
+    MemoryFlags,
+    Shapes,
+    get_bool,
+    get_int,
+)
 from shardctl.archs._keys import COMMON
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
@@ -134,16 +143,19 @@ def _sub(config: Config, key: str, where: str) -> dict[str, object]:
 
 def text_config(config: Config, where: str = "config") -> Config:
     """The ``text_config`` as a ``gemma3_text`` config, Gemma3TextConfig's defaults filled in.
-    A tied head unless either level says otherwise (Gemma3Config reads the top level)."""
+    ``tie_word_embeddings``: the section's own, else the top level's (unset: tied, as every
+    published Gemma-3 is)."""
     text = {**TEXT_DEFAULTS, **_sub(config, "text_config", f"{where}: text_config")}
-    if "tie_word_embeddings" in config and "tie_word_embeddings" not in text:
-        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    if text.get("tie_word_embeddings") is None:
+        text["tie_word_embeddings"] = config.get("tie_word_embeddings")
     text["model_type"] = TEXT_TYPE
     return text
 
 
 def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    return gemma3.FAMILY.dims(text_config(config, where), tied, f"{where}: text_config")
+    text = text_config(config, where)
+    tied = get_bool(text, "tie_word_embeddings", f"{where}: text_config", tied)
+    return gemma3.FAMILY.dims(text, tied, f"{where}: text_config")
 
 
 def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
