@@ -175,3 +175,27 @@ def test_tower_sits_on_the_first_stage(tmp_path: Path) -> None:
     assert "language_model.model.layers.1.mlp.up_proj.weight" in first
     assert "language_model.model.layers.2.mlp.up_proj.weight" in last
     assert "language_model.model.embed_tokens.weight" in first
+
+
+@pytest.mark.parametrize(
+    ("config", "says"),
+    [
+        ({"model_type": "gemma3", "text_config": [1, 2]}, "'text_config': expected an object"),
+        ({"model_type": "gemma3", "vision_config": {"patch_size": 0}}, "'patch_size'"),
+        ({"model_type": "gemma3", "mm_tokens_per_image": "many"}, "'mm_tokens_per_image'"),
+    ],
+)
+def test_bad_multimodal_config_is_one_line(
+    tmp_path: Path, config: dict[str, Any], says: str
+) -> None:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(
+        f"model: {{config: {path}}}\nmesh: {{tp: 2}}\nhardware: {{gpu: h100-sxm}}\n"
+        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192}\n'
+    )
+    done = run_cli("plan", str(manifest))
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardctl: error:") and says in lines[0]
