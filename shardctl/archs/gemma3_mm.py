@@ -41,8 +41,6 @@ levels check them.
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from shardctl.archs import gemma3
@@ -57,11 +55,10 @@ from shardctl.archs._family import (
     get_int,
 )
 from shardctl.archs._keys import COMMON
-from shardctl.errors import InvalidInputError
+from shardctl.archs._multimodal import TEXT, section, text_forward, text_rules
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
-TEXT = "language_model."
 TEXT_TYPE = "gemma3_text"
 V = "vision_tower"
 # ``vision_tower.`` (transformers 5 save_pretrained) or ``vision_tower.vision_model.`` (hub)
@@ -84,21 +81,7 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
     )
 )
 
-RULES: tuple[RuleSpec, ...] = (
-    tuple(
-        RuleSpec(
-            TEXT + r.match,
-            tp=r.tp,
-            parts=r.parts,
-            heads=r.heads,
-            stage=r.stage,
-            expert=r.expert,
-            groups=r.groups,
-        )
-        for r in gemma3.FAMILY.rules
-    )
-    + VISION_RULES
-)
+RULES: tuple[RuleSpec, ...] = text_rules(gemma3.FAMILY) + VISION_RULES
 
 # transformers 5.24 Gemma3TextConfig defaults for the shape keys a published text_config leaves
 # out (google/gemma-3-4b-it names only hidden_size, intermediate_size, num_hidden_layers,
@@ -129,16 +112,8 @@ VISION_DEFAULTS: Config = {
 }
 
 
-def _sub(config: Config, key: str, where: str) -> dict[str, object]:
-    value = config.get(key, {})
-    if not isinstance(value, Mapping):
-        raise InvalidInputError(
-            f"{key!r}: expected an object (the multimodal Gemma-3 config nests it); got "
-            f"{type(value).__name__}",
-            where=where,
-            hint=f"give {key} as in the model's config.json",
-        )
-    return dict(value)
+def _sub(config: Config, key: str, where: str) -> dict[str, Any]:
+    return section(config, key, where, "Gemma-3", required=False)
 
 
 def text_config(config: Config, where: str = "config") -> Config:
@@ -222,30 +197,11 @@ def _memory(config: Config) -> MemoryFlags:
     return gemma3.FAMILY.memory(text_config(config))
 
 
-def _local_config(
-    cfg: Config, d: ModelDims, tp: int, ep: int, first_layer: int, num_layers: int
-) -> dict[str, Any]:
-    """A rank's ``gemma3_text`` config: the text config with gemma3_text's local sizes."""
-    text = text_config(cfg)
-    text_forward = gemma3.FAMILY.forward
-    assert text_forward is not None
-    local = dict(text)
-    local.update(text_forward.local_config(text, d, tp, ep, first_layer, num_layers))
-    local["model_type"] = TEXT_TYPE
-    # the nested sections stay out of the text model's config
-    local.update(text_config=None, vision_config=None)
-    return local
-
-
 def _forward() -> ForwardSpec:
-    text_forward = gemma3.FAMILY.forward
-    assert text_forward is not None
-    return dataclasses.replace(
-        text_forward,
-        local_config=_local_config,
-        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
+    return text_forward(
+        gemma3.FAMILY,
+        text_config,
         recomputed=(f"{V}.*", f"{P}.*"),
-        sub_config="text_config",
         # AutoModelForCausalLM builds Gemma3ForConditionalGeneration from the whole config
         reference_layers="model.language_model.layers",
     )

@@ -37,19 +37,16 @@ level does not read them (``recomputed`` below); the structure and bitwise level
 
 from __future__ import annotations
 
-import dataclasses
-from collections.abc import Mapping
 from typing import Any
 
 from shardctl.archs import llama4_text
 from shardctl.archs._decoder import R
 from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_int
 from shardctl.archs._keys import COMMON
-from shardctl.errors import InvalidInputError
+from shardctl.archs._multimodal import TEXT, section, text_forward, text_rules
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
-TEXT = "language_model."
 V = "vision_model"
 _VL = f"{V}.model.layers.*"
 
@@ -71,21 +68,7 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
     )
 )
 
-RULES: tuple[RuleSpec, ...] = (
-    tuple(
-        RuleSpec(
-            TEXT + r.match,
-            tp=r.tp,
-            parts=r.parts,
-            heads=r.heads,
-            stage=r.stage,
-            expert=r.expert,
-            groups=r.groups,
-        )
-        for r in llama4_text.RULES
-    )
-    + VISION_RULES
-)
+RULES: tuple[RuleSpec, ...] = text_rules(llama4_text.FAMILY) + VISION_RULES
 
 # transformers 5.23 Llama4VisionConfig defaults for the keys a config may leave out
 VISION_DEFAULTS: Config = {
@@ -102,16 +85,8 @@ VISION_DEFAULTS: Config = {
 }
 
 
-def _sub(config: Config, key: str, where: str) -> dict[str, object]:
-    value = config.get(key)
-    if not isinstance(value, Mapping):
-        got = "it is missing" if value is None else f"got {type(value).__name__}"
-        raise InvalidInputError(
-            f"{key!r}: expected an object (the multimodal Llama-4 config nests it); {got}",
-            where=where,
-            hint=f"give {key} as in the model's config.json",
-        )
-    return dict(value)
+def _sub(config: Config, key: str, where: str) -> dict[str, Any]:
+    return section(config, key, where, "Llama-4", required=True)
 
 
 def text_config(config: Config, where: str = "config") -> Config:
@@ -121,10 +96,6 @@ def text_config(config: Config, where: str = "config") -> Config:
 
 def _dims(config: Config, tied: bool, where: str) -> ModelDims:
     return llama4_text.FAMILY.dims(text_config(config, where), tied, f"{where}: text_config")
-
-
-def _text_name(fqn: str) -> str:
-    return TEXT + fqn
 
 
 def _vision(config: Config, text_hidden: int, where: str) -> Shapes:
@@ -167,38 +138,16 @@ def _vision(config: Config, text_hidden: int, where: str) -> Shapes:
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
     text = text_config(config, where)
     shapes = llama4_text.FAMILY.tensors(text, d, f"{where}: text_config")
-    return [(_text_name(n), s) for n, s in shapes] + _vision(config, d.hidden_size, where)
+    return [(TEXT + n, s) for n, s in shapes] + _vision(config, d.hidden_size, where)
 
 
 def _memory(config: Config) -> MemoryFlags:
     return llama4_text.FAMILY.memory(text_config(config, "config"))
 
 
-def _local_config(
-    cfg: Config, d: ModelDims, tp: int, ep: int, first_layer: int, num_layers: int
-) -> dict[str, Any]:
-    """A rank's ``llama4_text`` config: the text config's keys with llama4_text's local sizes."""
-    text = text_config(cfg, "config")
-    text_forward = llama4_text.FAMILY.forward
-    assert text_forward is not None
-    local = dict(text)
-    local.update(text_forward.local_config(text, d, tp, ep, first_layer, num_layers))
-    local["model_type"] = "llama4_text"
-    # the nested sections stay out of the text model's config (transformers reads them as
-    # sub-configs there)
-    local.update(text_config=None, vision_config=None)
-    return local
-
-
 def _forward() -> ForwardSpec:
-    text_forward = llama4_text.FAMILY.forward
-    assert text_forward is not None
-    return dataclasses.replace(
-        text_forward,
-        local_config=_local_config,
-        renames=(("language_model.model.", "model."), ("language_model.lm_head.", "lm_head.")),
-        recomputed=(f"{V}.*", "multi_modal_projector.*"),
-        sub_config="text_config",
+    return text_forward(
+        llama4_text.FAMILY, text_config, recomputed=(f"{V}.*", "multi_modal_projector.*")
     )
 
 
