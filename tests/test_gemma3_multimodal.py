@@ -199,3 +199,34 @@ def test_bad_multimodal_config_is_one_line(
     assert done.returncode == 3, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardctl: error:") and says in lines[0]
+
+
+def test_real_size_tower_per_rank_at_tp4(tmp_path: Path) -> None:
+    """The published 27B at tp 4 (no engine: weights alone): each rank holds the text model's
+    share (the text-only manifest's ranks) plus the SigLIP tower split as vLLM splits it,
+    summed by hand from the published vision_config (1,152 wide, 4,304 MLP, 27 layers,
+    896-pixel images of 14-pixel patches)."""
+    hv, iv, n, tp = 1152, 4304, 27, 4
+    layer = (
+        3 * (hv * hv + hv) // tp  # q/k/v weights and biases, column-parallel
+        + hv * hv // tp
+        + hv  # out_proj: rows split, bias whole
+        + (iv * hv + iv) // tp  # fc1, column-parallel
+        + hv * iv // tp
+        + hv  # fc2: split along its input, bias whole
+        + 4 * hv  # layer_norm1 / 2
+    )
+    tower = (
+        n * layer
+        + hv * 3 * 14 * 14 + hv  # patch convolution, whole
+        + (896 // 14) ** 2 * hv // tp  # position table, rows split
+        + 2 * hv  # post_layernorm
+        + hv * 5376 + hv  # projector weight and its norm, whole
+    )  # fmt: skip
+    mm = MANIFEST[: MANIFEST.index("mesh:")] + "mesh: {tp: 4}\nhardware: {gpu: h100-sxm}\n"
+    text = (ROOT / "manifests/gemma-3-27b-text-tp4.yaml").read_text()
+    text = text[: text.index("workload:")]
+    multimodal, text_only = _plan(tmp_path, mm), _plan(tmp_path, text)
+    assert len(multimodal["ranks"]) == len(text_only["ranks"]) == tp
+    for a, b in zip(multimodal["ranks"], text_only["ranks"], strict=True):
+        assert a["memory"]["weights"] - b["memory"]["weights"] == 2 * tower
