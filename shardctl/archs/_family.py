@@ -121,6 +121,10 @@ class ForwardSpec:
     # builds from the whole config, when not at ``layer_prefix`` (Gemma-3's
     # Gemma3ForConditionalGeneration: ``model.language_model.layers``)
     reference_layers: str = ""
+    # the transformers auto class that builds the unsharded reference from the whole config:
+    # AutoModelForCausalLM, or AutoModelForImageTextToText where a multimodal config has no
+    # causal-LM mapping (Mistral3ForConditionalGeneration)
+    reference_auto: str = "AutoModelForCausalLM"
 
     def param(self, fqn: str) -> str:
         """The in-memory name of an on-disk ``fqn``."""
@@ -186,6 +190,11 @@ class Family:
     # the engine profiles its encoder on a batch of them (plan/memory/vllm.py
     # ``encoder_cache_bytes``). None: no image input, or a size not modelled.
     image_tokens: Callable[[Config], int] | None = None
+    # fqn globs of a multimodal family's vision tower and projector: ``quantization.method``
+    # leaves them as stored, as the published quantized releases do (their recipes' ignore
+    # lists) and as quantizing to fit means (the language model holds the bytes); a
+    # ``quantization.overrides`` entry still quantizes them (plan/memory/precision.py).
+    towers: tuple[str, ...] = ()
     follows: str = ""  # the engine code whose placement the rules follow
     # False: plan/memory/shapes.py's Llama/Mixtral closed-form counts do not describe this
     # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from

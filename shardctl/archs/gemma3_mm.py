@@ -226,6 +226,7 @@ FAMILY = Family(
         "mm_tokens_per_image",
     ),
     text=text_config,
+    towers=(f"{V}.*", f"{P}.*"),
     image_tokens=_image_tokens,
     # the closed form's per-layer counts describe the text decoder only
     closed_form=False,

@@ -164,6 +164,7 @@ FAMILY = Family(
     shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
     config_keys=(*COMMON, "boi_token_index", "eoi_token_index", "image_token_index"),
     text=text_config,
+    towers=(f"{V}.*", "multi_modal_projector.*"),
     # the closed form's per-layer counts describe the text decoder only
     closed_form=False,
 )

@@ -6,7 +6,8 @@ Per tensor, the first rule that applies::
     1. the first ``overrides`` entry whose ``match`` (fnmatch on the full name) matches:
        ``dtype: bf16`` -> dense in that dtype; ``method: none`` -> as stored;
        ``method: fp8`` (any method) -> that format, if the tensor is a matrix
-    2. a ``keep_16bit`` glob matches -> as stored (16-bit)
+    2. a ``keep_16bit`` glob matches, or the family's vision tower or projector
+       (``Family.towers``) -> as stored (16-bit)
     3. ``method`` is set and the tensor is a matrix -> that format
     4. otherwise as stored
 
@@ -133,8 +134,13 @@ def tensor_formats(model: ModelInfo, quant: QuantSpec) -> dict[str, Format]:
     conv1d = family is not None and family.conv1d
     formats: dict[str, Format] = {}
     first = first_match(tuple(o.match for o in quant.overrides))
+    tower = first_match(family.towers if family is not None else ())
     for t in model.tensors:
-        fmt = tensor_format(t, quant, experts, first(t.fqn))
+        override = first(t.fqn)
+        if override is None and tower(t.fqn) is not None:
+            formats[t.fqn] = AS_STORED
+            continue
+        fmt = tensor_format(t, quant, experts, override)
         if conv1d and fmt.formula is not None and _conv1d_weight(t):
             fmt = replace(fmt, transposed=True)
         formats[t.fqn] = fmt
