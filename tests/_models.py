@@ -284,6 +284,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
             image_size=56, patch_size=14, vision_use_head=False,
         ),
     ),
+    # flagships: the multimodal Mistral-3 (Mistral3ForConditionalGeneration): mistral's model
+    # under language_model.* (its own lm_head, as published) beside a Pixtral tower and the
+    # 2 x 2 patch-merging projector
+    "mistral3": dict(
+        model_type="mistral3", tie_word_embeddings=False, image_token_index=10,
+        spatial_merge_size=2,
+        text_config=dict(
+            model_type="mistral", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+            max_position_embeddings=128, sliding_window=None,
+        ),
+        vision_config=dict(
+            model_type="pixtral", hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+            num_attention_heads=4, head_dim=8, image_size=56, patch_size=14,
+        ),
+    ),
 }
 # fmt: on
 

@@ -63,6 +63,8 @@ FAMILIES: dict[str, list[Mesh]] = {
     "llama4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # multimodal Gemma-3: gemma3_text (kv 2, sliding 5:1, tied) beside a SigLIP tower
     "gemma3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # multimodal Mistral-3: mistral (kv 2, untied) beside a Pixtral tower (4 heads)
+    "mistral3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 
@@ -91,9 +93,14 @@ def _checkpoint(root: Path, family: str) -> Path:
 
 
 def _logits(path: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
+    import json
 
-    model = AutoModelForCausalLM.from_pretrained(path, dtype="auto").eval()
+    import transformers
+
+    family = family_for(json.loads((path / "config.json").read_text())["model_type"])
+    assert family.forward is not None
+    auto = getattr(transformers, family.forward.reference_auto)  # Mistral-3: ImageTextToText
+    model = auto.from_pretrained(path, dtype="auto").eval()
     ids = torch.arange(1, 17).reshape(1, 16)
     with torch.inference_mode():
         return model(input_ids=ids).logits

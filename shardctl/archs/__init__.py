@@ -34,6 +34,7 @@ from shardctl.archs import (
     llama4,
     llama4_text,
     mistral,
+    mistral3,
     mixtral,
     olmo2,
     phi,
@@ -95,6 +96,7 @@ _MODULES: tuple[ModuleType, ...] = (
     # flagships
     llama4,
     gemma3_mm,
+    mistral3,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -102,7 +104,7 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 # model_type -> why it is refused and what to do, for a known relative a family file declines
-# (a module's optional ``REFUSED`` dict, e.g. mistral.py: the multimodal "mistral3" config).
+# (a module's optional ``REFUSED`` dict, e.g. qwen2.py: the multimodal "qwen2_5_vl" config).
 REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

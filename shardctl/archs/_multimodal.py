@@ -44,6 +44,7 @@ def text_forward(
     *,
     recomputed: tuple[str, ...],
     reference_layers: str = "",
+    reference_auto: str = "AutoModelForCausalLM",
 ) -> ForwardSpec:
     """The forward level of a multimodal family: the text family's, on each rank's text config
     (``text_config`` of the whole one, at the text family's local sizes), the on-disk
@@ -72,4 +73,5 @@ def text_forward(
         recomputed=recomputed,
         sub_config="text_config",
         reference_layers=reference_layers,
+        reference_auto=reference_auto,
     )

@@ -9,16 +9,6 @@ from shardctl.archs._decoder import decoder_family
 from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
-REFUSED = {
-    "mistral3": (
-        "that is the multimodal Mistral-3 (Mistral3ForConditionalGeneration: a Pixtral vision "
-        "tower and a patch-merging projector beside a 'mistral' language model under "
-        "language_model.*), which shardctl does not place; its text model is supported as "
-        "model_type 'mistral': use a text-only checkpoint (the text_config, tensors without "
-        "the language_model prefix), or place every tensor with manifest rules:"
-    )
-}
-
 FAMILY = decoder_family(
     "mistral",
     config_keys=(*DECODER_OTHER, *SLIDING),

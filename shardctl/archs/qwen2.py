@@ -9,6 +9,16 @@ from shardctl.archs._decoder import decoder_family
 from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
+REFUSED = {
+    "qwen2_5_vl": (
+        "that is the multimodal Qwen2.5-VL (Qwen2_5_VLForConditionalGeneration: a windowed "
+        "ViT with 2-D rotary and a patch merger beside a Qwen2 language model), which shardctl "
+        "does not place; its decoder has Qwen2's tensors: plan a text-only checkpoint as "
+        "model_type 'qwen2' (the text keys, tensors under model.*), or place every tensor "
+        "with manifest rules:"
+    )
+}
+
 FAMILY = decoder_family(
     "qwen2",
     qkv_bias=True,

@@ -42,13 +42,20 @@ def adapter_for(arch: str) -> Adapter:
 
 def forward_config(cfg: dict[str, Any]) -> dict[str, Any]:
     """The config the forward level reads: a multimodal family's text section lifted to the
-    top (``ForwardSpec.sub_config``), its own ``model_type`` kept; others unchanged."""
+    top (``ForwardSpec.sub_config``), its own ``model_type`` kept and its tie as the family
+    reads it (``Family.text``); others unchanged."""
     family = find(str(cfg.get("model_type")))
     section = family.forward.sub_config if family is not None and family.forward else ""
     sub = cfg.get(section) if section else None
     if not isinstance(sub, Mapping):
         return cfg
-    return {**cfg, **dict(sub), "model_type": cfg["model_type"]}
+    lifted = {**cfg, **dict(sub), "model_type": cfg["model_type"]}
+    assert family is not None
+    # the tie the family reads (Mistral-3: the top level's first, as transformers ties)
+    tied = family.text(cfg).get("tie_word_embeddings") if family.text is not None else None
+    if tied is not None:
+        lifted["tie_word_embeddings"] = tied
+    return lifted
 
 
 def dims_of(cfg: dict[str, Any]) -> Dims:

@@ -144,7 +144,6 @@ def _dequantized_reference(path: Path, config: dict[str, Any]) -> nn.Module:
     import json
 
     from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
     from shardctl.io.tempdirs import owned_tempdir
     from shardctl.quant.dequant import dequantize, model_dtype, without_quant
@@ -156,15 +155,21 @@ def _dequantized_reference(path: Path, config: dict[str, Any]) -> nn.Module:
         save_file({k: v.contiguous() for k, v in state.items()}, str(out / "model.safetensors"))
         del state
         (out / "config.json").write_text(json.dumps(without_quant(config)))
-        return AutoModelForCausalLM.from_pretrained(out, dtype="auto", **implementations(config))
+        return _auto(config).from_pretrained(out, dtype="auto", **implementations(config))
+
+
+def _auto(config: dict[str, Any]) -> Any:
+    """The transformers auto class that builds the family's unsharded reference
+    (``ForwardSpec.reference_auto``)."""
+    import transformers
+
+    return getattr(transformers, adapter_for(str(config.get("model_type"))).reference_auto)
 
 
 def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = None) -> Reference:
     """Run SRC unsharded (an HF checkpoint, or a shardctl layout merged first; ``figures`` gets
     how and how long): float64 first, recording MoE routing, then the checkpoint dtype with that
     routing imposed (verify/routing.py says why)."""
-    from transformers import AutoModelForCausalLM
-
     from shardctl.verify.reference import hf_reference
 
     with hf_reference(src, figures) as path, quiet_transformers():
@@ -173,7 +178,7 @@ def reference_logits(src: Path, job: RankJob, figures: dict[str, Any] | None = N
             if job.config.get("quantization_config") is not None:
                 model = _dequantized_reference(path, job.config)
             else:
-                model = AutoModelForCausalLM.from_pretrained(
+                model = _auto(job.config).from_pretrained(
                     path, dtype="auto", **implementations(job.config)
                 )
         except (OSError, ValueError) as exc:
