@@ -187,3 +187,18 @@ def test_bad_mistral3_config_is_one_line(tmp_path: Path, config: dict[str, Any],
     assert done.returncode == 3, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr
+
+
+@pytest.mark.parametrize("name", ["mistral3", "gemma3", "llama4"])
+def test_towers_cover_every_tensor_beside_the_language_model(name: str) -> None:
+    """``Family.towers`` (kept as stored under ``quantization.method``) names exactly the
+    tensors outside ``language_model.``, in each multimodal family's inventory."""
+    from fnmatch import fnmatchcase
+
+    from shardctl.model.archs import tensors_from_config
+
+    family = family_for(name)
+    names = [t.fqn for t in tensors_from_config(CONFIGS[name], "BF16")]
+    kept = {n for n in names if any(fnmatchcase(n, g) for g in family.towers)}
+    assert kept == {n for n in names if not n.startswith("language_model.")}
+    assert kept

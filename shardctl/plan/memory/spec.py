@@ -353,9 +353,9 @@ FP8_BLOCK = 128
 
 # Tensors kept in 16-bit when quantizing, unless ``keep_16bit`` says otherwise: embeddings
 # (llama-style ``embed_tokens``, GPT-2 ``wte``/``wpe``), the LM head (also a multimodal model's
-# ``language_model.lm_head``), and every norm (``*norm*``
-# covers ``input_layernorm``, ``model.norm``; ``*.ln_*`` covers GPT-2's ``ln_1``, ``ln_f``). This
-# is what GPTQ/AWQ/bitsandbytes do: they quantize the decoder's Linear weights only.
+# ``language_model.lm_head``), and every norm (``*norm*`` covers ``input_layernorm``,
+# ``model.norm``; ``*.ln_*`` covers GPT-2's ``ln_1``, ``ln_f``). This is what
+# GPTQ/AWQ/bitsandbytes do: they quantize the decoder's Linear weights only.
 DEFAULT_KEEP_16BIT: tuple[str, ...] = (
     "*embed_tokens.*",
     "*.wte.*",
