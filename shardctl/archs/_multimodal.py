@@ -9,7 +9,7 @@ import dataclasses
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardctl.archs._family import Config, Family, ForwardSpec
+from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_bool
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -75,3 +75,36 @@ def text_forward(
         reference_layers=reference_layers,
         reference_auto=reference_auto,
     )
+
+
+def text_tensors(
+    text: Family,
+    text_config: Callable[[Config, str], Config],
+    config: Config,
+    d: ModelDims,
+    where: str,
+) -> Shapes:
+    """The text family's tensors for the text section, under ``language_model.``."""
+    shapes = text.tensors(text_config(config, where), d, f"{where}: text_config")
+    return [(TEXT + n, s) for n, s in shapes]
+
+
+def text_dims(
+    text: Family, text_config: Callable[[Config, str], Config]
+) -> Callable[[Config, bool, str], ModelDims]:
+    """A ``Family.dims`` of the text section: the text family's, tied as the section says
+    (``text_config`` fills the tie in as the multimodal family reads it), else ``tied``."""
+
+    def dims(config: Config, tied: bool, where: str) -> ModelDims:
+        section = text_config(config, where)
+        tied = get_bool(section, "tie_word_embeddings", f"{where}: text_config", tied)
+        return text.dims(section, tied, f"{where}: text_config")
+
+    return dims
+
+
+def text_memory(
+    text: Family, text_config: Callable[[Config, str], Config]
+) -> Callable[[Config], MemoryFlags]:
+    """A ``Family.memory`` of the text section: the text family's flags."""
+    return lambda config: text.memory(text_config(config, "config"))

@@ -49,13 +49,18 @@ from shardctl.archs._family import (
     Config,
     Family,
     ForwardSpec,
-    MemoryFlags,
     Shapes,
-    get_bool,
     get_int,
 )
 from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import TEXT, section, text_forward, text_rules
+from shardctl.archs._multimodal import (
+    section,
+    text_dims,
+    text_forward,
+    text_memory,
+    text_rules,
+    text_tensors,
+)
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -127,12 +132,6 @@ def text_config(config: Config, where: str = "config") -> Config:
     return text
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    tied = get_bool(text, "tie_word_embeddings", f"{where}: text_config", tied)
-    return gemma3.FAMILY.dims(text, tied, f"{where}: text_config")
-
-
 def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     """The tower's and the projector's tensors, under the names save_pretrained writes."""
     v = {**VISION_DEFAULTS, **_sub(config, "vision_config", f"{where}: vision_config")}
@@ -182,19 +181,15 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
 
 
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
-    text = text_config(config, where)
-    shapes = gemma3.FAMILY.tensors(text, d, f"{where}: text_config")
-    return [(TEXT + n, s) for n, s in shapes] + vision_shapes(config, d.hidden_size, where)
+    return text_tensors(gemma3.FAMILY, text_config, config, d, where) + vision_shapes(
+        config, d.hidden_size, where
+    )
 
 
 def _image_tokens(config: Config) -> int:
     """``mm_tokens_per_image`` (Gemma3Config's default 256): the projector pools every image
     to that many embeddings (vLLM's largest item without pan-and-scan)."""
     return get_int(config, "mm_tokens_per_image", "config", default=256)
-
-
-def _memory(config: Config) -> MemoryFlags:
-    return gemma3.FAMILY.memory(text_config(config))
 
 
 def _forward() -> ForwardSpec:
@@ -211,10 +206,10 @@ FAMILY = Family(
     name="gemma3_mm",
     model_types=("gemma3",),
     tied_default=True,
-    dims=_dims,
+    dims=text_dims(gemma3.FAMILY, text_config),
     tensors=_tensors,
     rules=RULES,
-    memory=_memory,
+    memory=text_memory(gemma3.FAMILY, text_config),
     forward=_forward(),
     follows="vLLM gemma3_mm.py (Gemma3ForConditionalGeneration; tower: siglip.py)",
     shape_keys=("text_config", "vision_config", "tie_word_embeddings"),

@@ -41,9 +41,15 @@ from typing import Any
 
 from shardctl.archs import llama4_text
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, ForwardSpec, MemoryFlags, Shapes, get_int
+from shardctl.archs._family import Config, Family, ForwardSpec, Shapes, get_int
 from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import TEXT, section, text_forward, text_rules
+from shardctl.archs._multimodal import (
+    section,
+    text_forward,
+    text_memory,
+    text_rules,
+    text_tensors,
+)
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -136,13 +142,9 @@ def _vision(config: Config, text_hidden: int, where: str) -> Shapes:
 
 
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
-    text = text_config(config, where)
-    shapes = llama4_text.FAMILY.tensors(text, d, f"{where}: text_config")
-    return [(TEXT + n, s) for n, s in shapes] + _vision(config, d.hidden_size, where)
-
-
-def _memory(config: Config) -> MemoryFlags:
-    return llama4_text.FAMILY.memory(text_config(config, "config"))
+    return text_tensors(llama4_text.FAMILY, text_config, config, d, where) + _vision(
+        config, d.hidden_size, where
+    )
 
 
 def _forward() -> ForwardSpec:
@@ -158,7 +160,7 @@ FAMILY = Family(
     dims=_dims,
     tensors=_tensors,
     rules=RULES,
-    memory=_memory,
+    memory=text_memory(llama4_text.FAMILY, text_config),
     forward=_forward(),
     follows="vLLM mllama4.py (Llama4ForConditionalGeneration; text: llama4.py)",
     shape_keys=("text_config", "vision_config", "tie_word_embeddings"),

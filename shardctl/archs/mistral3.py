@@ -51,13 +51,20 @@ from shardctl.archs._family import (
     Config,
     Family,
     ForwardSpec,
-    MemoryFlags,
     Shapes,
     get_bool,
     get_int,
 )
 from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import TEXT, section, text_forward, text_rules
+from shardctl.archs._multimodal import (
+    TEXT,
+    section,
+    text_dims,
+    text_forward,
+    text_memory,
+    text_rules,
+    text_tensors,
+)
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -149,12 +156,6 @@ def text_config(config: Config, where: str = "config") -> Config:
     return text
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    tied = get_bool(text, "tie_word_embeddings", f"{where}: text_config", False)
-    return mistral.FAMILY.dims(text, tied, f"{where}: text_config")
-
-
 def _vision(config: Config, where: str) -> dict[str, Any]:
     given = _sub(config, "vision_config", f"{where}: vision_config")
     return {**VISION_DEFAULTS, **(VISION_ABSENT if given is None else given)}
@@ -208,9 +209,9 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
 
 
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
-    text = text_config(config, where)
-    shapes = mistral.FAMILY.tensors(text, d, f"{where}: text_config")
-    return [(TEXT + n, s) for n, s in shapes] + vision_shapes(config, d.hidden_size, where)
+    return text_tensors(mistral.FAMILY, text_config, config, d, where) + vision_shapes(
+        config, d.hidden_size, where
+    )
 
 
 def _image_tokens(config: Config) -> int:
@@ -222,10 +223,6 @@ def _image_tokens(config: Config) -> int:
     merge = get_int(config, "spatial_merge_size", "config", default=SPATIAL_MERGE)
     cells = get_int(v, "image_size", "config: vision_config") // (patch * merge)
     return cells * cells
-
-
-def _memory(config: Config) -> MemoryFlags:
-    return mistral.FAMILY.memory(text_config(config))
 
 
 def _forward() -> ForwardSpec:
@@ -244,10 +241,10 @@ FAMILY = Family(
     name="mistral3",
     model_types=("mistral3",),
     tied_default=False,
-    dims=_dims,
+    dims=text_dims(mistral.FAMILY, text_config),
     tensors=_tensors,
     rules=RULES,
-    memory=_memory,
+    memory=text_memory(mistral.FAMILY, text_config),
     forward=_forward(),
     follows="vLLM mistral3.py (Mistral3ForConditionalGeneration; tower: pixtral.py)",
     shape_keys=(
