@@ -63,13 +63,29 @@ def test_issue_typo_exits_3_with_did_you_mean(tmp_path: Path) -> None:
     assert shardctl("plan", str(m)).returncode == 0
 
 
-def test_memory_keys_read_elsewhere_are_redirected(tmp_path: Path) -> None:
-    m = tmp_path / "q.yaml"
+def test_inline_quantization_config_is_read_as_a_config_json_is(tmp_path: Path) -> None:
+    """A published config's ``quantization_config`` pasted inline prices the stored tensors (AWQ
+    int4 here: about a quarter of the bf16 linears); a broken one is exit 3 naming it."""
+    import json
+
     text = QWEN25_72B.format(kv_key="num_key_value_heads")
-    m.write_text(text.replace("  bos_token_id", "  quantization_config: {quant_method: awq}\n  b"))
-    proc = shardctl("plan", str(m))
+    plain, awq, bad = (tmp_path / f"{n}.yaml" for n in ("plain", "awq", "bad"))
+    plain.write_text(text)
+    awq.write_text(
+        text.replace("  bos_token_id", "  quantization_config: {quant_method: awq}\n  bos_token_id")
+    )
+    bad.write_text(
+        text.replace("  bos_token_id", "  quantization_config: {quant_method: q9}\n  bos_token_id")
+    )
+    weights = []
+    for m in (plain, awq):
+        proc = shardctl("plan", str(m), "--json", "--tp", "1")  # 29,568 / 8 is not in groups of 128
+        assert proc.returncode in (0, 1), proc.stderr  # 1: does not fit one GPU
+        weights.append(json.loads(proc.stdout)["ranks"][0]["memory"]["weights"])
+    assert 0.25 < weights[1] / weights[0] < 0.35  # int4 linears, 16-bit embeddings and head
+    proc = shardctl("plan", str(bad))
     assert proc.returncode == 3
-    assert "quantization:" in proc.stderr
+    assert "quantization_config" in proc.stderr and "'q9'" in proc.stderr
 
 
 def test_unknown_key_far_from_any_lists_the_shape_keys(tmp_path: Path) -> None:

@@ -37,6 +37,20 @@ from tests._models import CONFIGS, make_checkpoint
 GIB = 2**30
 MANIFEST = (ROOT / "manifests/mistral-small-3.1-24b-vllm-tp1.yaml").read_text()
 W8A8 = MANIFEST.replace("mesh: {tp: 1}", "mesh: {tp: 1}\nquantization: {method: int8}")
+# The release's own way to say it: its compressed-tensors quantization_config (llm-compressor's
+# W8A8 scheme; the log: "Using scheme: CompressedTensorsW8A8Int8" for the 160 language-model
+# linears only), so the stored tensors (I8, a bf16 scale per row) are what is priced.
+STORED = """  quantization_config:
+    quant_method: compressed-tensors
+    format: int-quantized
+    ignore: [language_model.lm_head, "re:vision_tower.*", "re:multi_modal_projector.*"]
+    config_groups:
+      group_0:
+        targets: [Linear]
+        weights: {num_bits: 8, type: int, strategy: channel, symmetric: true, dynamic: false}
+        input_activations: {num_bits: 8, type: int, strategy: token, dynamic: true}
+"""
+W8A8_STORED = MANIFEST.replace("  text_config:\n", STORED + "  text_config:\n", 1)
 # the published text model: hidden, q width, kv width, intermediate, layers
 H, Q, KV, FF, L = 5120, 32 * 128, 8 * 128, 32768, 40
 
@@ -56,8 +70,10 @@ def _plan(tmp_path: Path, text: str, *flags: str) -> dict[str, Any]:
         (MANIFEST, 1, 44.76, 2.03, 184_752),
         (W8A8, 1, 24.07, 2.18, 319_344),
         (W8A8, 2, 12.11, 2.03, 773_584),
+        (W8A8_STORED, 1, 24.07, 2.18, 319_344),
+        (W8A8_STORED, 2, 12.11, 2.03, 773_584),
     ],
-    ids=["bf16-tp1", "w8a8-tp1", "w8a8-tp2"],
+    ids=["bf16-tp1", "w8a8-tp1", "w8a8-tp2", "stored-w8a8-tp1", "stored-w8a8-tp2"],
 )
 def test_published_mistral_small_rows(
     tmp_path: Path, manifest: str, tp: int, loaded: float, peak: float, logged: int
@@ -94,6 +110,9 @@ def test_int8_quantizes_the_text_linears_only(tmp_path: Path) -> None:
     rows = L * (Q + 2 * KV + H + 2 * FF + H)  # q, k, v, o, gate, up, down out-features
     n = L * (H * (Q + 2 * KV) + Q * H + 3 * H * FF)
     assert bf16 - int8 == 2 * n - (n + 4 * rows)
+    # the release's config: the same tensors, its scales bf16 (2 bytes per row, not 4)
+    stored = _plan(tmp_path, W8A8_STORED)["ranks"][0]["memory"]["weights"]
+    assert bf16 - stored == 2 * n - (n + 2 * rows)
 
 
 def _model(text: str) -> dict[str, Any]:

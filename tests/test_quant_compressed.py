@@ -1,7 +1,9 @@
 """compressed-tensors checkpoints written by the ``compressed-tensors`` library itself (the
 format llm-compressor and NVIDIA Model Optimizer exports use): NVFP4 (``weight_packed`` U8, FP8
-``weight_scale`` per 16, ``weight_global_scale``) and int4 pack-quantized (``weight_packed`` I32,
-``weight_scale`` per group, ``weight_shape``, ``weight_zero_point`` when asymmetric).
+``weight_scale`` per 16, ``weight_global_scale``), int4 pack-quantized (``weight_packed`` I32,
+``weight_scale`` per group, ``weight_shape``, ``weight_zero_point`` when asymmetric), FP8
+float-quantized (dynamic and static) and INT8 int-quantized / naive-quantized (RedHatAI's W8A8
+and W8A16 releases; per channel, per group, with zero points and static input scales).
 
 Flow as llm-compressor's: ``apply_quantization_config`` on a transformers model, quantization
 parameters from the library's own ``calculate_qparams`` (RTN, no calibration data),
@@ -29,29 +31,67 @@ PRESETS = {
     "w4a16": "W4A16",
     "w4a16-asym": "W4A16_ASYM",
     "fp8-dynamic": "FP8_DYNAMIC",
+    "fp8-static": "FP8",  # per-tensor weight scale, static input_scale
+    "fp8-block": "FP8_BLOCK",  # a scale per 128 x 128 block (RedHatAI's FP8-block releases)
+    "w8a8": "W8A8",  # RedHatAI's INT8 W8A8 releases: per-channel I8, dynamic per-token acts
+    "w8a16": "W8A16",  # I8 per group of 128
+    "w8a8-naive": "W8A8",
+    "int8-asym-static": "",  # custom: I8 per group of 64 with zero points, static acts
 }
 FORMATS = {
     "nvfp4": "nvfp4-pack-quantized",
     "w4a16": "pack-quantized",
     "w4a16-asym": "pack-quantized",
     "fp8-dynamic": "float-quantized",
+    "fp8-static": "float-quantized",
+    "fp8-block": "float-quantized",
+    "w8a8": "int-quantized",
+    "w8a16": "int-quantized",
+    "w8a8-naive": "naive-quantized",
+    "int8-asym-static": "int-quantized",
 }
+# the stored payload: one value per element (F8 / I8 ``weight``), or packed ``weight_packed``
+UNPACKED = {
+    "fp8-dynamic",
+    "fp8-static",
+    "fp8-block",
+    "w8a8",
+    "w8a16",
+    "w8a8-naive",
+    "int8-asym-static",
+}
+
+
+def _scheme(preset: str) -> object:
+    from compressed_tensors.quantization import (
+        QuantizationArgs,
+        QuantizationScheme,
+        preset_name_to_scheme,
+    )
+
+    if PRESETS[preset]:
+        return preset_name_to_scheme(PRESETS[preset], ["Linear"])
+    return QuantizationScheme(
+        targets=["Linear"],
+        weights=QuantizationArgs(
+            num_bits=8, type="int", strategy="group", group_size=64, symmetric=False
+        ),
+        input_activations=QuantizationArgs(
+            num_bits=8, type="int", strategy="tensor", symmetric=False, dynamic=False
+        ),
+    )
 
 
 def write_compressed(preset: str, out: Path) -> Path:
     import torch
     from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization import (
-        QuantizationConfig,
-        apply_quantization_config,
-        preset_name_to_scheme,
-    )
+    from compressed_tensors.quantization import QuantizationConfig, apply_quantization_config
     from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(make_config("llama-quant"), dtype=torch.bfloat16)
-    scheme = preset_name_to_scheme(PRESETS[preset], ["Linear"])
+    scheme = _scheme(preset)
     apply_quantization_config(
         model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"])
     )
@@ -67,11 +107,24 @@ def write_compressed(preset: str, out: Path) -> Path:
                 mod.weight_global_scale.data.copy_(gs.reshape(1))
             if args.group_size:
                 x = w.view(w.shape[0], -1, args.group_size)
+            elif args.strategy == "tensor":
+                x = w.reshape(1, 1, -1)
+            elif args.strategy == "block":
+                bo, bi = args.block_structure
+                o, i = w.shape[0] // bo, w.shape[1] // bi
+                x = w.reshape(o, bo, i, bi).permute(0, 2, 1, 3).reshape(o, i, bo * bi)
             else:  # per channel
                 x = w.view(w.shape[0], 1, -1)
             s, z = calculate_qparams(x.amin(-1), x.amax(-1), args, global_scale=gs)
-            mod.weight_scale.data.copy_(s.to(mod.weight_scale.dtype))
-            mod.weight_zero_point.data.copy_(z.to(mod.weight_zero_point.dtype))
+            mod.weight_scale.data.copy_(
+                s.reshape(mod.weight_scale.shape).to(mod.weight_scale.dtype)
+            )
+            zp = mod.weight_zero_point
+            zp.data.copy_(z.reshape(zp.shape).to(zp.dtype))
+            if hasattr(mod, "input_scale"):  # static activations: any calibrated value
+                mod.input_scale.data.fill_(0.0173)
+                if hasattr(mod, "input_zero_point"):
+                    mod.input_zero_point.data.fill_(-3)
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=FORMATS[preset])
     assert compressor is not None
     compressor.compress_model(model)
@@ -101,10 +154,11 @@ def library_dequantized(src: Path) -> dict[str, object]:
     t = load_file(src / "model.safetensors")
     out: dict[str, object] = {}
     for k in t:
-        if k.endswith(".weight") and t[k].dtype == torch.float8_e4m3fn:  # float-quantized
-            base = k.removesuffix(".weight")
+        if k.endswith(".weight") and t[k].dtype in (torch.float8_e4m3fn, torch.int8):
+            base = k.removesuffix(".weight")  # float- / int- / naive-quantized
+            zp = t.get(f"{base}.weight_zero_point")
             out[k] = dequantize(
-                t[k].float(), t[f"{base}.weight_scale"].float(), None, args, dtype=torch.float32
+                t[k].float(), t[f"{base}.weight_scale"].float(), zp, args, dtype=torch.float32
             )
             continue
         if not k.endswith(".weight_packed"):
@@ -151,7 +205,7 @@ def test_compressed_tensors_round_trip_and_plan(
     ckpts: dict[str, Path], tmp_path: Path, preset: str
 ) -> None:
     src = ckpts[preset]
-    payload = "weight" if preset == "fp8-dynamic" else "weight_packed"
+    payload = "weight" if preset in UNPACKED else "weight_packed"
     down = f"model.layers.0.mlp.down_proj.{payload}"
     assert down in set(tensors_of_file(src / "model.safetensors"))  # the library's layout
     reshard(src, tmp_path / "tp2", mesh=Mesh(tp=2))
@@ -167,13 +221,22 @@ def test_compressed_tensors_round_trip_and_plan(
     }
     full = {e.name: e.shape for e in read_header(src / "model.safetensors").tensors}
     assert shapes[down] == (full[down][0], full[down][1] // 2)  # rowwise: in-features halved
-    scale = "model.layers.0.mlp.down_proj.weight_scale"
-    if preset == "fp8-dynamic":  # per output channel [out, 1]: whole on every rank
+    up = f"model.layers.0.mlp.up_proj.{payload}"
+    assert shapes[up] == (full[up][0] // 2, full[up][1])  # colwise: out-features halved
+    base = "model.layers.0.mlp.down_proj"
+    scale = f"{base}.weight_scale"
+    if full[scale][-1] == 1:  # per tensor [1] or per output channel [out, 1]: whole
         assert shapes[scale] == full[scale]
     else:  # per group of in-features: half the groups
         assert shapes[scale] == (full[scale][0], full[scale][1] // 2)
+    if preset in UNPACKED:  # an I8 zero point per scale, split as the scale
+        assert shapes.get(f"{base}.weight_zero_point") == (
+            shapes[scale] if f"{base}.weight_zero_point" in full else None
+        )
+    for name in ("input_scale", "input_zero_point"):  # static activations: whole
+        assert shapes.get(f"{base}.{name}") == full.get(f"{base}.{name}")
     assert rank  # the rank file holds data
-    if preset == "w4a16-asym":  # the forward level on the dequantized shards (zero points too)
+    if preset in ("w4a16-asym", "w8a8", "int8-asym-static"):  # forward level, zero points too
         from shardctl.verify.api import verify
 
         result = verify(src, tmp_path / "tp2", device="cpu", simulate=True)

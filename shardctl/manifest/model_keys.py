@@ -23,23 +23,22 @@ SHAPE_KEYS: dict[str, tuple[str, ...]] = {t: f.shape_keys for t, f in FAMILIES.i
 PASS_THROUGH: dict[str, tuple[str, ...]] = {t: f.config_keys for t, f in FAMILIES.items()}
 assert all(SHAPE_KEYS.values()) and all(PASS_THROUGH.values()), "a family without its keys"
 
-# Keys that do change memory but are read elsewhere: say where instead of ignoring them.
-REDIRECTED = {
-    "quantization_config": "give the manifest's quantization: section (method, group_size)",
-}
+# Accepted inline for every family: a published config's ``quantization_config`` pasted as it is
+# says how the checkpoint stores its weights (its stored tensors are priced, as from a
+# config.json; :mod:`shardctl.quant.config` checks it, and ``quantization:`` beside it is
+# refused as pricing the model twice).
+EVERY_FAMILY = ("quantization_config",)
 
 
 def known_keys(model_type: str) -> tuple[str, ...] | None:
     """Every key the manifest accepts inline for ``model_type``; None for other families."""
     if model_type not in SHAPE_KEYS:
         return None
-    return SHAPE_KEYS[model_type] + PASS_THROUGH[model_type]
+    return SHAPE_KEYS[model_type] + PASS_THROUGH[model_type] + EVERY_FAMILY
 
 
 def unknown_key_hint(model_type: str, key: str) -> str:
     """``did you mean 'num_key_value_heads'?`` — shape keys first, then the pass-through list."""
-    if key in REDIRECTED:
-        return REDIRECTED[key]
     for pool in (SHAPE_KEYS[model_type], PASS_THROUGH[model_type]):
         close = difflib.get_close_matches(key, pool, n=1, cutoff=0.75)
         if close:

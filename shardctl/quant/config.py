@@ -11,7 +11,10 @@ The methods shardctl reads, with the fields each one's on-disk layout depends on
 ``gptq``             ``bits`` (4), ``group_size`` (128, ``-1`` = one group), ``desc_act``
 ``awq``              ``bits`` (``w_bit``), ``group_size`` (``q_group_size``)
 ``compressed-tensors`` ``format`` (``pack-quantized``, ``nvfp4-pack-quantized``,
-                     ``float-quantized``), ``config_groups.*.weights`` (num_bits, group_size)
+                     ``float-quantized``, ``int-quantized``, ``naive-quantized``),
+                     ``config_groups.*.weights`` (num_bits, type, strategy, group_size,
+                     block_structure, symmetric), ``input_activations`` (``dynamic``: false
+                     stores ``input_scale``)
 ``mxfp4``            none (gpt-oss: ``*_blocks`` / ``*_scales``, 32 values per scale)
 ``fbgemm_fp8``       none (Meta's Llama-3.1-405B-FP8: ``weight`` F8_E4M3, ``weight_scale`` F32
                      ``[out, 1]`` per row; ``modules_to_not_convert`` stay bf16)
@@ -31,7 +34,18 @@ from typing import Any
 from shardctl.errors import InvalidInputError
 
 METHODS: tuple[str, ...] = ("fp8", "gptq", "awq", "compressed-tensors", "mxfp4", "fbgemm_fp8")
-CT_FORMATS: tuple[str, ...] = ("pack-quantized", "nvfp4-pack-quantized", "float-quantized")
+CT_FORMATS: tuple[str, ...] = (
+    "pack-quantized",
+    "nvfp4-pack-quantized",
+    "float-quantized",
+    "int-quantized",
+    "naive-quantized",
+)
+# compressed-tensors formats that store the quantized values one per element (I8 or F8_E4M3,
+# the weight's own shape) beside ``weight_scale`` shaped by the strategy (RedHatAI's W8A8 /
+# W8A16 INT8 releases are ``int-quantized``, FP8 ones ``float-quantized``).
+CT_UNPACKED: tuple[str, ...] = ("float-quantized", "int-quantized", "naive-quantized")
+CT_STRATEGIES: tuple[str, ...] = ("tensor", "channel", "group", "block")
 
 
 @dataclass(frozen=True)
@@ -53,6 +67,14 @@ class QuantConfig:
     symmetric: bool = True  # compressed-tensors pack-quantized: no weight_zero_point
     ignore: tuple[str, ...] = ()
     channel: bool = False  # fp8: one F32 scale per output row (FBGEMM ``fbgemm_fp8``)
+    # compressed-tensors: ``weights.strategy`` (tensor, channel, group, block; "" if not
+    # given), ``weights.type`` ("int" or "float"), and whether ``input_activations`` are
+    # static (``dynamic: false``: an ``input_scale`` per weight is stored, with an
+    # ``input_zero_point`` when they are asymmetric)
+    strategy: str = ""
+    wtype: str = "int"
+    static_inputs: bool = False
+    inputs_symmetric: bool = True
 
     def describe(self) -> str:
         if self.method == "fp8":
@@ -66,6 +88,15 @@ class QuantConfig:
             act = " desc_act" if self.desc_act else ""
             return f"{self.method} int{self.bits} {g}{act}"
         if self.method == "compressed-tensors":
+            if self.fmt in CT_UNPACKED:
+                kind = "fp8 e4m3" if self.wtype == "float" else f"int{self.bits}"
+                how = {
+                    "tensor": "per-tensor",
+                    "group": f"group_size {self.group_size}",
+                    "block": f"block {self.block[0]}x{self.block[1]}" if self.block else "block",
+                }.get(self.strategy, "per-channel")
+                acts = " static activations" if self.static_inputs else ""
+                return f"compressed-tensors {self.fmt} {kind} {how}{acts}"
             return f"compressed-tensors {self.fmt} int{self.bits} group_size {self.group_size}"
         return "mxfp4 (e2m1, e8m0 scale per 32)"
 
@@ -131,7 +162,7 @@ def _compressed_tensors(raw: Mapping[str, Any], ignore: tuple[str, ...], w: str)
         first = next(iter(groups.values()))
         if isinstance(first, Mapping) and isinstance(first.get("weights"), Mapping):
             weights = first["weights"]
-    bits = weights.get("num_bits", 4)
+    bits = weights.get("num_bits", 8 if fmt in CT_UNPACKED else 4)
     group = weights.get("group_size") or -1
     desc = weights.get("actorder") not in (None, False, "static")
     first_group = next(iter(groups.values())) if isinstance(groups, Mapping) and groups else {}
@@ -149,15 +180,52 @@ def _compressed_tensors(raw: Mapping[str, Any], ignore: tuple[str, ...], w: str)
             f"config_groups weights: num_bits {bits!r} / group_size {group!r} are not integers",
             where=w,
         )
+    strategy = weights.get("strategy") or ""
+    wtype = weights.get("type") or ("float" if fmt == "float-quantized" else "int")
+    block = None
+    if fmt in CT_UNPACKED:
+        if strategy not in ("", *CT_STRATEGIES) or wtype not in ("int", "float"):
+            raise InvalidInputError(
+                f"config_groups weights: strategy {strategy!r} / type {wtype!r} is not one "
+                f"shardctl reads for format {fmt}",
+                where=w,
+                hint=f"strategies {', '.join(CT_STRATEGIES)}; types int, float",
+            )
+        fp8 = wtype == "float" and bits == 8 and fmt != "int-quantized"
+        if not (fp8 or (wtype == "int" and 0 < bits <= 8 and fmt != "float-quantized")):
+            raise InvalidInputError(
+                f"config_groups weights: {wtype} num_bits {bits} in format {fmt}: expected "
+                "float 8 (F8_E4M3) or int of at most 8 bits (stored one per I8)",
+                where=w,
+            )
+        if strategy == "group" and group == -1:
+            raise InvalidInputError(
+                "config_groups weights: strategy group without a group_size", where=w
+            )
+        if strategy == "block":
+            bs = weights.get("block_structure")
+            if not isinstance(bs, (list, tuple)) or len(bs) != 2 or not all(map(_positive, bs)):
+                raise InvalidInputError(
+                    f"block_structure: expected [rows, cols] of positive integers, got {bs!r}",
+                    where=w,
+                )
+            block = (bs[0], bs[1])
+    static = isinstance(acts, Mapping) and acts.get("dynamic") is False
+    acts_symmetric = not isinstance(acts, Mapping) or acts.get("symmetric", True) is not False
     return QuantConfig(
         "compressed-tensors",
         bits=bits,
         group_size=group,
         desc_act=desc,
+        block=block,
         fmt=fmt,
         ignore=ignore,
         input_scales=acts is not None,
         symmetric=symmetric,
+        strategy=strategy,
+        wtype=wtype,
+        static_inputs=static,
+        inputs_symmetric=not static or acts_symmetric,
     )
 
 

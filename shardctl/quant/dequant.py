@@ -9,6 +9,8 @@ Formulas (per element, computed in float32, then cast to the model's dtype):
 
 - FP8 block: ``w · scale_inv[i // bo, j // bi]`` (DeepSeek-V3 ``weight_dequant``);
   FP8 per-tensor / per-channel: ``w · weight_scale``;
+- compressed-tensors int-quantized / float-quantized: ``(q - weight_zero_point) · weight_scale``
+  (no zero point when symmetric), the scale per tensor, channel, group or block;
 - GPTQ (AutoGPTQ v1): ``(q[i, o] - (z[g(i), o] + 1)) · s[g(i), o]``, ``g(i) = g_idx[i]`` with
   act-order, else ``i // group_size`` (vLLM ignores g_idx without act-order);
 - AWQ: ``(q - z[i // g]) · s[i // g]``, nibbles in AutoAWQ's order ``[0, 2, 4, 6, 1, 3, 5, 7]``;
@@ -32,7 +34,17 @@ from shardctl.model.types import TensorInfo
 from shardctl.quant.groups import SCHEME_NAMES, QuantGroup, group_tensors
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
-FORWARD_SCHEMES = ("fp8-block", "fp8", "ct-fp8", "gptq", "awq", "mxfp4", "nvfp4", "ct-pack")
+FORWARD_SCHEMES = (
+    "fp8-block",
+    "fp8",
+    "ct-fp8",
+    "ct-int",
+    "gptq",
+    "awq",
+    "mxfp4",
+    "nvfp4",
+    "ct-pack",
+)
 E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
 
 _CODES = {
@@ -105,16 +117,11 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
         bo, bi = (a.factor for a in m["weight_scale_inv"].axes)
         full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
         return w * full[: w.shape[0], : w.shape[1]]
-    if g.scheme in ("fp8", "ct-fp8"):
+    if g.scheme in ("fp8", "ct-fp8", "ct-int"):
         w = t[m["weight"].info.fqn].float()
-        s = t[m["weight_scale"].info.fqn].float()
-        if s.numel() == 1:
-            return w * s.reshape(())
-        if s.shape[0] == w.shape[0] and s.numel() == w.shape[0]:
-            return w * s.reshape(-1, 1)
-        bo, bi = (a.factor for a in m["weight_scale"].axes)
-        full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
-        return w * full[: w.shape[0], : w.shape[1]]
+        if "weight_zero_point" in m:
+            w = w - _per_element(t[m["weight_zero_point"].info.fqn].float(), m["weight_scale"], w)
+        return w * _per_element(t[m["weight_scale"].info.fqn].float(), m["weight_scale"], w)
     if g.scheme == "gptq":
         return _gptq(g, m, t, config)
     if g.scheme == "awq":
@@ -147,6 +154,18 @@ def _one(g: QuantGroup, t: dict[str, Any], config: Mapping[str, Any]) -> Any:
         f"({g.logical.fqn})",
         hint=f"use --level bitwise; forward dequantizes {', '.join(FORWARD_SCHEMES)}",
     )
+
+
+def _per_element(s: Any, member: Any, w: Any) -> Any:
+    """A per-tensor / per-channel / per-group / per-block ``s`` broadcast to ``w``'s shape (or
+    to a shape that broadcasts to it)."""
+    if s.numel() == 1:
+        return s.reshape(())
+    if s.shape[0] == w.shape[0] and s.numel() == w.shape[0]:
+        return s.reshape(-1, 1)
+    bo, bi = (a.factor for a in member.axes)
+    full = s.repeat_interleave(bo, 0).repeat_interleave(bi, 1)
+    return full[: w.shape[0], : w.shape[1]]
 
 
 def _ct_pack(m: Mapping[str, Any], t: dict[str, Any], config: Mapping[str, Any]) -> Any:

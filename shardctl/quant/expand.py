@@ -17,7 +17,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any
 
 from shardctl.model.types import TensorInfo
-from shardctl.quant.config import QuantConfig, read_quant
+from shardctl.quant.config import CT_UNPACKED, QuantConfig, read_quant
 
 
 def expand(
@@ -108,11 +108,8 @@ def members(t: TensorInfo, qc: QuantConfig) -> list[TensorInfo]:
         if qc.input_scales:  # NVFP4 (W4A4); NVFP4A16 stores none
             out.append(TensorInfo(f"{base}.input_global_scale", (1,), "F32"))
         return out
-    if qc.fmt == "float-quantized":
-        return [
-            TensorInfo(t.fqn, t.shape, "F8_E4M3"),
-            TensorInfo(f"{base}.weight_scale", (out_f, 1), t.dtype),
-        ]
+    if qc.fmt in CT_UNPACKED:
+        return _unpacked(t, qc, base)
     out = [
         TensorInfo(f"{base}.weight_packed", (out_f, in_f // pack), "I32"),
         TensorInfo(f"{base}.weight_scale", (out_f, groups), t.dtype),
@@ -120,4 +117,33 @@ def members(t: TensorInfo, qc: QuantConfig) -> list[TensorInfo]:
     ]
     if not qc.symmetric:
         out.append(TensorInfo(f"{base}.weight_zero_point", (-(-out_f // pack), groups), "I32"))
+    return out
+
+
+def _unpacked(t: TensorInfo, qc: QuantConfig, base: str) -> list[TensorInfo]:
+    """compressed-tensors ``float-quantized`` / ``int-quantized`` / ``naive-quantized``: the
+    weight one value per element (F8_E4M3 or I8), ``weight_scale`` in the model's dtype shaped
+    by the strategy (``[1]`` per tensor, ``[out, 1]`` per channel, ``[out, in/g]`` per group,
+    ``[out/bo, in/bi]`` per block), an I8 ``weight_zero_point`` alike when asymmetric, and
+    static activations' ``input_scale`` (+ ``input_zero_point``) ``[1]``: the tensors
+    ``ModelCompressor.compress_model`` + ``save_pretrained`` write."""
+    out_f, in_f = t.shape[-2:]
+    if qc.strategy == "tensor":
+        scale: tuple[int, ...] = (1,)
+    elif qc.strategy == "group":
+        scale = (out_f, -(-in_f // qc.group_size))
+    elif qc.strategy == "block" and qc.block:
+        scale = (-(-out_f // qc.block[0]), -(-in_f // qc.block[1]))
+    else:  # channel, the default
+        scale = (out_f, 1)
+    out = [
+        TensorInfo(t.fqn, t.shape, "F8_E4M3" if qc.wtype == "float" else "I8"),
+        TensorInfo(f"{base}.weight_scale", scale, t.dtype),
+    ]
+    if not qc.symmetric:
+        out.append(TensorInfo(f"{base}.weight_zero_point", scale, "I8"))
+    if qc.static_inputs:
+        out.append(TensorInfo(f"{base}.input_scale", (1,), t.dtype))
+        if not qc.inputs_symmetric:
+            out.append(TensorInfo(f"{base}.input_zero_point", (1,), "I8"))
     return out

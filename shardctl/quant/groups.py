@@ -17,6 +17,10 @@ how many logical indices one stored index covers (:class:`Axis`)::
         [ceil(out/128), ceil(in/128)] (Axis(0, 128), Axis(1, 128)).
     FP8 per-tensor / per-channel: weight_scale [] / [1] (replicated) or [out, 1] (Axis(0), R);
         input_scale replicated.
+    compressed-tensors int-quantized (RedHatAI W8A8 / W8A16 INT8): weight I8 [out, in];
+        weight_scale [1], [out, 1] or per group [out, in/g] (Axis(0), Axis(1, g));
+        weight_zero_point I8 shaped and split as the scale (asymmetric); input_scale /
+        input_zero_point [1] replicated (static activations).
     compressed-tensors pack-quantized: weight_packed I32 [out, in/8] (Axis(0), Axis(1, 8));
         weight_scale [out, in/g]; weight_zero_point [out/8, in/g]; weight_shape I64 [2]
         (replicated: it holds the global shape); weight_g_idx [in].
@@ -68,7 +72,8 @@ class Member:
 class QuantGroup:
     """One quantized weight: its logical tensor (what the rules place) and its stored members."""
 
-    scheme: str  # "fp8-block", "fp8", "gptq", "awq", "ct-pack", "nvfp4", "ct-fp8", "mxfp4"
+    scheme: str  # "fp8-block", "fp8", "gptq", "awq", "ct-pack", "nvfp4", "ct-fp8", "ct-int",
+    # "mxfp4"
     logical: TensorInfo  # dtype: the members' payload dtype
     members: tuple[Member, ...]
     dim_names: tuple[str, ...]  # ("out-features", "in-features") for messages
@@ -90,6 +95,7 @@ SCHEME_NAMES: dict[str, str] = {
     "fp8-block": "FP8 block",
     "fp8": "FP8",
     "ct-fp8": "compressed-tensors FP8",
+    "ct-int": "compressed-tensors INT8",
     "gptq": "GPTQ",
     "awq": "AWQ",
     "ct-pack": "compressed-tensors pack-quantized",
@@ -237,8 +243,11 @@ def _group_at(
         return _ct_pack(fqn[: -len(".weight_packed")], t, qc, where)
     if fqn.endswith(".weight_scale") and f"{fqn[: -len('_scale')]}" in t:
         base = fqn[: -len(".weight_scale")]
-        if t[f"{base}.weight"].dtype.startswith("F8"):
-            return _fp8_scaled(base, t, qc, where)
+        dtype = t[f"{base}.weight"].dtype
+        if dtype.startswith("F8"):
+            return _scaled(base, t, qc, where, "ct-fp8" if _ct(qc) else "fp8")
+        if dtype == "I8":  # compressed-tensors int-quantized / naive-quantized
+            return _scaled(base, t, qc, where, "ct-int")
     if fqn.endswith("_blocks") and f"{fqn[: -len('_blocks')]}_scales" in t:
         return _mxfp4(fqn[: -len("_blocks")], t, where)
     return None
@@ -343,33 +352,53 @@ _WHOLE_2D = (Axis(0), Axis(1))
 _FP8_BLOCK_AXES: dict[tuple[int, int], tuple[Axis, Axis]] = {}  # block -> weight_scale_inv's
 
 
-def _fp8_scaled(
-    base: str, t: Mapping[str, TensorInfo], qc: QuantConfig | None, where: str
+def _ct(qc: QuantConfig | None) -> bool:
+    return qc is not None and qc.method == "compressed-tensors"
+
+
+def _scaled(
+    base: str, t: Mapping[str, TensorInfo], qc: QuantConfig | None, where: str, scheme: str
 ) -> QuantGroup:
-    """FP8 with ``weight_scale``: per-tensor ``[]``/``[1]``, per-channel ``[out, 1]``/``[out]``,
-    or (compressed-tensors block strategy) ``[ceil(out/b), ceil(in/b)]``."""
+    """A weight stored one value per element (F8 or I8) with ``weight_scale``: per-tensor
+    ``[]``/``[1]``, per-channel ``[out, 1]``/``[out]``, per group of in-features ``[out, in/g]``
+    or per block ``[ceil(out/b), ceil(in/b)]`` (compressed-tensors strategies); an asymmetric
+    one's ``weight_zero_point`` is shaped and split as its scale."""
     weight = t[f"{base}.weight"]
     scale = t[f"{base}.weight_scale"]
     out_f, in_f = weight.shape
-    scheme = "ct-fp8" if qc and qc.method == "compressed-tensors" else "fp8"
     shape = scale.shape
     if math.prod(shape) == 1:
         axes: tuple[Axis, ...] = tuple(Axis(None) for _ in shape)
     elif shape in ((out_f, 1), (out_f,)):
         axes = (Axis(0), Axis(None))[: len(shape)]
     elif len(shape) == 2:
-        bo, bi = -(-out_f // shape[0]), -(-in_f // shape[1])
-        b = qc.block if qc and qc.block else (bo, bi)
-        unit = f"{SCHEME_NAMES[scheme]} block {b[0]}x{b[1]}"
-        axes = (Axis(0, b[0], f"{unit} (rows)"), Axis(1, b[1], f"{unit} (columns)"))
+        name = SCHEME_NAMES[scheme]
+        if qc is not None and qc.strategy == "group":
+            g = qc.group_size
+            axes = (Axis(0), Axis(1, g, f"{name} group_size {g}"))
+        else:
+            bo, bi = -(-out_f // shape[0]), -(-in_f // shape[1])
+            b = qc.block if qc and qc.block else (bo, bi)
+            unit = f"{name} block {b[0]}x{b[1]}"
+            axes = (Axis(0, b[0], f"{unit} (rows)"), Axis(1, b[1], f"{unit} (columns)"))
     else:
         raise InvalidInputError(
-            f"FP8 weight_scale {list(shape)} is neither per-tensor, per-channel [{out_f}, 1] "
-            "nor block-shaped",
+            f"{SCHEME_NAMES[scheme]} weight_scale {list(shape)} is neither per-tensor, "
+            f"per-channel [{out_f}, 1], per-group nor block-shaped",
             where=f"{where}: {scale.fqn}",
         )
     members = [Member(weight, "weight", (Axis(0), Axis(1))), Member(scale, "weight_scale", axes)]
-    members += _scalar_members(t, base, ("input_scale",))
+    zp = t.get(f"{base}.weight_zero_point")
+    if zp is not None:
+        if zp.shape != shape:
+            raise InvalidInputError(
+                f"{SCHEME_NAMES[scheme]} weight_zero_point {list(zp.shape)}: expected the "
+                f"shape of its weight_scale {list(shape)}",
+                where=f"{where}: {zp.fqn}",
+                hint="the checkpoint is inconsistent; re-export it",
+            )
+        members.append(Member(zp, "weight_zero_point", axes))
+    members += _scalar_members(t, base, ("input_scale", "input_zero_point"))
     return _group(scheme, TensorInfo(weight.fqn, weight.shape, weight.dtype), members, where)
 
 
