@@ -402,6 +402,14 @@ def test_gpt_oss_20b_tp2_row(tmp_path: Path) -> None:
     # the committed gpt-oss-120b manifest with gpt-oss-20b's shapes (24 layers, 32 experts).
     # Within 3 % (+0.9 %) although the weights are 6.41 GiB against vLLM's 7.01 (its MXFP4 MoE
     # layout holds more than the checkpoint's bytes; not modelled): the pool is large.
+    path = _gpt_oss_20b(tmp_path, 2, 0.9)
+    done = run_cli("plan", str(path), "--json")
+    assert done.returncode == 0, done.stderr
+    _within(json.loads(done.stdout)["kv_cache"]["capacity_tokens_per_rank"], 2_591_776)
+
+
+def _gpt_oss_20b(tmp_path: Path, tp: int, utilization: float) -> Path:
+    """The committed gpt-oss-120b manifest with gpt-oss-20b's shapes (24 layers, 32 experts)."""
     text = (ROOT / "manifests/gpt-oss-120b-mxfp4-h100.yaml").read_text()
     text = text.replace("num_hidden_layers: 36", "num_hidden_layers: 24")
     text = text.replace("num_local_experts: 128", "num_local_experts: 32")
@@ -410,14 +418,32 @@ def test_gpt_oss_20b_tp2_row(tmp_path: Path) -> None:
     kinds = ", ".join(["sliding_attention", "full_attention"] * 12)
     text = text[:start] + f"  layer_types: [{kinds}]" + text[end:]
     text = text[: text.index("mesh:")] + (
-        "mesh: {tp: 2}\nhardware: {gpu: h100-sxm}\n"
-        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192}\n'
+        f"mesh: {{tp: {tp}}}\nhardware: {{gpu: h100-sxm}}\n"
+        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192, '
+        f"gpu_memory_utilization: {utilization}}}\n"
     )
     path = tmp_path / "gpt-oss-20b.yaml"
     path.write_text(text)
-    done = run_cli("plan", str(path), "--json")
-    assert done.returncode == 0, done.stderr
-    _within(json.loads(done.stdout)["kv_cache"]["capacity_tokens_per_rank"], 2_591_776)
+    return path
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="vLLM 0.19 refused gpt-oss-20b at --gpu-memory-utilization 0.95 (tp 1 and tp 2): it "
+    "sized the KV cache as planned (58.47 GiB, 1,277,184 tokens at tp 1; shardctl 1,292,400), "
+    "captured CUDA graphs (1.84 GiB, outside the budget in 0.19), then ran out of memory "
+    "warming up the sampler over 1,024 dummy requests: 786 MiB asked, 0.55 GiB free, 1.78 GiB "
+    "reserved by PyTorch but unallocated (fragmentation). Other 0.95 runs of the same sweep with "
+    "as much graph memory (Llama-3.3-70B-FP8 tp 2: 1.85 GiB) or larger samplers (Gemma-3, "
+    "262k vocab) started, so no accounting term separates this one; shardctl says it fits",
+)
+@pytest.mark.parametrize("tp", [1, 2])
+def test_gpt_oss_20b_refused_at_095(tmp_path: Path, tp: int) -> None:
+    # openai-gpt-oss-20b--h100-80gb--tp{1,2}pp1dp1--8192.FAILED.log: "torch.OutOfMemoryError:
+    # CUDA out of memory. Tried to allocate 786.00 MiB" in _dummy_sampler_run, after "GPU KV
+    # cache size: 1,277,184 tokens" (tp 1) / "2,764,768 tokens" (tp 2).
+    done = run_cli("plan", str(_gpt_oss_20b(tmp_path, tp, 0.95)), "--json")
+    assert done.returncode == 1, "shardctl says it fits where vLLM 0.19 did not start"
 
 
 def test_tensor_parallel_term_is_one_group_not_per_peer() -> None:
