@@ -300,6 +300,38 @@ CONFIGS: dict[str, dict[str, Any]] = {
             num_attention_heads=4, head_dim=8, image_size=56, patch_size=14,
         ),
     ),
+    # LLaVA-NeXT as granite-vision builds it: granite (multipliers, tied at the top level)
+    # beside a SigLIP tower (pooling head saved), features of two layers, strategy "full"
+    "llava_next": dict(
+        model_type="llava_next", tie_word_embeddings=True, image_token_index=255,
+        vision_feature_layer=[-2, -1], vision_feature_select_strategy="full",
+        image_grid_pinpoints=[[28, 56], [56, 28], [56, 56]],
+        text_config=dict(
+            model_type="granite", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            max_position_embeddings=128, embedding_multiplier=12.0, logits_scaling=8.0,
+            residual_multiplier=0.22, attention_multiplier=0.015625,
+        ),
+        vision_config=dict(
+            model_type="siglip_vision_model", hidden_size=32, intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14,
+        ),
+    ),
+    # LLaVA-1.5: llama beside a CLIP tower (class token, pre_layrnorm)
+    "llava": dict(
+        model_type="llava", tie_word_embeddings=False, image_token_index=255,
+        vision_feature_layer=-2, vision_feature_select_strategy="default",
+        text_config=dict(
+            model_type="llama", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+            max_position_embeddings=128,
+        ),
+        vision_config=dict(
+            model_type="clip_vision_model", hidden_size=32, intermediate_size=48,
+            num_hidden_layers=2, num_attention_heads=4, image_size=28, patch_size=14,
+            projection_dim=32,
+        ),
+    ),
 }
 # fmt: on
 

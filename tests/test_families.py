@@ -65,6 +65,10 @@ FAMILIES: dict[str, list[Mesh]] = {
     "gemma3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # multimodal Mistral-3: mistral (kv 2, untied) beside a Pixtral tower (4 heads)
     "mistral3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # LLaVA-NeXT: granite (kv 2, tied, multipliers) beside a SigLIP tower (4 heads, its head)
+    "llava_next": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # LLaVA-1.5: llama (kv 2, untied) beside a CLIP tower (4 heads)
+    "llava": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }
 CASES = [(f, m) for f, meshes in FAMILIES.items() for m in meshes]
 

@@ -13,12 +13,10 @@ default 6), then +4.9 % without the tower's weights and the encoder's profile ou
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import pytest
-from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from shardctl.archs import language_model
@@ -27,8 +25,9 @@ from shardctl.plan.memory.kv_layers import layer_windows
 from shardctl.plan.memory.vllm import encoder_cache_bytes
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
-from tests._cli import ROOT, run_cli
+from tests._cli import ROOT
 from tests._models import CONFIGS, make_checkpoint
+from tests._multimodal import plan_json, rank_shapes, refused_in_one_line
 
 GIB = 2**30
 # google/gemma-3-*-it config.json: the text_config as published (the rest are defaults)
@@ -50,15 +49,6 @@ def _manifest(text_config: str | None) -> str:
     return MANIFEST[:start] + f"  text_config: {{{rope}{text_config[1:]}\n" + MANIFEST[end:]
 
 
-def _plan(tmp_path: Path, text: str) -> dict[str, Any]:
-    path = tmp_path / "gemma3.yaml"
-    path.write_text(text)
-    done = run_cli("plan", str(path), "--json")
-    assert done.returncode == 0, done.stderr
-    doc: dict[str, Any] = json.loads(done.stdout)
-    return doc
-
-
 @pytest.mark.parametrize(
     ("text_config", "loaded", "peak", "groups", "logged"),
     [
@@ -74,7 +64,7 @@ def _plan(tmp_path: Path, text: str) -> dict[str, Any]:
 def test_published_gemma3_it_rows(
     tmp_path: Path, text_config: str | None, loaded: float, peak: float, groups: int, logged: int
 ) -> None:
-    doc = _plan(tmp_path, _manifest(text_config))
+    doc = plan_json(tmp_path, _manifest(text_config))
     rank = doc["ranks"][0]["memory"]
     # vLLM's "Model loading took" counts the weights and the rotary tables (buffers)
     table = doc["memory_model"]["detail_per_stage"][0]["overhead.rotary_cache"]
@@ -89,7 +79,7 @@ def test_published_gemma3_it_rows(
 def test_encoder_outputs_are_held_through_the_profile(tmp_path: Path) -> None:
     # 32 images of 256 tokens (the 8,192-token budget), 5,376 wide, bf16: 84 MiB on the first
     # stage only (the tower's stage), none for the text-only config
-    doc = _plan(tmp_path, MANIFEST.replace("mesh: {tp: 1}", "mesh: {pp: 2}"))
+    doc = plan_json(tmp_path, MANIFEST.replace("mesh: {tp: 1}", "mesh: {pp: 2}"))
     first, last = doc["memory_model"]["detail_per_stage"]
     assert first["activations.encoder_cache"] == 32 * 256 * 5376 * 2 == 84 * 2**20
     assert "activations.encoder_cache" not in last
@@ -97,7 +87,7 @@ def test_encoder_outputs_are_held_through_the_profile(tmp_path: Path) -> None:
         4096 * 8 * 2
     )  # one item larger than the budget: the budget grows to it (compute_encoder_budget)
     text = (ROOT / "manifests/gemma-3-27b-text-tp4.yaml").read_text()
-    doc = _plan(tmp_path, text + "  engine: vllm\n  vllm_version: '0.19'\n")
+    doc = plan_json(tmp_path, text + "  engine: vllm\n  vllm_version: '0.19'\n")
     assert all(
         "activations.encoder_cache" not in d for d in doc["memory_model"]["detail_per_stage"]
     )
@@ -114,14 +104,6 @@ def test_text_config_defaults_are_gemma3s() -> None:
     # no sliding_window_pattern in the config: Gemma3TextConfig's 6 (layers 5 and 11 global)
     windows = layer_windows(arch, {**text, "sliding_window": 1024}, 12)
     assert [i for i, w in enumerate(windows) if w is None] == [5, 11]
-
-
-def _shapes(directory: Path, rank: int) -> dict[str, tuple[int, ...]]:
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(directory.glob(f"rank-{rank:05d}-*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return out
 
 
 @pytest.mark.parametrize("hub_names", [False, True], ids=["save_pretrained", "hub"])
@@ -158,7 +140,7 @@ def test_tower_is_split_like_vllms_siglip(tmp_path: Path, hub_names: bool) -> No
         "language_model.model.layers.0.self_attn.q_proj.weight": (4 * 16 // 2, h),
     }
     for rank in (0, 1):
-        shapes = _shapes(split, rank)
+        shapes = rank_shapes(split, rank)
         assert {k: shapes[k] for k in want} == want
     result = verify(src, split, device="cpu", simulate=True)
     assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"]
@@ -168,7 +150,7 @@ def test_tower_sits_on_the_first_stage(tmp_path: Path) -> None:
     src = make_checkpoint("gemma3", tmp_path / "src")
     split = tmp_path / "split"
     reshard(src, split, mesh=Mesh(pp=2))
-    first, last = _shapes(split, 0), _shapes(split, 1)
+    first, last = rank_shapes(split, 0), rank_shapes(split, 1)
     tower = {k for k in first | last if k.startswith(("vision_tower.", "multi_modal_projector."))}
     assert tower and tower <= set(first) and not tower & set(last)
     # the decoder's layers 0-1 and 2-3 on their stages, the tied embedding on both
@@ -188,17 +170,7 @@ def test_tower_sits_on_the_first_stage(tmp_path: Path) -> None:
 def test_bad_multimodal_config_is_one_line(
     tmp_path: Path, config: dict[str, Any], says: str
 ) -> None:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    manifest = tmp_path / "m.yaml"
-    manifest.write_text(
-        f"model: {{config: {path}}}\nmesh: {{tp: 2}}\nhardware: {{gpu: h100-sxm}}\n"
-        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192}\n'
-    )
-    done = run_cli("plan", str(manifest))
-    assert done.returncode == 3, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("shardctl: error:") and says in lines[0]
+    refused_in_one_line(tmp_path, config, says)
 
 
 def test_real_size_tower_per_rank_at_tp4(tmp_path: Path) -> None:
@@ -226,7 +198,7 @@ def test_real_size_tower_per_rank_at_tp4(tmp_path: Path) -> None:
     mm = MANIFEST[: MANIFEST.index("mesh:")] + "mesh: {tp: 4}\nhardware: {gpu: h100-sxm}\n"
     text = (ROOT / "manifests/gemma-3-27b-text-tp4.yaml").read_text()
     text = text[: text.index("workload:")]
-    multimodal, text_only = _plan(tmp_path, mm), _plan(tmp_path, text)
+    multimodal, text_only = plan_json(tmp_path, mm), plan_json(tmp_path, text)
     assert len(multimodal["ranks"]) == len(text_only["ranks"]) == tp
     for a, b in zip(multimodal["ranks"], text_only["ranks"], strict=True):
         assert a["memory"]["weights"] - b["memory"]["weights"] == 2 * tower

@@ -25,14 +25,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from safetensors import safe_open
 
 from shardctl.archs import family_for
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
-from tests._cli import ROOT, run_cli
+from tests._cli import ROOT
 from tests._models import CONFIGS, make_checkpoint
+from tests._multimodal import plan_json, rank_shapes, refused_in_one_line
 
 GIB = 2**30
 MANIFEST = (ROOT / "manifests/mistral-small-3.1-24b-vllm-tp1.yaml").read_text()
@@ -55,15 +55,6 @@ W8A8_STORED = MANIFEST.replace("  text_config:\n", STORED + "  text_config:\n", 
 H, Q, KV, FF, L = 5120, 32 * 128, 8 * 128, 32768, 40
 
 
-def _plan(tmp_path: Path, text: str, *flags: str) -> dict[str, Any]:
-    path = tmp_path / "mistral3.yaml"
-    path.write_text(text)
-    done = run_cli("plan", str(path), "--json", *flags)
-    assert done.returncode == 0, done.stderr
-    doc: dict[str, Any] = json.loads(done.stdout)
-    return doc
-
-
 @pytest.mark.parametrize(
     ("manifest", "tp", "loaded", "peak", "logged"),
     [
@@ -78,7 +69,7 @@ def _plan(tmp_path: Path, text: str, *flags: str) -> dict[str, Any]:
 def test_published_mistral_small_rows(
     tmp_path: Path, manifest: str, tp: int, loaded: float, peak: float, logged: int
 ) -> None:
-    doc = _plan(tmp_path, manifest, "--tp", str(tp))
+    doc = plan_json(tmp_path, manifest, "--tp", str(tp))
     rank = doc["ranks"][0]["memory"]
     # vLLM's "Model loading took" counts the weights and the rotary table (a buffer)
     table = doc["memory_model"]["detail_per_stage"][0]["overhead.rotary_cache"]
@@ -94,7 +85,7 @@ def test_image_item_and_encoder_outputs(tmp_path: Path) -> None:
     config = json.loads(json.dumps(_model(MANIFEST)))
     # 1,540-pixel images, 14-pixel patches merged 2 x 2: 55 x 55 embeddings
     assert family.image_tokens(config) == 55 * 55
-    doc = _plan(tmp_path, MANIFEST)
+    doc = plan_json(tmp_path, MANIFEST)
     stage = doc["memory_model"]["detail_per_stage"][0]
     # two items fit the 8,192-token budget, 5,120 wide, bf16
     assert stage["activations.encoder_cache"] == 2 * 3025 * H * 2
@@ -105,13 +96,13 @@ def test_int8_quantizes_the_text_linears_only(tmp_path: Path) -> None:
     fp32 scale per output row; the tower, the projector and ``language_model.lm_head`` stay
     bf16 (as the published w8a8 release keeps them), so the difference from the bf16 plan is
     exactly the text linears' saving."""
-    bf16 = _plan(tmp_path, MANIFEST)["ranks"][0]["memory"]["weights"]
-    int8 = _plan(tmp_path, W8A8)["ranks"][0]["memory"]["weights"]
+    bf16 = plan_json(tmp_path, MANIFEST)["ranks"][0]["memory"]["weights"]
+    int8 = plan_json(tmp_path, W8A8)["ranks"][0]["memory"]["weights"]
     rows = L * (Q + 2 * KV + H + 2 * FF + H)  # q, k, v, o, gate, up, down out-features
     n = L * (H * (Q + 2 * KV) + Q * H + 3 * H * FF)
     assert bf16 - int8 == 2 * n - (n + 4 * rows)
     # the release's config: the same tensors, its scales bf16 (2 bytes per row, not 4)
-    stored = _plan(tmp_path, W8A8_STORED)["ranks"][0]["memory"]["weights"]
+    stored = plan_json(tmp_path, W8A8_STORED)["ranks"][0]["memory"]["weights"]
     assert bf16 - stored == 2 * n - (n + 2 * rows)
 
 
@@ -120,14 +111,6 @@ def _model(text: str) -> dict[str, Any]:
 
     model: dict[str, Any] = yaml.safe_load(text)["model"]
     return model
-
-
-def _shapes(directory: Path, rank: int) -> dict[str, tuple[int, ...]]:
-    out: dict[str, tuple[int, ...]] = {}
-    for f in sorted(directory.glob(f"rank-{rank:05d}-*.safetensors")):
-        with safe_open(str(f), "pt") as st:
-            out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
-    return out
 
 
 def test_tower_is_split_like_vllms_pixtral(tmp_path: Path) -> None:
@@ -150,7 +133,7 @@ def test_tower_is_split_like_vllms_pixtral(tmp_path: Path) -> None:
         "language_model.lm_head.weight": (t["vocab_size"] // 2, h),  # its own, vocab split
     }
     for rank in (0, 1):
-        shapes = _shapes(split, rank)
+        shapes = rank_shapes(split, rank)
         assert {k: shapes[k] for k in want} == want
     result = verify(src, split, device="cpu", simulate=True)
     assert [lv.status for lv in result.levels] == ["pass", "pass", "pass"]
@@ -160,7 +143,7 @@ def test_tower_sits_on_the_first_stage(tmp_path: Path) -> None:
     src = make_checkpoint("mistral3", tmp_path / "src")
     split = tmp_path / "split"
     reshard(src, split, mesh=Mesh(pp=2))
-    first, last = _shapes(split, 0), _shapes(split, 1)
+    first, last = rank_shapes(split, 0), rank_shapes(split, 1)
     tower = {k for k in first | last if k.startswith(("vision_tower.", "multi_modal_projector."))}
     assert tower and tower <= set(first) and not tower & set(last)
     assert "language_model.lm_head.weight" in last and "language_model.lm_head.weight" not in first
@@ -195,20 +178,10 @@ def test_a_new_transformers_config_ties_as_transformers_does(tmp_path: Path) -> 
     ],
 )
 def test_bad_mistral3_config_is_one_line(tmp_path: Path, config: dict[str, Any], says: str) -> None:
-    path = tmp_path / "config.json"
-    path.write_text(json.dumps(config))
-    manifest = tmp_path / "m.yaml"
-    manifest.write_text(
-        f"model: {{config: {path}}}\nmesh: {{tp: 2}}\nhardware: {{gpu: h100-sxm}}\n"
-        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192}\n'
-    )
-    done = run_cli("plan", str(manifest))
-    assert done.returncode == 3, done.stderr
-    lines = done.stderr.strip().splitlines()
-    assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr
+    refused_in_one_line(tmp_path, config, says)
 
 
-@pytest.mark.parametrize("name", ["mistral3", "gemma3", "llama4"])
+@pytest.mark.parametrize("name", ["mistral3", "gemma3", "llama4", "llava_next", "llava"])
 def test_towers_cover_every_tensor_beside_the_language_model(name: str) -> None:
     """``Family.towers`` (kept as stored under ``quantization.method``) names exactly the
     tensors outside ``language_model.``, in each multimodal family's inventory."""
@@ -221,3 +194,12 @@ def test_towers_cover_every_tensor_beside_the_language_model(name: str) -> None:
     kept = {n for n in names if any(fnmatchcase(n, g) for g in family.towers)}
     assert kept == {n for n in names if not n.startswith("language_model.")}
     assert kept
+
+
+def test_feature_layers_listed_inline(tmp_path: Path) -> None:
+    """``vision_feature_layer`` as a YAML list in an inline manifest (read as a tuple): the
+    projector's linear_1 takes both layers' outputs, one more [5,120 x 1,024] of bf16."""
+    one = plan_json(tmp_path, MANIFEST)["ranks"][0]["memory"]["weights"]
+    text = MANIFEST.replace("vision_feature_layer: -1", "vision_feature_layer: [-1, -2]")
+    two = plan_json(tmp_path, text)["ranks"][0]["memory"]["weights"]
+    assert two - one == H * 1024 * 2

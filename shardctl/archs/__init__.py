@@ -33,6 +33,7 @@ from shardctl.archs import (
     llama,
     llama4,
     llama4_text,
+    llava_next,
     mistral,
     mistral3,
     mixtral,
@@ -97,6 +98,7 @@ _MODULES: tuple[ModuleType, ...] = (
     llama4,
     gemma3_mm,
     mistral3,
+    llava_next,
 )
 
 FAMILIES: dict[str, Family] = {

@@ -167,8 +167,8 @@ def _feature_layers(config: Config, where: str) -> int:
     value = config.get("vision_feature_layer", -1)
     if isinstance(value, int) and not isinstance(value, bool):
         return 1
-    if isinstance(value, list) and value and all(type(x) is int for x in value):
-        return len(value)
+    if isinstance(value, (list, tuple)) and value and all(type(x) is int for x in value):
+        return len(value)  # a tuple: an inline manifest's YAML list
     raise InvalidInputError(
         f"'vision_feature_layer': expected a layer index or a list of them, got {value!r}",
         where=where,

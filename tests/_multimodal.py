@@ -1,0 +1,47 @@
+"""What the multimodal family tests share (Gemma-3, Mistral-3, LLaVA): plan a manifest through
+the CLI, read a rank's tensor shapes, and hold a bad config to one line."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import safe_open
+
+from tests._cli import run_cli
+
+
+def plan_json(tmp_path: Path, text: str, *flags: str) -> dict[str, Any]:
+    """``shardctl plan --json`` of the manifest ``text`` (exit 0 asserted)."""
+    path = tmp_path / "manifest.yaml"
+    path.write_text(text)
+    done = run_cli("plan", str(path), "--json", *flags)
+    assert done.returncode == 0, done.stderr
+    doc: dict[str, Any] = json.loads(done.stdout)
+    return doc
+
+
+def rank_shapes(directory: Path, rank: int) -> dict[str, tuple[int, ...]]:
+    """Every tensor's shape in rank ``rank``'s files of a resharded directory."""
+    out: dict[str, tuple[int, ...]] = {}
+    for f in sorted(directory.glob(f"rank-{rank:05d}-*.safetensors")):
+        with safe_open(str(f), "pt") as st:
+            out.update({k: tuple(st.get_slice(k).get_shape()) for k in st.keys()})
+    return out
+
+
+def refused_in_one_line(tmp_path: Path, config: dict[str, Any], says: str) -> None:
+    """``plan`` of a manifest naming ``config`` as its config.json exits 3 with one line on
+    stderr that says ``says`` (no traceback)."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(config))
+    manifest = tmp_path / "m.yaml"
+    manifest.write_text(
+        f"model: {{config: {path}}}\nmesh: {{tp: 2}}\nhardware: {{gpu: h100-sxm}}\n"
+        'workload: {engine: vllm, vllm_version: "0.19", sequence_length: 8192}\n'
+    )
+    done = run_cli("plan", str(manifest))
+    assert done.returncode == 3, done.stderr
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("shardctl: error:") and says in lines[0], lines
