@@ -233,6 +233,16 @@ CONFIGS: dict[str, dict[str, Any]] = {
         first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
         norm_topk_prob=True, tie_word_embeddings=False, max_position_embeddings=128,
     ),
+    # GLM-4.5: GQA with q/k/v biases, per-head q/k norms and partial rotary; DeepSeek-V3's MoE
+    # (one dense layer, shared experts, sigmoid router with correction bias, groups)
+    "glm4_moe": dict(
+        model_type="glm4_moe", hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+        first_k_dense_replace=1, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
+        tie_word_embeddings=False, max_position_embeddings=128,
+    ),
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(

@@ -59,6 +59,9 @@ FAMILIES: dict[str, list[Mesh]] = {
     # fam-mla: MLA has no K/V heads to replicate; tp=4 = one head per rank
     "deepseek_v2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     "deepseek_v3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    # GLM-4.5 MoE: GQA (kv 2, biased q/k/v, q/k norms) with DeepSeek-V3's router and shared
+    # experts; tp=4 replicates the kv heads
+    "glm4_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # flagships: multimodal Llama-4; the vision tower on the first stage, split like vLLM's
     "llama4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # multimodal Gemma-3: gemma3_text (kv 2, sliding 5:1, tied) beside a SigLIP tower

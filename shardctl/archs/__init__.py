@@ -26,6 +26,7 @@ from shardctl.archs import (
     gemma3,
     gemma3_mm,
     glm4,
+    glm4_moe,
     gpt2,
     gpt_neox,
     gpt_oss,
@@ -91,6 +92,7 @@ _MODULES: tuple[ModuleType, ...] = (
     qwen3_moe,
     llama4_text,
     gpt_oss,
+    glm4_moe,
     # fam-mla
     deepseek_v2,
     deepseek_v3,

@@ -37,7 +37,7 @@ from shardctl.archs._family import (
 from shardctl.archs.deepseek_v2 import CONFIG_KEYS, mla_family
 
 
-def _sigmoid_weights(logits: Any, indices: Any, config: Config) -> Any:
+def sigmoid_weights(logits: Any, indices: Any, config: Config) -> Any:
     """transformers ``DeepseekV3TopkRouter``: sigmoid scores (without the correction bias) at
     the chosen experts, renormalized when ``norm_topk_prob``, times ``routed_scaling_factor``."""
     import torch
@@ -60,7 +60,7 @@ FAMILY = mla_family(
     "deepseek_v3",
     router_bias=True,
     mlp_bias=False,
-    route_weights=_sigmoid_weights,
+    route_weights=sigmoid_weights,
     defaults=V3_DEFAULTS,
     # megatron-moe: how Megatron-Core holds this family (shardctl/formats/megatron)
     megatron=MegatronDecl(moe="mlp", shared="shared_experts", router="sigmoid_bias", mla=True),
