@@ -171,6 +171,14 @@ def test_clip_tower_and_first_stage(tmp_path: Path) -> None:
             "'image_grid_pinpoints'",
         ),
         ({"model_type": "llava", "vision_config": {"patch_size": 0}}, "'patch_size'"),
+        (
+            {"model_type": "llava_next", "image_grid_pinpoints": [[100, 100]]},
+            "smaller than one 336-pixel tile",
+        ),
+        (
+            {"model_type": "llava_next", "vision_feature_select_strategy": "cls"},
+            "'vision_feature_select_strategy'",
+        ),
     ],
 )
 def test_bad_llava_config_is_one_line(tmp_path: Path, config: dict[str, Any], says: str) -> None:

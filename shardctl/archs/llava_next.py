@@ -356,6 +356,11 @@ def _image_tokens(config: Config) -> int:
     grid = image // get_int(v, "patch_size", "config: vision_config")
     encoder = grid * grid + (1 if v["model_type"] == CLIP else 0)
     strategy = config.get("vision_feature_select_strategy") or "default"
+    if strategy not in ("default", "full"):
+        raise InvalidInputError(
+            f"'vision_feature_select_strategy': expected default or full, got {strategy!r}",
+            where="config",
+        )
     base = encoder - 1 if strategy == "default" else encoder
     if config.get("model_type") == "llava":
         return base
@@ -363,6 +368,13 @@ def _image_tokens(config: Config) -> int:
     most = 0
     for height, width in pinpoints:
         best_h, best_w = _best_resolution((height, width), pinpoints)
+        if best_h < image or best_w < image:
+            raise InvalidInputError(
+                f"'image_grid_pinpoints': [{best_h}, {best_w}] is smaller than one "
+                f"{image}-pixel tile (vision_config image_size)",
+                where="config",
+                hint="give pinpoints in multiples of the tower's image_size",
+            )
         rows, cols = grid * (best_h // image), grid * (best_w // image)
         if width / height > cols / rows:
             rows -= 2 * ((rows - height * cols // width) // 2)
