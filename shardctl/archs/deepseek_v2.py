@@ -41,6 +41,7 @@ config (or manifest) sets shardctl's ``include_mtp_layers: true``; a checkpoint 
 from __future__ import annotations
 
 import copy
+from collections.abc import Callable
 from typing import Any
 
 from shardctl.archs._decoder import END_RULES, LAYER_NORMS, MLP_RULES, NORM_RULES, R, norms
@@ -152,7 +153,7 @@ def _mla(config: Config, where: str) -> tuple[int | None, int, int, int, int]:
     )
 
 
-def _first_dense(config: Config, where: str) -> int:
+def first_dense(config: Config, where: str) -> int:
     value = config.get("first_k_dense_replace")
     if value is None:
         return 0
@@ -163,7 +164,7 @@ def _first_dense(config: Config, where: str) -> int:
     return value
 
 
-def _mtp_layers(config: Config, where: str) -> int:
+def mtp_layer_count(config: Config, where: str) -> int:
     value = config.get("num_nextn_predict_layers")
     if value is None:
         return 0
@@ -196,7 +197,7 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
         experts_per_token=get_int(config, "num_experts_per_tok", where),
         max_position_embeddings=get_int(config, "max_position_embeddings", where, default=0),
         gated_mlp=True,
-        mtp_layers=_mtp_layers(config, where),
+        mtp_layers=mtp_layer_count(config, where),
     )
 
 
@@ -229,7 +230,7 @@ def _attention(p: str, d: ModelDims, config: Config, where: str) -> Shapes:
     return out
 
 
-def _mlp(p: str, h: int, i: int, bias: bool) -> Shapes:
+def mlp_shapes(p: str, h: int, i: int, bias: bool) -> Shapes:
     out: Shapes = [
         (f"{p}.gate_proj.weight", (i, h)),
         (f"{p}.up_proj.weight", (i, h)),
@@ -241,7 +242,7 @@ def _mlp(p: str, h: int, i: int, bias: bool) -> Shapes:
     return out
 
 
-def _moe(
+def moe_shapes(
     p: str, d: ModelDims, config: Config, where: str, *, router_bias: bool, mlp_bias: bool
 ) -> Shapes:
     h, e = d.hidden_size, d.num_experts
@@ -253,10 +254,10 @@ def _moe(
     if router_bias:
         out.append((f"{p}.mlp.gate.e_score_correction_bias", (e,)))
     for x in range(e):
-        out += _mlp(f"{p}.mlp.experts.{x}", h, moe_i, False)
+        out += mlp_shapes(f"{p}.mlp.experts.{x}", h, moe_i, False)
     if shared:
         bias = mlp_bias and get_bool(config, "mlp_bias", where, False)
-        out += _mlp(f"{p}.mlp.shared_experts", h, shared * moe_i, bias)
+        out += mlp_shapes(f"{p}.mlp.shared_experts", h, shared * moe_i, bias)
     return out
 
 
@@ -265,15 +266,15 @@ def _layer(
 ) -> Shapes:
     p = f"model.layers.{i}"
     out = _attention(p, d, config, where)
-    if i < _first_dense(config, where):
+    if i < first_dense(config, where):
         bias = mlp_bias and get_bool(config, "mlp_bias", where, False)
-        out += _mlp(f"{p}.mlp", d.hidden_size, d.intermediate_size, bias)
+        out += mlp_shapes(f"{p}.mlp", d.hidden_size, d.intermediate_size, bias)
     else:
-        out += _moe(p, d, config, where, router_bias=router_bias, mlp_bias=mlp_bias)
+        out += moe_shapes(p, d, config, where, router_bias=router_bias, mlp_bias=mlp_bias)
     return out + norms(p, d, LAYER_NORMS)
 
 
-def _mtp_extras(p: str, d: ModelDims) -> Shapes:
+def mtp_extras(p: str, d: ModelDims) -> Shapes:
     """What an MTP layer adds to a decoder layer (DeepSeek-V3 README_WEIGHTS.md)."""
     h, v = d.hidden_size, d.vocab_size
     return [
@@ -284,6 +285,26 @@ def _mtp_extras(p: str, d: ModelDims) -> Shapes:
         (f"{p}.shared_head.norm.weight", (h,)),
         (f"{p}.shared_head.head.weight", (v, h)),
     ]
+
+
+def stack_with_mtp(
+    d: ModelDims, config: Config, where: str, layer: Callable[[int], Shapes]
+) -> Shapes:
+    """Embeddings, final norm, head (untied) and every decoder ``layer(i)``; with
+    ``include_mtp_layers`` the ``num_nextn_predict_layers`` MTP layers after the stack too
+    (each a decoder layer plus :func:`mtp_extras`). DeepSeek-V3's and GLM-4.5's layout."""
+    out: Shapes = [
+        ("model.embed_tokens.weight", (d.vocab_size, d.hidden_size)),
+        ("model.norm.weight", (d.hidden_size,)),
+    ]
+    if not d.tie_word_embeddings:
+        out.append(("lm_head.weight", (d.vocab_size, d.hidden_size)))
+    extra = d.mtp_layers if get_bool(config, MTP_KEY, where, False) else 0
+    for i in range(d.num_layers + extra):
+        out += layer(i)
+        if i >= d.num_layers:
+            out += mtp_extras(f"model.layers.{i}", d)
+    return out
 
 
 # ---- forward -------------------------------------------------------------------------------
@@ -299,7 +320,7 @@ def local_config(
         "num_key_value_heads": local_div("num_attention_heads", d.num_heads, tp),
         "intermediate_size": local_div("intermediate_size", d.intermediate_size, tp),
         "num_hidden_layers": num_layers,
-        "first_k_dense_replace": max(0, _first_dense(cfg, "config") - first_layer),
+        "first_k_dense_replace": max(0, first_dense(cfg, "config") - first_layer),
     }
     moe_i = get_int(cfg, "moe_intermediate_size", "config")
     local["moe_intermediate_size"] = local_div("moe_intermediate_size", moe_i, tp)
@@ -307,7 +328,7 @@ def local_config(
     return local
 
 
-def _localize(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
+def localize_experts(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
     """Each MoE layer's packed experts module rebuilt with this ep rank's ``E / ep`` experts."""
     sub = copy.copy(config)
     sub.n_routed_experts = d.num_experts // ep
@@ -337,7 +358,7 @@ def mla_forward(route_weights: Any) -> ForwardSpec:
         row_parallel=("self_attn.o_proj", "mlp.down_proj", "mlp.shared_experts.down_proj"),
         local_config=local_config,
         experts=EXPERTS,
-        localize=_localize,
+        localize=localize_experts,
         route_weights=route_weights,
     )
 
@@ -366,18 +387,11 @@ def mla_family(
 
     def tensors(config: Config, d: ModelDims, where: str) -> Shapes:
         config = {**defaults, **config}
-        out: Shapes = [
-            ("model.embed_tokens.weight", (d.vocab_size, d.hidden_size)),
-            ("model.norm.weight", (d.hidden_size,)),
-        ]
-        if not d.tie_word_embeddings:
-            out.append(("lm_head.weight", (d.vocab_size, d.hidden_size)))
-        extra = d.mtp_layers if get_bool(config, MTP_KEY, where, False) else 0
-        for i in range(d.num_layers + extra):
-            out += _layer(i, d, config, where, router_bias=router_bias, mlp_bias=mlp_bias)
-            if i >= d.num_layers:
-                out += _mtp_extras(f"model.layers.{i}", d)
-        return out
+
+        def layer(i: int) -> Shapes:
+            return _layer(i, d, config, where, router_bias=router_bias, mlp_bias=mlp_bias)
+
+        return stack_with_mtp(d, config, where, layer)
 
     def memory(config: Config) -> MemoryFlags:
         bias = get_bool(config, "attention_bias", "config", False)

@@ -32,7 +32,7 @@ stage's layers (``first_k_dense_replace`` shifted with it).
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from typing import Any
 
 from shardctl.archs._decoder import (
@@ -43,6 +43,7 @@ from shardctl.archs._decoder import (
     NORM_RULES,
     R,
     attention,
+    decoder_dims,
     decoder_local_config,
     norms,
 )
@@ -58,7 +59,15 @@ from shardctl.archs._family import (
     local_div,
 )
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
-from shardctl.archs.deepseek_v2 import MTP_KEY, _first_dense, _mlp, _mtp_extras, _mtp_layers
+from shardctl.archs.deepseek_v2 import (
+    MTP_KEY,
+    first_dense,
+    localize_experts,
+    mlp_shapes,
+    moe_shapes,
+    mtp_layer_count,
+    stack_with_mtp,
+)
 from shardctl.archs.deepseek_v3 import sigmoid_weights
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -140,27 +149,12 @@ def _config(config: Config) -> Config:
 
 
 def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    """GLM-4.5-Air → ``ModelDims(4096, 46, 96, 8, 128, 10944, 151552, ...)``; ``head_dim``
-    is the config's (GLM-4.5: 128, not hidden / heads), ``intermediate_size`` the dense
-    layers'."""
+    """GLM-4.5-Air → ``ModelDims(4096, 46, 96, 8, 128, 10944, 151552, ...)``: the decoder's
+    (``head_dim`` the config's, 128 for GLM-4.5, not hidden / heads; ``intermediate_size`` the
+    dense layers') with the routed experts and the MTP layers."""
     c = _config(config)
-    heads = get_int(c, "num_attention_heads", where)
-    hidden = get_int(c, "hidden_size", where)
-    return ModelDims(
-        hidden_size=hidden,
-        num_layers=get_int(c, "num_hidden_layers", where),
-        num_heads=heads,
-        num_kv_heads=get_int(c, "num_key_value_heads", where, default=heads),
-        head_dim=get_int(c, "head_dim", where, default=hidden // heads),
-        intermediate_size=get_int(c, "intermediate_size", where),
-        vocab_size=get_int(c, "vocab_size", where),
-        tie_word_embeddings=tied,
-        num_experts=get_int(c, "n_routed_experts", where),
-        experts_per_token=get_int(c, "num_experts_per_tok", where),
-        max_position_embeddings=get_int(c, "max_position_embeddings", where, default=0),
-        gated_mlp=True,
-        mtp_layers=_mtp_layers(c, where),
-    )
+    d = decoder_dims(c, tied, where, experts_key="n_routed_experts")
+    return dataclasses.replace(d, mtp_layers=mtp_layer_count(c, where))
 
 
 def _layer(i: int, d: ModelDims, config: Config, where: str) -> Shapes:
@@ -172,36 +166,16 @@ def _layer(i: int, d: ModelDims, config: Config, where: str) -> Shapes:
             (f"{p}.self_attn.q_norm.weight", (d.head_dim,)),
             (f"{p}.self_attn.k_norm.weight", (d.head_dim,)),
         ]
-    h = d.hidden_size
-    if i < _first_dense(config, where):
-        out += _mlp(f"{p}.mlp", h, d.intermediate_size, False)
-    else:
-        moe_i = get_int(config, "moe_intermediate_size", where)
-        e = d.num_experts
-        out += [(f"{p}.mlp.gate.weight", (e, h)), (f"{p}.mlp.gate.e_score_correction_bias", (e,))]
-        for x in range(e):
-            out += _mlp(f"{p}.mlp.experts.{x}", h, moe_i, False)
-        shared = config.get("n_shared_experts")
-        if shared != 0:
-            n = get_int(config, "n_shared_experts", where)
-            out += _mlp(f"{p}.mlp.shared_experts", h, n * moe_i, False)
+    if i < first_dense(config, where):
+        out += mlp_shapes(f"{p}.mlp", d.hidden_size, d.intermediate_size, False)
+    else:  # DeepSeek-V3's MoE block: router + correction bias, experts, shared experts
+        out += moe_shapes(p, d, config, where, router_bias=True, mlp_bias=False)
     return out + norms(p, d, LAYER_NORMS)
 
 
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
     c = _config(config)
-    out: Shapes = [
-        ("model.embed_tokens.weight", (d.vocab_size, d.hidden_size)),
-        ("model.norm.weight", (d.hidden_size,)),
-    ]
-    if not d.tie_word_embeddings:
-        out.append(("lm_head.weight", (d.vocab_size, d.hidden_size)))
-    extra = d.mtp_layers if get_bool(c, MTP_KEY, where, False) else 0
-    for i in range(d.num_layers + extra):
-        out += _layer(i, d, c, where)
-        if i >= d.num_layers:
-            out += _mtp_extras(f"model.layers.{i}", d)
-    return out
+    return stack_with_mtp(d, c, where, lambda i: _layer(i, d, c, where))
 
 
 def _local_config(
@@ -213,21 +187,10 @@ def _local_config(
     local = decoder_local_config(c, d, tp, ep, first_layer, num_layers)
     moe_i = get_int(c, "moe_intermediate_size", "config")
     local["moe_intermediate_size"] = local_div("moe_intermediate_size", moe_i, tp)
-    local["first_k_dense_replace"] = max(0, _first_dense(c, "config") - first_layer)
+    local["first_k_dense_replace"] = max(0, first_dense(c, "config") - first_layer)
     local_div("n_routed_experts", d.num_experts, ep)
     local["num_nextn_predict_layers"] = 0  # transformers builds no MTP layer
     return local
-
-
-def _localize(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
-    """Each MoE layer's packed experts rebuilt with this ep rank's ``E / ep`` experts (the
-    router keeps scoring all ``E``)."""
-    sub = copy.copy(config)
-    sub.n_routed_experts = d.num_experts // ep
-    for layer in model.model.layers:
-        experts = getattr(layer.mlp, "experts", None)
-        if experts is not None:
-            layer.mlp.experts = type(experts)(sub).to(dtype)
 
 
 def _memory(config: Config) -> MemoryFlags:
@@ -252,7 +215,7 @@ FAMILY = Family(
         row_parallel=("self_attn.o_proj", "mlp.down_proj", "mlp.shared_experts.down_proj"),
         local_config=_local_config,
         experts=EXPERTS,
-        localize=_localize,
+        localize=localize_experts,  # DeepSeek's: the packed experts per ep rank
         route_weights=sigmoid_weights,
     ),
     follows="vLLM glm4_moe.py (Glm4MoeForCausalLM, FusedMoE) and glm4_moe_mtp.py",
