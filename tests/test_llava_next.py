@@ -20,7 +20,8 @@ from typing import Any
 import pytest
 
 from shardctl.archs import family_for, language_model
-from shardctl.archs.llava_next import TEXT_DEFAULTS, VISION_ABSENT, VISION_DEFAULTS
+from shardctl.archs._multimodal import TEXT_DEFAULTS
+from shardctl.archs.llava_next import VISION_ABSENT, VISION_DEFAULTS
 from shardctl.layout.types import Mesh
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify

@@ -55,11 +55,14 @@ from shardctl.archs._family import (
 from shardctl.archs._keys import COMMON
 from shardctl.archs._multimodal import (
     section,
+    siglip_head,
     text_dims,
     text_forward,
     text_memory,
     text_rules,
     text_tensors,
+    vit_layer_rules,
+    vit_layers,
 )
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -73,13 +76,7 @@ P = "multi_modal_projector"
 VISION_RULES: tuple[RuleSpec, ...] = tuple(
     RuleSpec(match, tp=tp, stage="first")
     for match, tp in (
-        (f"{_VL}.self_attn.[qkv]_proj.*", "colwise"),
-        (f"{_VL}.self_attn.out_proj.weight", "rowwise"),
-        (f"{_VL}.self_attn.out_proj.bias", R),
-        (f"{_VL}.mlp.fc1.*", "colwise"),
-        (f"{_VL}.mlp.fc2.weight", "rowwise"),
-        (f"{_VL}.mlp.fc2.bias", R),
-        (f"{_VL}.layer_norm*", R),
+        *vit_layer_rules(_VL),
         (f"{V}.*embeddings.position_embedding.weight", "colwise"),
         (f"{V}.*", R),  # patch convolution, post_layernorm, SigLIP's unused pooling head
         (f"{P}.*", R),  # mm_input_projection_weight, mm_soft_emb_norm
@@ -146,33 +143,9 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
         (f"{V}.post_layernorm.weight", (h,)),
         (f"{V}.post_layernorm.bias", (h,)),
     ]
-    for n in range(get_int(v, "num_hidden_layers", w)):
-        p = f"{V}.encoder.layers.{n}"
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            out += [(f"{p}.self_attn.{proj}.weight", (h, h)), (f"{p}.self_attn.{proj}.bias", (h,))]
-        out += [
-            (f"{p}.mlp.fc1.weight", (i, h)),
-            (f"{p}.mlp.fc1.bias", (i,)),
-            (f"{p}.mlp.fc2.weight", (h, i)),
-            (f"{p}.mlp.fc2.bias", (h,)),
-        ]
-        for norm in ("layer_norm1", "layer_norm2"):
-            out += [(f"{p}.{norm}.weight", (h,)), (f"{p}.{norm}.bias", (h,))]
-    if v.get("vision_use_head"):  # SiglipMultiheadAttentionPoolingHead
-        hd = f"{V}.head"
-        out += [
-            (f"{hd}.probe", (1, 1, h)),
-            (f"{hd}.attention.in_proj_weight", (3 * h, h)),
-            (f"{hd}.attention.in_proj_bias", (3 * h,)),
-            (f"{hd}.attention.out_proj.weight", (h, h)),
-            (f"{hd}.attention.out_proj.bias", (h,)),
-            (f"{hd}.layernorm.weight", (h,)),
-            (f"{hd}.layernorm.bias", (h,)),
-            (f"{hd}.mlp.fc1.weight", (i, h)),
-            (f"{hd}.mlp.fc1.bias", (i,)),
-            (f"{hd}.mlp.fc2.weight", (h, i)),
-            (f"{hd}.mlp.fc2.bias", (h,)),
-        ]
+    out += vit_layers(f"{V}.encoder.layers", get_int(v, "num_hidden_layers", w), h, i)
+    if v.get("vision_use_head"):
+        out += siglip_head(f"{V}.head", h, i)
     out += [
         (f"{P}.mm_input_projection_weight", (h, text_hidden)),
         (f"{P}.mm_soft_emb_norm.weight", (h,)),

@@ -59,11 +59,16 @@ from shardctl.archs._family import Config, Family, ForwardSpec, Shapes, get_bool
 from shardctl.archs._keys import COMMON
 from shardctl.archs._multimodal import (
     TEXT,
+    TEXT_DEFAULTS,
+    feature_layers,
     section,
+    siglip_head,
     text_dims,
     text_forward,
     text_rules,
     text_tensors,
+    vit_layer_rules,
+    vit_layers,
 )
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
@@ -78,45 +83,6 @@ TEXT_FAMILIES: dict[str, Family] = {
     "qwen2": qwen2.FAMILY,
 }
 assert all(f.rules == llama.FAMILY.rules for f in TEXT_FAMILIES.values())
-# transformers 5.24's config-class defaults for the shape keys a saved text_config may leave
-# out (transformers 4 wrote the sections as differences from them: llava-v1.6-mistral-7b-hf
-# names no hidden_size); head_dim and num_key_value_heads follow the given sizes
-TEXT_DEFAULTS: dict[str, Config] = {
-    "llama": {
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "vocab_size": 32000,
-        "max_position_embeddings": 2048,
-    },
-    "mistral": {
-        "hidden_size": 4096,
-        "intermediate_size": 14336,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "num_key_value_heads": 8,
-        "vocab_size": 32000,
-        "max_position_embeddings": 131072,
-        "sliding_window": 4096,
-    },
-    "granite": {
-        "hidden_size": 4096,
-        "intermediate_size": 11008,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "vocab_size": 32000,
-        "max_position_embeddings": 2048,
-    },
-    "qwen2": {
-        "hidden_size": 4096,
-        "intermediate_size": 22016,
-        "num_hidden_layers": 32,
-        "num_attention_heads": 32,
-        "vocab_size": 151936,
-        "max_position_embeddings": 32768,
-    },
-}
 CLIP, SIGLIP = "clip_vision_model", "siglip_vision_model"
 # CLIPVisionConfig's / SiglipVisionConfig's defaults, and the CLIP-L/336 tower LlavaConfig and
 # LlavaNextConfig build when a config has no vision_config
@@ -162,13 +128,7 @@ NEWLINE = "image_newline"
 VISION_RULES: tuple[RuleSpec, ...] = tuple(
     RuleSpec(match, tp=tp, stage="first")
     for match, tp in (
-        (f"{_VL}.self_attn.[qkv]_proj.*", "colwise"),
-        (f"{_VL}.self_attn.out_proj.weight", "rowwise"),
-        (f"{_VL}.self_attn.out_proj.bias", R),
-        (f"{_VL}.mlp.fc1.*", "colwise"),
-        (f"{_VL}.mlp.fc2.weight", "rowwise"),
-        (f"{_VL}.mlp.fc2.bias", R),
-        (f"{_VL}.layer_norm*", R),
+        *vit_layer_rules(_VL),
         (f"{V}.*", R),  # embeddings, pre/post layer norms, SigLIP's unused pooling head
         (f"{P}.linear_1.*", "colwise"),
         (f"{P}.linear_2.weight", "rowwise"),
@@ -227,21 +187,6 @@ def _vision(config: Config, where: str) -> dict[str, Any]:
     return {**VISION_DEFAULTS[kind], **given, "model_type": kind}
 
 
-def _feature_layers(config: Config, where: str) -> int:
-    """How many tower layers' outputs the projector concatenates (``vision_feature_layer``:
-    one index, or a list of them: granite-vision's four)."""
-    value = config.get("vision_feature_layer", -2)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return 1
-    if isinstance(value, (list, tuple)) and value and all(type(x) is int for x in value):
-        return len(value)  # a tuple: an inline manifest's YAML list
-    raise InvalidInputError(
-        f"'vision_feature_layer': expected a layer index or a list of them, got {value!r}",
-        where=where,
-        hint="give vision_feature_layer as in the model's config.json (LLaVA's default: -2)",
-    )
-
-
 def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     """The tower's and the projector's tensors (and ``image_newline``), under the names
     save_pretrained writes."""
@@ -266,36 +211,12 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
             (f"{e}.patch_embedding.bias", (h,)),
             (f"{e}.position_embedding.weight", ((image // patch) ** 2, h)),
         ]
-    for n in range(get_int(v, "num_hidden_layers", w)):
-        p = f"{V}.encoder.layers.{n}"
-        for proj in ("q_proj", "k_proj", "v_proj", "out_proj"):
-            out += [(f"{p}.self_attn.{proj}.weight", (h, h)), (f"{p}.self_attn.{proj}.bias", (h,))]
-        out += [
-            (f"{p}.mlp.fc1.weight", (i, h)),
-            (f"{p}.mlp.fc1.bias", (i,)),
-            (f"{p}.mlp.fc2.weight", (h, i)),
-            (f"{p}.mlp.fc2.bias", (h,)),
-        ]
-        for norm in ("layer_norm1", "layer_norm2"):
-            out += [(f"{p}.{norm}.weight", (h,)), (f"{p}.{norm}.bias", (h,))]
+    out += vit_layers(f"{V}.encoder.layers", get_int(v, "num_hidden_layers", w), h, i)
     out += [(f"{V}.post_layernorm.weight", (h,)), (f"{V}.post_layernorm.bias", (h,))]
-    if not clip and v.get("vision_use_head"):  # SiglipMultiheadAttentionPoolingHead
-        hd = f"{V}.head"
-        out += [
-            (f"{hd}.probe", (1, 1, h)),
-            (f"{hd}.attention.in_proj_weight", (3 * h, h)),
-            (f"{hd}.attention.in_proj_bias", (3 * h,)),
-            (f"{hd}.attention.out_proj.weight", (h, h)),
-            (f"{hd}.attention.out_proj.bias", (h,)),
-            (f"{hd}.layernorm.weight", (h,)),
-            (f"{hd}.layernorm.bias", (h,)),
-            (f"{hd}.mlp.fc1.weight", (i, h)),
-            (f"{hd}.mlp.fc1.bias", (i,)),
-            (f"{hd}.mlp.fc2.weight", (h, i)),
-            (f"{hd}.mlp.fc2.bias", (h,)),
-        ]
+    if not clip and v.get("vision_use_head"):
+        out += siglip_head(f"{V}.head", h, i)
     out += [
-        (f"{P}.linear_1.weight", (text_hidden, h * _feature_layers(config, where))),
+        (f"{P}.linear_1.weight", (text_hidden, h * feature_layers(config, where, default=-2))),
         (f"{P}.linear_2.weight", (text_hidden, text_hidden)),
     ]
     if get_bool(config, "multimodal_projector_bias", where, True):

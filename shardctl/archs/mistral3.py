@@ -58,6 +58,8 @@ from shardctl.archs._family import (
 from shardctl.archs._keys import COMMON
 from shardctl.archs._multimodal import (
     TEXT,
+    TEXT_DEFAULTS,
+    feature_layers,
     section,
     text_dims,
     text_forward,
@@ -65,7 +67,6 @@ from shardctl.archs._multimodal import (
     text_rules,
     text_tensors,
 )
-from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
@@ -92,7 +93,8 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
 RULES: tuple[RuleSpec, ...] = text_rules(mistral.FAMILY) + VISION_RULES
 
 # transformers 5.24 Mistral3Config: the text_config it builds when a config has none (the
-# Mistral-Small-3.1-24B shapes) ...
+# Mistral-Small-3.1-24B shapes); a given section gets MistralConfig's defaults
+# (_multimodal.TEXT_DEFAULTS["mistral"]) for the keys it leaves out
 TEXT_ABSENT: Config = {
     "head_dim": 128,
     "hidden_size": 5120,
@@ -104,17 +106,6 @@ TEXT_ABSENT: Config = {
     "rope_theta": 1_000_000_000.0,
     "sliding_window": None,
     "vocab_size": 131_072,
-}
-# ... and MistralConfig's defaults for the keys a given text_config leaves out
-TEXT_DEFAULTS: Config = {
-    "vocab_size": 32_000,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 131_072,
-    "sliding_window": 4096,
 }
 # Mistral3Config's vision_config when absent, and PixtralVisionConfig's defaults
 VISION_ABSENT: Config = {
@@ -149,7 +140,7 @@ def text_config(config: Config, where: str = "config") -> Config:
     """The ``text_config`` as a ``mistral`` config, transformers' defaults filled in;
     ``tie_word_embeddings`` as vLLM's text model reads it (module docstring)."""
     given = _sub(config, "text_config", f"{where}: text_config")
-    text = {**TEXT_DEFAULTS, **(TEXT_ABSENT if given is None else given)}
+    text = {**TEXT_DEFAULTS[TEXT_TYPE], **(TEXT_ABSENT if given is None else given)}
     if config.get("tie_word_embeddings") is not None:
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
     text["model_type"] = TEXT_TYPE
@@ -159,21 +150,6 @@ def text_config(config: Config, where: str = "config") -> Config:
 def _vision(config: Config, where: str) -> dict[str, Any]:
     given = _sub(config, "vision_config", f"{where}: vision_config")
     return {**VISION_DEFAULTS, **(VISION_ABSENT if given is None else given)}
-
-
-def _feature_layers(config: Config, where: str) -> int:
-    """How many tower layers' outputs the projector concatenates (``vision_feature_layer``:
-    one index, or a list of them)."""
-    value = config.get("vision_feature_layer", -1)
-    if isinstance(value, int) and not isinstance(value, bool):
-        return 1
-    if isinstance(value, (list, tuple)) and value and all(type(x) is int for x in value):
-        return len(value)  # a tuple: an inline manifest's YAML list
-    raise InvalidInputError(
-        f"'vision_feature_layer': expected a layer index or a list of them, got {value!r}",
-        where=where,
-        hint="give vision_feature_layer as in the model's config.json (the published: -1)",
-    )
 
 
 def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
@@ -200,7 +176,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     out += [
         (f"{P}.norm.weight", (h,)),
         (f"{P}.patch_merger.merging_layer.weight", (h, h * merge * merge)),
-        (f"{P}.linear_1.weight", (text_hidden, h * _feature_layers(config, where))),
+        (f"{P}.linear_1.weight", (text_hidden, h * feature_layers(config, where, default=-1))),
         (f"{P}.linear_2.weight", (text_hidden, text_hidden)),
     ]
     if get_bool(config, "multimodal_projector_bias", where, False):
