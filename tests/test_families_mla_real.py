@@ -19,6 +19,7 @@ import json
 from operator import attrgetter
 from pathlib import Path
 
+import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
@@ -115,8 +116,21 @@ def _with_mtp(src: Path) -> Path:
     return src
 
 
-def test_mtp_layer_inventory_plan_reshard_verify_merge(tmp_path: Path) -> None:
-    src = _with_mtp(make_checkpoint("deepseek_v3", tmp_path / "hf"))
+# per family, MTP-layer attention tensors split by heads at tp 2 / kept whole (replicated)
+MTP_ATTENTION = {
+    "deepseek_v3": (("self_attn.kv_b_proj.weight",), ("self_attn.kv_a_proj_with_mqa.weight",)),
+    "glm4_moe": (
+        ("self_attn.q_proj.weight", "self_attn.k_proj.bias"),
+        ("self_attn.q_norm.weight",),
+    ),
+}
+
+
+@pytest.mark.parametrize("family", list(MTP_ATTENTION))
+def test_mtp_layer_inventory_plan_reshard_verify_merge(tmp_path: Path, family: str) -> None:
+    """DeepSeek-V3's and GLM-4.5's published MTP layer (``model.layers.{L}``, which
+    save_pretrained does not write) through inventory, placement, plan, reshard, verify, merge."""
+    src = _with_mtp(make_checkpoint(family, tmp_path / "hf"))
     cfg = json.loads((src / "config.json").read_text())
     layers, mtp = cfg["num_hidden_layers"], f"model.layers.{cfg['num_hidden_layers']}."
     # inventory: the headers have the MTP layer; the config alone counts it only when asked
@@ -143,10 +157,13 @@ def test_mtp_layer_inventory_plan_reshard_verify_merge(tmp_path: Path) -> None:
         assert eh.local_shape == eh.global_shape  # replicated, as vLLM deepseek_mtp.py
         head = names[f"{mtp}shared_head.head.weight"]
         assert head.local_shape[0] == head.global_shape[0] // 2  # vocab-parallel
-        kv_b = names[f"{mtp}self_attn.kv_b_proj.weight"]
-        assert kv_b.local_shape[0] == kv_b.global_shape[0] // 2  # by heads
-        kv_a = names[f"{mtp}self_attn.kv_a_proj_with_mqa.weight"]
-        assert kv_a.local_shape == kv_a.global_shape  # replicated
+        split_by_heads, whole = MTP_ATTENTION[family]
+        for name in split_by_heads:
+            s = names[mtp + name]
+            assert s.local_shape[0] == s.global_shape[0] // 2, name
+        for name in whole:
+            s = names[mtp + name]
+            assert s.local_shape == s.global_shape, name
     assert layout.stages[-1].layers == (layers // 2, layers - 1)
     # plan from the checkpoint directory prices those bytes on the last stage
     done = _cli("plan", str(src), "--pp", "2", "--tp", "2", "--json")
