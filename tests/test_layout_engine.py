@@ -192,6 +192,21 @@ def test_phi3_fused_parts_with_kv_replication() -> None:
     assert [(p.offsets[0], p.sizes[0]) for p in gu.pieces] == [(3, 3), (15, 3)]
 
 
+def test_equal_parts_share_what_the_sized_parts_leave() -> None:
+    """``parts: [equal, equal, equal]`` splits a fused [3·H, H] qkv as three H-row parts
+    whatever H is (a ViT's, which the text dims do not give); beside a sized part, the rest."""
+    model = tiny("phi3")  # qkv_proj [32, 16]: 16 q rows, 8 + 8 kv rows
+    thirds = RuleSpec(
+        "model.layers.*.self_attn.qkv_proj.*", tp="S(0)", parts=("q", "equal", "equal")
+    )
+    layout = build_layout(model, Mesh(tp=2), rules=[thirds])
+    s = shard_of(layout, "model.layers.0.self_attn.qkv_proj.weight", tp=1)
+    assert [(p.offsets[0], p.sizes[0]) for p in s.pieces] == [(8, 8), (20, 4), (28, 4)]
+    odd = RuleSpec("model.layers.*.self_attn.qkv_proj.*", tp="S(0)", parts=(9, "equal", "equal"))
+    with pytest.raises(LayoutError, match=r"less the sized parts \(9\) does not split into 2"):
+        build_layout(model, Mesh(tp=2), rules=[odd])
+
+
 # -- ep --------------------------------------------------------------------------------------------
 
 

@@ -342,7 +342,11 @@ def _parts(
 ) -> tuple[Part, ...]:
     length = info.shape[dim]
     if rule.parts:
-        parts = tuple(_part(p, dims, info.fqn, label) for p in rule.parts)
+        parts = tuple(
+            _equal(length, rule.parts, dims, info, dim, label) if p == EQUAL
+            else _part(p, dims, info.fqn, label)
+            for p in rule.parts
+        )  # fmt: skip
         if sum(p.size for p in parts) != length:
             sizes = [p.size for p in parts]
             raise LayoutError(
@@ -406,6 +410,30 @@ def _grouped_parts(
     return n, tuple(parts)
 
 
+EQUAL = "equal"
+
+
+def _equal(
+    length: int,
+    names: tuple[int | str, ...],
+    dims: ModelDims | None,
+    info: TensorInfo,
+    dim: int,
+    label: str,
+) -> Part:
+    """One ``equal`` part: the sized parts' remainder of the dim, shared equally."""
+    sized = sum(_part(p, dims, info.fqn, label).size for p in names if p != EQUAL)
+    count = sum(p == EQUAL for p in names)
+    if length < sized or (length - sized) % count:
+        raise LayoutError(
+            f"dim {dim} of {list(info.shape)} ({length}) less the sized parts ({sized}) does "
+            f"not split into {count} equal parts",
+            where=info.fqn,
+            hint=f"fix {label}.parts to match the tensor",
+        )
+    return Part((length - sized) // count)
+
+
 def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part:
     """A part named in a rule: a size, or ``q`` / ``kv`` (whole heads), ``intermediate``."""
     if isinstance(name, int):
@@ -428,6 +456,10 @@ def _part(name: int | str, dims: ModelDims | None, fqn: str, label: str) -> Part
         )
     if name == "intermediate":
         return Part(dims.intermediate_size)
+    if name == EQUAL:  # shares of a whole dim: not a per-group size
+        raise LayoutError(
+            f"{label} names 'equal' with groups", where=fqn, hint="give the group's part sizes"
+        )
     assert name == "hidden", name
     return Part(dims.hidden_size)
 

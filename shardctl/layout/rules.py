@@ -23,7 +23,9 @@ from shardctl.layout.types import RuleSpec
 
 STAGES: tuple[str, ...] = ("first", "last", "all", "embedding")
 HEADS: tuple[str, ...] = ("q", "kv")
-NAMED_PARTS: tuple[str, ...] = ("q", "kv", "intermediate", "hidden")
+# "equal": an equal share of what the sized parts leave of the dim (a ViT's fused qkv
+# [3·H, H]: parts [equal, equal, equal], whatever H the tower's config gives)
+NAMED_PARTS: tuple[str, ...] = ("q", "kv", "intermediate", "hidden", "equal")
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")
 

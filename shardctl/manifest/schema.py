@@ -137,7 +137,10 @@ def _rules() -> dict[str, Any]:
                 "items": {
                     "anyOf": [{"type": "integer", "minimum": 1}, {"enum": list(m.RULE_PART_NAMES)}]
                 },
-                "description": "Fused sections along the sharded dim: sizes or q/kv/intermediate.",
+                "description": (
+                    "Fused sections along the sharded dim: sizes, q/kv/intermediate/hidden, or "
+                    "equal (an equal share of what the others leave)."
+                ),
             },
             "heads": _enum(m.RULE_HEADS, "The sharded dim is made of q or kv heads."),
             "stage": _enum(
