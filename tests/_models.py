@@ -243,6 +243,28 @@ CONFIGS: dict[str, dict[str, Any]] = {
         norm_topk_prob=True, use_qk_norm=True, attention_bias=True, partial_rotary_factor=0.5,
         tie_word_embeddings=False, max_position_embeddings=128,
     ),
+    # MiniMax-M2: whole-projection q/k norms (split with the heads), partial rotary, Mixtral's
+    # expert names with a sigmoid router and correction bias
+    "minimax_m2": dict(
+        model_type="minimax_m2", hidden_size=64, intermediate_size=32, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, vocab_size=256,
+        num_local_experts=8, num_experts_per_tok=2, rotary_dim=8, tie_word_embeddings=False,
+        max_position_embeddings=128,
+    ),
+    # Qwen2.5-VL: qwen2's text model at the top level (kv 2, qkv biases, multimodal rotary)
+    # beside a windowed ViT (4 heads, fused qkv, gated MLP with biases) and a 2x2 merger
+    "qwen2_5_vl": dict(
+        model_type="qwen2_5_vl", tie_word_embeddings=False,
+        text_config=dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(
+            depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+            fullatt_block_indexes=[1], window_size=112,
+        ),
+    ),
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(
@@ -389,6 +411,11 @@ def make_checkpoint(
             else:
                 value = 0.2 * noise
             p.copy_(value.to(p.dtype))
+        # a router's correction bias is a saved buffer that transformers initializes to zeros:
+        # random too, so a bias loaded into the wrong layer (or not at all) changes the routing
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_((0.2 * torch.randn_like(b, dtype=torch.float32)).to(b.dtype))
     kwargs: dict[str, Any] = {}
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size

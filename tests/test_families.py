@@ -62,6 +62,9 @@ FAMILIES: dict[str, list[Mesh]] = {
     # GLM-4.5 MoE: GQA (kv 2, biased q/k/v, q/k norms) with DeepSeek-V3's router and shared
     # experts; tp=4 replicates the kv heads
     "glm4_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
+    # MiniMax-M2: whole-projection q/k norms split with kv 2 heads (tp=4 replicates them),
+    # sigmoid router with correction bias
+    "minimax_m2": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # flagships: multimodal Llama-4; the vision tower on the first stage, split like vLLM's
     "llama4": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # multimodal Gemma-3: gemma3_text (kv 2, sliding 5:1, tied) beside a SigLIP tower
@@ -70,6 +73,8 @@ FAMILIES: dict[str, list[Mesh]] = {
     "mistral3": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # LLaVA-NeXT: granite (kv 2, tied, multipliers) beside a SigLIP tower (4 heads, its head)
     "llava_next": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # Qwen2.5-VL: qwen2 (kv 2) under its own names beside a ViT (4 heads, fused qkv)
+    "qwen2_5_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # LLaVA-1.5: llama (kv 2, untied) beside a CLIP tower (4 heads)
     "llava": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }

@@ -94,6 +94,24 @@ def test_qwen3_moe_fp8(tmp_path: Path) -> None:
     )
 
 
+def test_minimax_m2_fp8(tmp_path: Path) -> None:
+    """MiniMax-M2 in FP8 with 128x128 blocks, as MiniMaxAI/MiniMax-M2 ships: experts over ep,
+    attention and expert matrices over tp; the router, its correction bias and the split q/k
+    norms stay 16-bit."""
+    _need("minimax_m2")
+    geometry = dict(
+        hidden_size=256, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=128, rotary_dim=64, vocab_size=128, num_hidden_layers=2, num_local_experts=4,
+    )  # fmt: skip
+    src = _quant.fp8_block(
+        make_checkpoint("minimax_m2", tmp_path / "bf16", **geometry), tmp_path / "fp8"
+    )
+    _round_trip(src, tmp_path, Mesh(ep=2, tp=2))
+    assert sorted(map(str, from_config_file(src / "config.json").tensors)) == sorted(
+        map(str, from_checkpoint(src).tensors)
+    )
+
+
 def test_gpt_oss_mxfp4(tmp_path: Path) -> None:
     _need("gpt_oss")
     from safetensors.torch import load_file, save_file

@@ -35,6 +35,7 @@ from shardctl.archs import (
     llama4,
     llama4_text,
     llava_next,
+    minimax_m2,
     mistral,
     mistral3,
     mixtral,
@@ -42,6 +43,7 @@ from shardctl.archs import (
     phi,
     phi3,
     qwen2,
+    qwen2_5_vl,
     qwen2_moe,
     qwen3,
     qwen3_moe,
@@ -93,6 +95,7 @@ _MODULES: tuple[ModuleType, ...] = (
     llama4_text,
     gpt_oss,
     glm4_moe,
+    minimax_m2,
     # fam-mla
     deepseek_v2,
     deepseek_v3,
@@ -101,6 +104,7 @@ _MODULES: tuple[ModuleType, ...] = (
     gemma3_mm,
     mistral3,
     llava_next,
+    qwen2_5_vl,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -108,7 +112,7 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 # model_type -> why it is refused and what to do, for a known relative a family file declines
-# (a module's optional ``REFUSED`` dict, e.g. qwen2.py: the multimodal "qwen2_5_vl" config).
+# (a module's optional ``REFUSED`` dict, e.g. qwen2.py: the multimodal "qwen2_vl" config).
 REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

@@ -69,6 +69,9 @@ class ExpertSpec:
     down: str = ""  # the down projection ("w2")
     call: str = "routed"  # "routed" | "stacked"
     once: tuple[str, ...] = ()  # e.g. ("down_proj_bias",)
+    # other on-disk names in a layer -> their in-memory ones, where transformers renames them on
+    # load (MiniMax-M2: ``block_sparse_moe.e_score_correction_bias`` -> ``mlp.…``)
+    aliases: tuple[tuple[str, str], ...] = ()
 
     @property
     def regex(self) -> re.Pattern[str] | None:

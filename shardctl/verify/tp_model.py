@@ -179,6 +179,9 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
         return f"{prefix}.{rest}", ()
     if rest == ex.router:
         return f"{prefix}.{ex.router_param}", ()
+    for disk, memory in ex.aliases:
+        if rest == disk:
+            return f"{prefix}.{memory}", ()
     regex = ex.regex
     e = regex.match(rest) if regex is not None else None
     if e is None:  # not an expert, or experts packed on disk as in memory

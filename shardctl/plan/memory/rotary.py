@@ -21,7 +21,8 @@ Rows, per ``rope_type`` (vLLM ``model_executor/layers/rotary_embedding``, read 2
   long one of ``max_position_embeddings`` rows, concatenated.
 
 Columns: ``rotary_dim`` = ``head_dim · partial_rotary_factor`` (GPT-NeoX ``rotary_pct``,
-DeepSeek's ``qk_rope_head_dim``). Element size:
+DeepSeek's ``qk_rope_head_dim``, MiniMax-M2's own ``rotary_dim`` key, which vLLM
+``minimax_m2.py`` turns into the factor). Element size:
 
 - vLLM: the model's dtype (``cache = cache.to(dtype)``; ``use_flashinfer`` is hard-wired
   ``False`` in ``base.py``), except gpt-oss, whose attention asks ``get_rope(...,
@@ -130,6 +131,9 @@ def _rotary_dim(arch: str, config: Mapping[str, Any], head_dim: int) -> int:
     rope_dim = positive_int(config.get("qk_rope_head_dim"))  # MLA: the rope part of each head
     if rope_dim is not None:
         return rope_dim
+    rotary = positive_int(config.get("rotary_dim"))  # MiniMax-M2: 64 of 128 (vLLM's factor)
+    if rotary is not None and config.get("partial_rotary_factor") is None:
+        return min(rotary, head_dim)
     fraction = positive_number(config.get("partial_rotary_factor"))
     if fraction is None:
         params = config.get("rope_parameters")

@@ -1,0 +1,219 @@
+"""Qwen2.5-VL (``qwen2_5_vl``, ``Qwen2_5_VLForConditionalGeneration``): Qwen2's language model
+beside a windowed ViT with a 2 × 2 patch merger. Unlike LLaVA's, the language model keeps the
+plain text names, so on disk (transformers 5.24 ``save_pretrained`` and the published files
+alike) it is a Qwen2 checkpoint plus ``visual.*``::
+
+    model.*  lm_head.weight                                   qwen2's tensors and placement
+    visual.patch_embed.proj.weight [Hv, C, T, p, p]           replicated (a 3-D convolution)
+    visual.blocks.{i}.norm1 / norm2 .weight [Hv]              replicated (RMSNorm)
+    visual.blocks.{i}.attn.qkv .weight [3·Hv, Hv] / .bias     colwise, as three equal parts
+    visual.blocks.{i}.attn.proj.weight [Hv, Hv]               rowwise, .bias replicated
+    visual.blocks.{i}.mlp.{gate,up}_proj .weight [I, Hv] / .bias      colwise
+    visual.blocks.{i}.mlp.down_proj.weight [Hv, I]            rowwise, .bias replicated
+    visual.merger.ln_q.weight [Hv]                            replicated
+    visual.merger.mlp.0 .weight [Hv·m², Hv·m²] / .bias        colwise
+    visual.merger.mlp.2.weight [H, Hv·m²]                     rowwise, .bias replicated
+
+(``Hv`` the vision ``hidden_size``, ``I`` its ``intermediate_size``, ``C`` ``in_channels`` (the
+published configs: ``in_chans``), ``T`` ``temporal_patch_size``, ``p`` ``patch_size``, ``m``
+``spatial_merge_size``, ``H`` the text hidden size = ``out_hidden_size``.)
+
+Placement follows vLLM ``qwen2_5_vl.py`` (``Qwen2_5_VisionAttention``: ``QKVParallelLinear``
+over the heads, ``RowParallelLinear`` proj; ``Qwen2_5_VisionMLP``: merged column-parallel
+gate/up, row-parallel down; ``Qwen2_5_VisionPatchMerger``: column then row; the row-parallel
+biases added once, so whole), with the tower on the first pipeline stage, where its embeddings
+join the text. The config nests the text keys in ``text_config`` (transformers 5) or keeps them
+at the top level (the published configs, transformers 4.49); both are read.
+
+Image size for the profile (vLLM ``Qwen2VLProcessingInfo.get_image_size_with_most_features``):
+the largest square ``smart_resize`` allows under the image processor's ``max_pixels``
+(12,845,056 by default, Qwen2.5-VL's preprocessor_config.json too), at a multiple of
+``patch_size · spatial_merge_size`` = 28: 3,584 × 3,584 pixels, 16,384 merged embeddings.
+
+The forward level runs the text model as ``qwen2`` on each rank (for token input the
+multimodal rotary's three position streams are equal: plain rotary), compared with
+``Qwen2_5_VLForConditionalGeneration``'s logits; the tower takes no part (``recomputed``), the
+structure and bitwise levels check it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any
+
+from shardctl.archs import qwen2
+from shardctl.archs._decoder import R
+from shardctl.archs._family import Config, Family, Shapes, get_int
+from shardctl.archs._keys import COMMON, DECODER_OTHER, DECODER_SHAPES, SLIDING
+from shardctl.archs._multimodal import section, text_forward
+from shardctl.errors import InvalidInputError
+from shardctl.layout.types import RuleSpec
+from shardctl.model.types import ModelDims
+
+V = "visual"
+_B = f"{V}.blocks.*"
+VISION_RULES: tuple[RuleSpec, ...] = tuple(
+    RuleSpec(match, tp=tp, stage="first", parts=parts)
+    for match, tp, parts in (
+        (f"{_B}.attn.qkv.*", "colwise", ("equal", "equal", "equal")),
+        (f"{_B}.attn.proj.weight", "rowwise", None),
+        (f"{_B}.mlp.gate_proj.*", "colwise", None),
+        (f"{_B}.mlp.up_proj.*", "colwise", None),
+        (f"{_B}.mlp.down_proj.weight", "rowwise", None),
+        (f"{_B}.*", R, None),  # norms, proj / down_proj biases
+        (f"{V}.merger.mlp.0.*", "colwise", None),
+        (f"{V}.merger.mlp.2.weight", "rowwise", None),
+        (f"{V}.*", R, None),  # patch_embed, merger.ln_q, merger.mlp.2.bias
+    )
+)
+RULES: tuple[RuleSpec, ...] = qwen2.FAMILY.rules + VISION_RULES
+
+# Qwen2_5_VLVisionConfig's defaults (transformers 5.24) for keys a vision_config leaves out
+VISION_DEFAULTS: Config = {
+    "depth": 32,
+    "hidden_size": 3584,
+    "intermediate_size": 3420,
+    "num_heads": 16,
+    "in_channels": 3,
+    "patch_size": 14,
+    "spatial_merge_size": 2,
+    "temporal_patch_size": 2,
+    "out_hidden_size": 3584,
+}
+MAX_PIXELS = 12_845_056  # Qwen2VLImageProcessor's max_pixels (and the releases' preprocessor)
+# The text keys a published (transformers 4) config keeps at its top level
+TEXT_KEYS = (*DECODER_SHAPES, *DECODER_OTHER, *SLIDING)
+
+
+def text_config(config: Config, where: str = "config") -> Config:
+    """The language model's config as ``qwen2``'s: ``text_config`` when the config nests it,
+    else the top-level text keys; ``tie_word_embeddings`` the top level's when given."""
+    nested = section(config, "text_config", f"{where}: text_config", "Qwen2.5-VL", required=False)
+    text = nested or {k: v for k, v in config.items() if k in TEXT_KEYS}
+    text = dict(text)
+    if config.get("tie_word_embeddings") is not None:
+        text["tie_word_embeddings"] = config["tie_word_embeddings"]
+    # the multimodal rotary's sections are one rotary for token input (the module docstring)
+    for key in ("rope_parameters", "rope_scaling"):
+        rope = text.get(key)
+        if isinstance(rope, dict) and (rope.get("type") == "mrope" or "mrope_section" in rope):
+            rope = {k: v for k, v in rope.items() if k not in ("type", "mrope_section")}
+            rope.setdefault("rope_type", "default")
+            if key == "rope_scaling" and rope.get("rope_type") == "default":
+                text.pop(key)  # a bare default rope_scaling is no scaling
+                continue
+            text[key] = rope
+    text["model_type"] = "qwen2"
+    return text
+
+
+def _vision(config: Config, where: str) -> dict[str, Any]:
+    w = f"{where}: vision_config"
+    given = section(config, "vision_config", w, "Qwen2.5-VL", required=True)
+    v = {**VISION_DEFAULTS, **given}
+    if "in_chans" in given and "in_channels" not in given:
+        v["in_channels"] = given["in_chans"]  # the published configs' spelling
+    return v
+
+
+def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
+    """The tower's and the merger's tensors, under the names save_pretrained writes."""
+    v = _vision(config, where)
+    w = f"{where}: vision_config"
+    h, i = get_int(v, "hidden_size", w), get_int(v, "intermediate_size", w)
+    p, t = get_int(v, "patch_size", w), get_int(v, "temporal_patch_size", w)
+    m = get_int(v, "spatial_merge_size", w)
+    out_hidden = get_int(v, "out_hidden_size", w)
+    heads = get_int(v, "num_heads", w)
+    if h % heads:
+        raise InvalidInputError(
+            f"vision hidden_size {h} is not a whole number of its num_heads={heads} heads",
+            where=w,
+        )
+    if out_hidden != text_hidden:
+        raise InvalidInputError(
+            f"vision out_hidden_size {out_hidden} is not the text hidden_size {text_hidden} "
+            "(the merger's output joins the text embeddings)",
+            where=w,
+        )
+    out: Shapes = [(f"{V}.patch_embed.proj.weight", (h, get_int(v, "in_channels", w), t, p, p))]
+    for k in range(get_int(v, "depth", w)):
+        b = f"{V}.blocks.{k}"
+        out += [
+            (f"{b}.norm1.weight", (h,)),
+            (f"{b}.norm2.weight", (h,)),
+            (f"{b}.attn.qkv.weight", (3 * h, h)),
+            (f"{b}.attn.qkv.bias", (3 * h,)),
+            (f"{b}.attn.proj.weight", (h, h)),
+            (f"{b}.attn.proj.bias", (h,)),
+            (f"{b}.mlp.gate_proj.weight", (i, h)),
+            (f"{b}.mlp.gate_proj.bias", (i,)),
+            (f"{b}.mlp.up_proj.weight", (i, h)),
+            (f"{b}.mlp.up_proj.bias", (i,)),
+            (f"{b}.mlp.down_proj.weight", (h, i)),
+            (f"{b}.mlp.down_proj.bias", (h,)),
+        ]
+    merged = h * m * m
+    out += [
+        (f"{V}.merger.ln_q.weight", (h,)),
+        (f"{V}.merger.mlp.0.weight", (merged, merged)),
+        (f"{V}.merger.mlp.0.bias", (merged,)),
+        (f"{V}.merger.mlp.2.weight", (text_hidden, merged)),
+        (f"{V}.merger.mlp.2.bias", (text_hidden,)),
+    ]
+    return out
+
+
+def _dims(config: Config, tied: bool, where: str) -> ModelDims:
+    text = text_config(config, where)
+    return qwen2.FAMILY.dims(text, bool(text.get("tie_word_embeddings", tied)), where)
+
+
+def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
+    text = qwen2.FAMILY.tensors(text_config(config, where), d, where)
+    return text + vision_shapes(config, d.hidden_size, where)
+
+
+def _image_tokens(config: Config) -> int:
+    """Merged embeddings of the largest image vLLM profiles (module docstring)."""
+    v = _vision(config, "config")
+    w = "config: vision_config"
+    factor = get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
+    side = math.floor(math.sqrt(MAX_PIXELS) / factor)  # smart_resize of a huge square image
+    return side * side
+
+
+FAMILY = Family(
+    name="qwen2_5_vl",
+    model_types=("qwen2_5_vl",),
+    tied_default=False,
+    dims=_dims,
+    tensors=_tensors,
+    rules=RULES,
+    memory=lambda config: qwen2.FAMILY.memory(text_config(config)),
+    forward=dataclasses.replace(
+        text_forward(
+            qwen2.FAMILY,
+            text_config,
+            recomputed=(f"{V}.*",),
+            reference_layers="model.language_model.layers",
+            reference_auto="AutoModelForImageTextToText",
+        ),
+        renames=(),  # the text tensors are stored under qwen2's own names
+    ),
+    follows="vLLM qwen2_5_vl.py (Qwen2_5_VLForConditionalGeneration)",
+    shape_keys=(*TEXT_KEYS, "text_config", "vision_config"),
+    config_keys=(
+        *COMMON,
+        "image_token_id",
+        "video_token_id",
+        "vision_start_token_id",
+        "vision_end_token_id",
+        "vision_token_id",
+    ),
+    text=text_config,
+    towers=(f"{V}.*",),
+    image_tokens=_image_tokens,
+    closed_form=False,  # the closed form's per-layer counts describe the text decoder only
+)
