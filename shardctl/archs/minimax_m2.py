@@ -51,6 +51,7 @@ from shardctl.archs._family import Config, Family, Shapes, get_bool
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 from shardctl.archs.deepseek_v3 import sigmoid_weights
 from shardctl.archs.mixtral import EXPERTS as MIXTRAL_EXPERTS
+from shardctl.archs.mixtral import expert_shapes, localize_experts
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -158,35 +159,16 @@ def _dims(config: Config, tied: bool, where: str) -> ModelDims:
 
 
 def _layer(p: str, d: ModelDims, config: Config, where: str) -> Shapes:
-    h, i = d.hidden_size, d.intermediate_size
     moe = f"{p}.block_sparse_moe"
     bias = get_bool(config, "attention_bias", where, False)
     out = attention(p, d, qkv_bias=bias, o_bias=False)
     out += [
         (f"{p}.self_attn.q_norm.weight", (d.num_heads * d.head_dim,)),
         (f"{p}.self_attn.k_norm.weight", (d.num_kv_heads * d.head_dim,)),
-        (f"{moe}.gate.weight", (d.num_experts, h)),
+        (f"{moe}.gate.weight", (d.num_experts, d.hidden_size)),
         (f"{moe}.e_score_correction_bias", (d.num_experts,)),
     ]
-    for e in range(d.num_experts):
-        out += [
-            (f"{moe}.experts.{e}.w1.weight", (i, h)),
-            (f"{moe}.experts.{e}.w2.weight", (h, i)),
-            (f"{moe}.experts.{e}.w3.weight", (i, h)),
-        ]
-    return out + norms(p, d, LAYER_NORMS)
-
-
-def _localize(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
-    """Each layer's experts module rebuilt with this ep rank's ``E / ep`` experts."""
-    import copy
-
-    from transformers.models.minimax_m2.modeling_minimax_m2 import MiniMaxM2Experts
-
-    sub = copy.copy(config)
-    sub.num_local_experts = d.num_experts // ep
-    for layer in model.model.layers:
-        layer.mlp.experts = MiniMaxM2Experts(sub).to(dtype)
+    return out + expert_shapes(moe, d) + norms(p, d, LAYER_NORMS)
 
 
 def _shard_layer(layer: Any, comm: Any, rank: int, tp: int, d: ModelDims) -> None:
@@ -218,7 +200,9 @@ _BASE = decoder_family(
     shape_keys=SHAPE_KEYS,
     config_keys=CONFIG_KEYS,
 )
-_FORWARD = decoder_forward(row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=_localize)
+_FORWARD = decoder_forward(
+    row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=localize_experts
+)
 FAMILY: Family = dataclasses.replace(
     _BASE,
     dims=_dims,

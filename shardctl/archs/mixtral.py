@@ -60,30 +60,36 @@ EXPERTS = ExpertSpec(
 )
 
 
-def _layer(p: str, d: ModelDims, config: Config, where: str) -> Shapes:
+def expert_shapes(moe: str, d: ModelDims) -> Shapes:
+    """The hub's per-expert ``{moe}.experts.{e}.w1/w2/w3.weight`` of ``d.num_experts`` experts
+    of width ``d.intermediate_size`` (MiniMax-M2 names its experts the same)."""
     h, i = d.hidden_size, d.intermediate_size
-    moe = f"{p}.block_sparse_moe"
-    out = attention(p, d, qkv_bias=False, o_bias=False)
-    out.append((f"{moe}.gate.weight", (d.num_experts, h)))
+    out: Shapes = []
     for e in range(d.num_experts):
         out += [
             (f"{moe}.experts.{e}.w1.weight", (i, h)),
             (f"{moe}.experts.{e}.w2.weight", (h, i)),
             (f"{moe}.experts.{e}.w3.weight", (i, h)),
         ]
-    return out + norms(p, d, LAYER_NORMS)
+    return out
 
 
-def _localize(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
-    """Each layer's experts module rebuilt with this ep rank's ``E / ep`` experts."""
+def _layer(p: str, d: ModelDims, config: Config, where: str) -> Shapes:
+    moe = f"{p}.block_sparse_moe"
+    out = attention(p, d, qkv_bias=False, o_bias=False)
+    out.append((f"{moe}.gate.weight", (d.num_experts, d.hidden_size)))
+    return out + expert_shapes(moe, d) + norms(p, d, LAYER_NORMS)
+
+
+def localize_experts(model: Any, config: Any, d: ModelDims, tp: int, ep: int, dtype: Any) -> None:
+    """Each layer's experts module rebuilt (its own class: Mixtral's, MiniMax-M2's) with this
+    ep rank's ``E / ep`` experts."""
     import copy
-
-    from transformers.models.mixtral.modeling_mixtral import MixtralExperts
 
     sub = copy.copy(config)
     sub.num_local_experts = d.num_experts // ep
     for layer in model.model.layers:
-        layer.mlp.experts = MixtralExperts(sub).to(dtype)
+        layer.mlp.experts = type(layer.mlp.experts)(sub).to(dtype)
 
 
 FAMILY = decoder_family(
@@ -95,7 +101,7 @@ FAMILY = decoder_family(
     rules=RULES,
     # down_proj lives in the experts: LocalExperts sums them over tp and ep.
     forward=decoder_forward(
-        row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=_localize
+        row_parallel=("self_attn.o_proj",), experts=EXPERTS, localize=localize_experts
     ),
     follows="vLLM mixtral.py / Megatron-Core MoE",
     quantizable=("model.layers.*_proj.weight", f"{_MOE}.experts.*.w[123].weight"),
