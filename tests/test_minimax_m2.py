@@ -147,6 +147,7 @@ def test_manifest_plans_on_four_h200(tmp_path: Path) -> None:
         ({"attn_type_list": [0, 1, 1, 1]}, "attn_type_list has linear-attention layers"),
         ({"shared_intermediate_size": 1536}, "shared_intermediate_size 1536"),
         ({"scoring_func": "softmax"}, "scoring_func 'softmax'"),
+        ({"use_routing_bias": False}, "use_routing_bias false"),
         ({"qk_norm_type": "per_head"}, "normalizes the whole q and k projections"),
     ],
 )

@@ -120,7 +120,8 @@ def _config(config: Config) -> Config:
 def _check(config: Config, where: str) -> None:
     """What this family (like vLLM's ``MiniMaxM2ForCausalLM``) does not build: lightning
     attention layers (MiniMax-Text-01's ``attn_type_list`` 0s: the ``minimax`` family), a
-    shared expert, another router, or per-head q/k norms. One line each, exit 3."""
+    shared expert, a router without its bias or another router, or per-head q/k norms. One
+    line each, exit 3."""
     types = config.get("attn_type_list")
     if isinstance(types, (list, tuple)) and any(t != 1 for t in types):
         raise InvalidInputError(
@@ -134,6 +135,13 @@ def _check(config: Config, where: str) -> None:
             f"shared_intermediate_size {shared!r}: MiniMax-M2 has no shared expert",
             where=where,
             hint="set it to 0 or leave it out",
+        )
+    if not get_bool(config, "use_routing_bias", where, True):
+        raise InvalidInputError(
+            "use_routing_bias false: MiniMax-M2's router has a correction bias (transformers "
+            "and vLLM build it)",
+            where=where,
+            hint="set use_routing_bias to true or leave it out",
         )
     if config.get("scoring_func", "sigmoid") != "sigmoid":
         raise InvalidInputError(

@@ -44,7 +44,7 @@ from typing import Any
 
 from shardctl.archs import qwen2
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, Shapes, get_int
+from shardctl.archs._family import Config, Family, Shapes, get_bool, get_int
 from shardctl.archs._keys import COMMON, DECODER_OTHER, DECODER_SHAPES, SLIDING
 from shardctl.archs._multimodal import section, text_forward
 from shardctl.errors import InvalidInputError
@@ -167,7 +167,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
 
 def _dims(config: Config, tied: bool, where: str) -> ModelDims:
     text = text_config(config, where)
-    return qwen2.FAMILY.dims(text, bool(text.get("tie_word_embeddings", tied)), where)
+    return qwen2.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
 
 
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
