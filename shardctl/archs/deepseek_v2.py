@@ -67,19 +67,18 @@ MTP_KEY = "include_mtp_layers"  # shardctl's own key: count the MTP layers in th
 
 _L = "model.layers.*"
 # First match wins: MTP-only names, then MLA, experts, shared experts, router, dense MLP, norms.
-RULES: tuple[RuleSpec, ...] = (
-    *END_RULES,
+# The MTP layer's own names (DeepSeek-V3's, GLM-4.5's): copies of the main table and head
+# vocab-parallel, its norms and projection whole.
+MTP_RULES: tuple[RuleSpec, ...] = (
     RuleSpec(f"{_L}.embed_tokens.weight", tp="vocab"),  # MTP: the main table's copy
     RuleSpec(f"{_L}.shared_head.head.weight", tp="vocab"),  # MTP: the main head's copy
     RuleSpec(f"{_L}.shared_head.norm.*", tp=R),
     RuleSpec(f"{_L}.[eh]norm.*", tp=R),
     RuleSpec(f"{_L}.eh_proj.*", tp=R),
-    RuleSpec(f"{_L}.self_attn.q_proj.*", tp="colwise", heads="q"),
-    RuleSpec(f"{_L}.self_attn.q_b_proj.*", tp="colwise", heads="q"),
-    RuleSpec(f"{_L}.self_attn.kv_b_proj.*", tp="colwise", heads="q"),
-    RuleSpec(f"{_L}.self_attn.o_proj.*", tp="rowwise", heads="q"),
-    RuleSpec(f"{_L}.self_attn.q_a_proj.*", tp=R),
-    RuleSpec(f"{_L}.self_attn.kv_a_proj_with_mqa.*", tp=R),
+)
+# DeepSeek's MoE block (GLM-4.5's too): routed experts over ep then tp, shared experts like a
+# dense MLP, the router (and V3's e_score_correction_bias) whole.
+MOE_RULES: tuple[RuleSpec, ...] = (
     RuleSpec(f"{_L}.mlp.experts.*.gate_proj.*", tp="colwise", expert=True),
     RuleSpec(f"{_L}.mlp.experts.*.up_proj.*", tp="colwise", expert=True),
     RuleSpec(f"{_L}.mlp.experts.*.down_proj.*", tp="rowwise", expert=True),
@@ -87,6 +86,18 @@ RULES: tuple[RuleSpec, ...] = (
     RuleSpec(f"{_L}.mlp.shared_experts.up_proj.*", tp="colwise"),
     RuleSpec(f"{_L}.mlp.shared_experts.down_proj.*", tp="rowwise"),
     RuleSpec(f"{_L}.mlp.gate.*", tp=R),  # router weight [E, H], V3's e_score_correction_bias
+)
+# First match wins: MTP-only names, then MLA, experts, shared experts, router, dense MLP, norms.
+RULES: tuple[RuleSpec, ...] = (
+    *END_RULES,
+    *MTP_RULES,
+    RuleSpec(f"{_L}.self_attn.q_proj.*", tp="colwise", heads="q"),
+    RuleSpec(f"{_L}.self_attn.q_b_proj.*", tp="colwise", heads="q"),
+    RuleSpec(f"{_L}.self_attn.kv_b_proj.*", tp="colwise", heads="q"),
+    RuleSpec(f"{_L}.self_attn.o_proj.*", tp="rowwise", heads="q"),
+    RuleSpec(f"{_L}.self_attn.q_a_proj.*", tp=R),
+    RuleSpec(f"{_L}.self_attn.kv_a_proj_with_mqa.*", tp=R),
+    *MOE_RULES,
     *MLP_RULES,
     *NORM_RULES,  # input/post_attention_layernorm, q_a_layernorm, kv_a_layernorm
 )

@@ -41,7 +41,6 @@ from shardctl.archs._decoder import (
     LAYER_NORMS,
     MLP_RULES,
     NORM_RULES,
-    R,
     attention,
     decoder_dims,
     decoder_local_config,
@@ -49,7 +48,6 @@ from shardctl.archs._decoder import (
 )
 from shardctl.archs._family import (
     Config,
-    ExpertSpec,
     Family,
     ForwardSpec,
     MemoryFlags,
@@ -60,7 +58,10 @@ from shardctl.archs._family import (
 )
 from shardctl.archs._keys import DECODER_OTHER, DECODER_SHAPES
 from shardctl.archs.deepseek_v2 import (
+    EXPERTS,
+    MOE_RULES,
     MTP_KEY,
+    MTP_RULES,
     first_dense,
     localize_experts,
     mlp_shapes,
@@ -72,35 +73,14 @@ from shardctl.archs.deepseek_v3 import sigmoid_weights
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
 
-_L = "model.layers.*"
 # First match wins: MTP-only names, attention, experts, shared experts, router, MLP, norms.
 RULES: tuple[RuleSpec, ...] = (
     *END_RULES,
-    RuleSpec(f"{_L}.embed_tokens.weight", tp="vocab"),  # MTP: the main table's copy
-    RuleSpec(f"{_L}.shared_head.head.weight", tp="vocab"),  # MTP: the main head's copy
-    RuleSpec(f"{_L}.shared_head.norm.*", tp=R),
-    RuleSpec(f"{_L}.[eh]norm.*", tp=R),
-    RuleSpec(f"{_L}.eh_proj.*", tp=R),
+    *MTP_RULES,
     *ATTENTION_RULES,
-    RuleSpec(f"{_L}.mlp.experts.*.gate_proj.*", tp="colwise", expert=True),
-    RuleSpec(f"{_L}.mlp.experts.*.up_proj.*", tp="colwise", expert=True),
-    RuleSpec(f"{_L}.mlp.experts.*.down_proj.*", tp="rowwise", expert=True),
-    RuleSpec(f"{_L}.mlp.shared_experts.gate_proj.*", tp="colwise"),
-    RuleSpec(f"{_L}.mlp.shared_experts.up_proj.*", tp="colwise"),
-    RuleSpec(f"{_L}.mlp.shared_experts.down_proj.*", tp="rowwise"),
-    RuleSpec(f"{_L}.mlp.gate.*", tp=R),  # router weight [E, H] and e_score_correction_bias
+    *MOE_RULES,
     *MLP_RULES,
     *NORM_RULES,  # input / post_attention layernorms, q_norm / k_norm
-)
-
-EXPERTS = ExpertSpec(
-    router="mlp.gate.weight",
-    router_param="mlp.gate.weight",
-    pattern=r"^mlp\.experts\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$",
-    gate="gate_proj",
-    up="up_proj",
-    down="down_proj",
-    module="mlp.experts",
 )
 
 # transformers 5.24 Glm4MoeConfig defaults for the keys a config may leave out
