@@ -265,6 +265,34 @@ CONFIGS: dict[str, dict[str, Any]] = {
             fullatt_block_indexes=[1], window_size=112,
         ),
     ),
+    # Qwen2-VL: qwen2's text model (kv 2, qkv biases, multimodal rotary) beside a ViT with
+    # LayerNorms and a fc1/fc2 MLP (4 heads, fused qkv split as one slice) and a 2x2 merger
+    "qwen2_vl": dict(
+        model_type="qwen2_vl", tie_word_embeddings=False,
+        text_config=dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, vocab_size=256, max_position_embeddings=128,
+            rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]},
+        ),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=64, num_heads=4, mlp_ratio=2),
+    ),
+    # Qwen3-VL: qwen3's text model (kv 2, q/k norms, interleaved multimodal rotary) under
+    # model.language_model.* beside a ViT with position table, 4 heads and two DeepStack mergers
+    "qwen3_vl": dict(
+        model_type="qwen3_vl", tie_word_embeddings=False,
+        text_config=dict(
+            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
+            rope_parameters={
+                "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
+                "mrope_interleaved": True,
+            },
+        ),
+        vision_config=dict(
+            depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
+            deepstack_visual_indexes=[0, 2], num_position_embeddings=64,
+        ),
+    ),
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(

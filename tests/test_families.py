@@ -75,6 +75,10 @@ FAMILIES: dict[str, list[Mesh]] = {
     "llava_next": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # Qwen2.5-VL: qwen2 (kv 2) under its own names beside a ViT (4 heads, fused qkv)
     "qwen2_5_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # Qwen2-VL: qwen2 (kv 2) beside a LayerNorm ViT whose fused qkv splits as one slice
+    "qwen2_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # Qwen3-VL: qwen3 (kv 2) under model.language_model.* beside a ViT with DeepStack mergers
+    "qwen3_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # LLaVA-1.5: llama (kv 2, untied) beside a CLIP tower (4 heads)
     "llava": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }

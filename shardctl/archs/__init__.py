@@ -45,8 +45,10 @@ from shardctl.archs import (
     qwen2,
     qwen2_5_vl,
     qwen2_moe,
+    qwen2_vl,
     qwen3,
     qwen3_moe,
+    qwen3_vl,
     stablelm,
     starcoder2,
 )
@@ -105,6 +107,8 @@ _MODULES: tuple[ModuleType, ...] = (
     mistral3,
     llava_next,
     qwen2_5_vl,
+    qwen2_vl,
+    qwen3_vl,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -112,7 +116,7 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 # model_type -> why it is refused and what to do, for a known relative a family file declines
-# (a module's optional ``REFUSED`` dict, e.g. qwen2.py: the multimodal "qwen2_vl" config).
+# (a module's optional ``REFUSED`` dict, e.g. qwen3_vl.py: the multimodal "qwen3_vl_moe").
 REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

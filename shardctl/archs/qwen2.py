@@ -9,16 +9,6 @@ from shardctl.archs._decoder import decoder_family
 from shardctl.archs._family import MegatronDecl  # megatron-moe
 from shardctl.archs._keys import DECODER_OTHER, SLIDING
 
-REFUSED = {
-    "qwen2_vl": (
-        "that is the multimodal Qwen2-VL (Qwen2VLForConditionalGeneration: a ViT with "
-        "LayerNorm and an fc1/fc2 MLP, a patch merger, beside a Qwen2 language model), which "
-        "shardctl does not place (it places Qwen2.5-VL, model_type 'qwen2_5_vl'); its decoder "
-        "has Qwen2's tensors: plan a text-only checkpoint as model_type 'qwen2' (the text keys, "
-        "tensors under model.*), or place every tensor with manifest rules:"
-    )
-}
-
 FAMILY = decoder_family(
     "qwen2",
     qkv_bias=True,

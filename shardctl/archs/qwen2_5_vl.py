@@ -86,26 +86,45 @@ MAX_PIXELS = 12_845_056  # Qwen2VLImageProcessor's max_pixels (and the releases'
 TEXT_KEYS = (*DECODER_SHAPES, *DECODER_OTHER, *SLIDING)
 
 
-def text_config(config: Config, where: str = "config") -> Config:
-    """The language model's config as ``qwen2``'s: ``text_config`` when the config nests it,
-    else the top-level text keys; ``tie_word_embeddings`` the top level's when given."""
-    nested = section(config, "text_config", f"{where}: text_config", "Qwen2.5-VL", required=False)
-    text = nested or {k: v for k, v in config.items() if k in TEXT_KEYS}
+def text_section(
+    config: Config, where: str, model_type: str, model: str, top_keys: tuple[str, ...]
+) -> Config:
+    """A Qwen-VL config's language model as ``model_type``'s config: ``text_config`` when the
+    config nests it, else its ``top_keys`` at the top level; ``tie_word_embeddings`` the top
+    level's when given (what transformers builds the head from). ``model`` names the config in
+    errors ("Qwen2.5-VL")."""
+    nested = section(config, "text_config", f"{where}: text_config", model, required=False)
+    text = nested or {k: v for k, v in config.items() if k in top_keys}
     text = dict(text)
     if config.get("tie_word_embeddings") is not None:
         text["tie_word_embeddings"] = config["tie_word_embeddings"]
     # the multimodal rotary's sections are one rotary for token input (the module docstring)
     for key in ("rope_parameters", "rope_scaling"):
         rope = text.get(key)
-        if isinstance(rope, dict) and (rope.get("type") == "mrope" or "mrope_section" in rope):
-            rope = {k: v for k, v in rope.items() if k not in ("type", "mrope_section")}
+        if isinstance(rope, dict) and (
+            rope.get("type") == "mrope" or "mrope_section" in rope or "mrope_interleaved" in rope
+        ):
+            drop = ("type", "mrope_section", "mrope_interleaved")
+            rope = {k: v for k, v in rope.items() if k not in drop}
             rope.setdefault("rope_type", "default")
             if key == "rope_scaling" and rope.get("rope_type") == "default":
                 text.pop(key)  # a bare default rope_scaling is no scaling
                 continue
             text[key] = rope
-    text["model_type"] = "qwen2"
+    text["model_type"] = model_type
     return text
+
+
+def text_config(config: Config, where: str = "config") -> Config:
+    """The language model's config as ``qwen2``'s (:func:`text_section`)."""
+    return text_section(config, where, "qwen2", "Qwen2.5-VL", TEXT_KEYS)
+
+
+def square_tokens(max_pixels: int, factor: int) -> int:
+    """Merged embeddings of the largest image vLLM profiles for a Qwen-VL: ``smart_resize`` of a
+    huge square under ``max_pixels`` at a multiple of ``factor`` (patch × merge) per side."""
+    side = math.floor(math.sqrt(max_pixels) / factor)
+    return side * side
 
 
 def _vision(config: Config, where: str) -> dict[str, Any]:
@@ -179,9 +198,9 @@ def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
     v = _vision(config, "config")
     w = "config: vision_config"
-    factor = get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
-    side = math.floor(math.sqrt(MAX_PIXELS) / factor)  # smart_resize of a huge square image
-    return side * side
+    return square_tokens(
+        MAX_PIXELS, get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
+    )
 
 
 FAMILY = Family(
