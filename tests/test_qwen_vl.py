@@ -217,8 +217,11 @@ def test_qwen3_vl_tower_and_deepstack_placed_as_vllm() -> None:
 
 def test_largest_image_as_vllm_profiles_it(tmp_path: Path) -> None:
     """Qwen3-VL: smart_resize under size.longest_edge 16,777,216 at a multiple of 32: 4,096²
-    pixels, 128 × 128 merged embeddings, held through the profile at the text width in BF16;
-    Qwen2-VL: max_pixels 12,845,056 at a multiple of 28, the same 16,384."""
+    pixels, 128 × 128 merged embeddings, held through the profile in BF16 at the width vLLM's
+    encoder returns them, the merger's and three DeepStack mergers' outputs side by side
+    (4 × 4,096); and vLLM's three DeepStack input buffers of max_num_batched_tokens (8,192)
+    × 4,096, made with the model on every rank. Qwen2-VL: max_pixels 12,845,056 at a multiple
+    of 28, the same 16,384 at the text width."""
     family = family_for("qwen3_vl")
     assert family.image_tokens is not None
     config: dict[str, Any] = yaml.safe_load(QWEN3_VL_8B.read_text())["model"]
@@ -229,7 +232,9 @@ def test_largest_image_as_vllm_profiles_it(tmp_path: Path) -> None:
     doc = plan_json(tmp_path, QWEN3_VL_8B.read_text())
     assert doc["model"]["parameters"] == 8_767_123_696
     stage = doc["memory_model"]["detail_per_stage"][0]
-    assert stage["activations.encoder_cache"] == 16384 * 4096 * 2
+    assert stage["activations.profile_tokens"] == 8192
+    assert stage["activations.encoder_cache"] == 16384 * (1 + 3) * 4096 * 2
+    assert stage["overhead.model_buffers"] == 3 * 8192 * 4096 * 2
     # 36 layers x K and V x 4 KV heads per rank x 128 x BF16
     assert doc["kv_cache"]["bytes_per_token_per_rank"] == [36 * 2 * 4 * 128 * 2]
 

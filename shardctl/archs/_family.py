@@ -193,6 +193,15 @@ class Family:
     # the engine profiles its encoder on a batch of them (plan/memory/vllm.py
     # ``encoder_cache_bytes``). None: no image input, or a size not modelled.
     image_tokens: Callable[[Config], int] | None = None
+    # Width of one image embedding as the engine's encoder returns and caches it, when not the
+    # text hidden size (Qwen3-VL: the merger's output and each DeepStack merger's, side by
+    # side: out_hidden_size × (1 + levels), vLLM ``Qwen3VLForConditionalGeneration``).
+    image_width: Callable[[Config], int] | None = None
+    # Bytes of the persistent buffers vLLM's model class allocates when it is built, beyond the
+    # weights, on every rank: ``(config, max_num_batched_tokens, activation bytes)`` (Qwen3-VL's
+    # DeepStack input buffers). vLLM counts them in "Model loading took"; the plan prices them
+    # as the overhead item ``model_buffers``.
+    vllm_buffers: Callable[[Config, int, int], int] | None = None
     # fqn globs of a multimodal family's vision tower and projector: ``quantization.method``
     # leaves them as stored, as the published quantized releases do (their recipes' ignore
     # lists) and as quantizing to fit means (the language model holds the bytes); a

@@ -230,6 +230,27 @@ def _image_tokens(config: Config) -> int:
     return qwen2_5_vl.square_tokens(MAX_PIXELS, factor)
 
 
+def _levels(config: Config) -> int:
+    v = _vision(config, "config")
+    return len(_deepstack(v, get_int(v, "depth", "config: vision_config"), "config"))
+
+
+def _image_width(config: Config) -> int:
+    """One image embedding as vLLM's encoder returns and caches it: the merger's output and
+    each DeepStack merger's side by side (``visual_dim + multiscale_dim``), split only when the
+    embeddings are merged into the text."""
+    v = _vision(config, "config")
+    return get_int(v, "out_hidden_size", "config: vision_config") * (1 + _levels(config))
+
+
+def _vllm_buffers(config: Config, batched_tokens: int, act_bytes: int) -> int:
+    """vLLM's DeepStack input buffers: one ``[max_num_batched_tokens, hidden]`` zeros tensor
+    per level, made with the model (``Qwen3VLForConditionalGeneration.__init__``), on every
+    rank (tp does not split them; each pipeline stage builds the tower and them)."""
+    hidden = get_int(text_config(config), "hidden_size", "config: text_config")
+    return _levels(config) * batched_tokens * hidden * act_bytes
+
+
 FAMILY = Family(
     name="qwen3_vl",
     model_types=("qwen3_vl",),
@@ -260,6 +281,8 @@ FAMILY = Family(
     text=text_config,
     towers=(f"{V}.*",),
     image_tokens=_image_tokens,
+    image_width=_image_width,
+    vllm_buffers=_vllm_buffers,
     # a quantization_config quantizes the language model's linears (the tower: ``towers``)
     quantizable=tuple(LM + g[len("model.") :] for g in qwen3.FAMILY.quantizable),
     closed_form=False,  # the closed form's per-layer counts describe the text decoder only

@@ -38,6 +38,7 @@ from shardctl.plan.memory.states import training_states
 from shardctl.plan.memory.terms import inference_terms, training_terms
 from shardctl.plan.memory.trtllm import TrtllmOverhead, kv_reserve_bytes
 from shardctl.plan.memory.vllm import (
+    V1_VERSIONS,
     VllmOverhead,
     default_cuda_graph_bytes,
     non_torch_bytes,
@@ -115,6 +116,21 @@ class Context:
         self.image_tokens = (
             family.image_tokens(model.config)
             if family is not None and family.image_tokens is not None
+            else 0
+        )
+        # the width of one image embedding as the encoder caches it (0: the text hidden size)
+        self.image_width = (
+            family.image_width(model.config)
+            if family is not None and family.image_width is not None
+            else 0
+        )
+        # vLLM's persistent model buffers beyond the weights (``Family.vllm_buffers``)
+        self.model_buffers = (
+            family.vllm_buffers(model.config, self.vllm_batch[0], self.nb)
+            if self.vllm
+            and workload.vllm_version in V1_VERSIONS
+            and family is not None
+            and family.vllm_buffers is not None
             else 0
         )
         self.windows = layer_windows(arch, text, n_layers)
@@ -201,6 +217,8 @@ class Context:
                 "allocator": self.load_extra(st),
                 "rotary_cache": self.rotary_cache,
             }
+            if self.model_buffers:
+                items["model_buffers"] = self.model_buffers
         elif self.sglang:
             items = sglang_overhead(
                 self.hw.device_memory,

@@ -131,7 +131,10 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
     if image and st.index == 0 and w.vllm_version in vllm.V1_VERSIONS:
         # the first stage holds the vision tower (its rules pin it there) and runs the encoder
         cached = vllm.encoder_cache_bytes(
-            budget_tokens=tokens, item_tokens=image, hidden=d.hidden_size, act_bytes=ctx.nb
+            budget_tokens=tokens,
+            item_tokens=image,
+            hidden=ctx.image_width or d.hidden_size,
+            act_bytes=ctx.nb,
         )
         detail["activations.encoder_cache"] = cached
         peak += cached
