@@ -40,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from collections.abc import Callable
 from typing import Any
 
 from shardctl.archs import qwen2
@@ -67,7 +68,6 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
         (f"{V}.*", R, None),  # patch_embed, merger.ln_q, merger.mlp.2.bias
     )
 )
-RULES: tuple[RuleSpec, ...] = qwen2.FAMILY.rules + VISION_RULES
 
 # Qwen2_5_VLVisionConfig's defaults (transformers 5.24) for keys a vision_config leaves out
 VISION_DEFAULTS: Config = {
@@ -127,6 +127,24 @@ def square_tokens(max_pixels: int, factor: int) -> int:
     return side * side
 
 
+def check_tower(
+    width: tuple[str, int], heads: int, out: tuple[str, int], text_hidden: int, where: str
+) -> None:
+    """A Qwen-VL tower's sizes: ``width`` (key, value) whole heads, and the merger's output
+    ``out`` (key, value) the text hidden size; else one line (exit 3)."""
+    if width[1] % heads:
+        raise InvalidInputError(
+            f"vision {width[0]} {width[1]} is not a whole number of its num_heads={heads} heads",
+            where=where,
+        )
+    if out[1] != text_hidden:
+        raise InvalidInputError(
+            f"vision {out[0]} {out[1]} is not the text hidden_size {text_hidden} "
+            "(the merger's output joins the text embeddings)",
+            where=where,
+        )
+
+
 def _vision(config: Config, where: str) -> dict[str, Any]:
     w = f"{where}: vision_config"
     given = section(config, "vision_config", w, "Qwen2.5-VL", required=True)
@@ -145,17 +163,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     m = get_int(v, "spatial_merge_size", w)
     out_hidden = get_int(v, "out_hidden_size", w)
     heads = get_int(v, "num_heads", w)
-    if h % heads:
-        raise InvalidInputError(
-            f"vision hidden_size {h} is not a whole number of its num_heads={heads} heads",
-            where=w,
-        )
-    if out_hidden != text_hidden:
-        raise InvalidInputError(
-            f"vision out_hidden_size {out_hidden} is not the text hidden_size {text_hidden} "
-            "(the merger's output joins the text embeddings)",
-            where=w,
-        )
+    check_tower(("hidden_size", h), heads, ("out_hidden_size", out_hidden), text_hidden, w)
     out: Shapes = [(f"{V}.patch_embed.proj.weight", (h, get_int(v, "in_channels", w), t, p, p))]
     for k in range(get_int(v, "depth", w)):
         b = f"{V}.blocks.{k}"
@@ -184,16 +192,6 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     return out
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    return qwen2.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
-
-
-def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
-    text = qwen2.FAMILY.tensors(text_config(config, where), d, where)
-    return text + vision_shapes(config, d.hidden_size, where)
-
-
 def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
     v = _vision(config, "config")
@@ -203,36 +201,65 @@ def _image_tokens(config: Config) -> int:
     )
 
 
-FAMILY = Family(
-    name="qwen2_5_vl",
-    model_types=("qwen2_5_vl",),
-    tied_default=False,
-    dims=_dims,
-    tensors=_tensors,
-    rules=RULES,
-    memory=lambda config: qwen2.FAMILY.memory(text_config(config)),
-    forward=dataclasses.replace(
-        text_forward(
-            qwen2.FAMILY,
-            text_config,
-            recomputed=(f"{V}.*",),
-            reference_layers="model.language_model.layers",
-            reference_auto="AutoModelForImageTextToText",
+def qwen2_text_family(
+    name: str,
+    text_config: Callable[..., Config],  # (config, where="config")
+    vision_shapes: Callable[[Config, int, str], Shapes],
+    vision_rules: tuple[RuleSpec, ...],
+    image_tokens: Callable[[Config], int],
+    follows: str,
+) -> Family:
+    """A Qwen-VL family whose language model is ``qwen2``'s under its own names (``model.*``,
+    ``lm_head``) beside a tower under ``visual.*``: Qwen2-VL and Qwen2.5-VL."""
+
+    def dims(config: Config, tied: bool, where: str) -> ModelDims:
+        text = text_config(config, where)
+        return qwen2.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
+
+    def tensors(config: Config, d: ModelDims, where: str) -> Shapes:
+        text = qwen2.FAMILY.tensors(text_config(config, where), d, where)
+        return text + vision_shapes(config, d.hidden_size, where)
+
+    return Family(
+        name=name,
+        model_types=(name,),
+        tied_default=False,
+        dims=dims,
+        tensors=tensors,
+        rules=qwen2.FAMILY.rules + vision_rules,
+        memory=lambda config: qwen2.FAMILY.memory(text_config(config, "config")),
+        forward=dataclasses.replace(
+            text_forward(
+                qwen2.FAMILY,
+                text_config,
+                recomputed=(f"{V}.*",),
+                reference_layers="model.language_model.layers",
+                reference_auto="AutoModelForImageTextToText",
+            ),
+            renames=(),  # the text tensors are stored under qwen2's own names
         ),
-        renames=(),  # the text tensors are stored under qwen2's own names
-    ),
-    follows="vLLM qwen2_5_vl.py (Qwen2_5_VLForConditionalGeneration)",
-    shape_keys=(*TEXT_KEYS, "text_config", "vision_config"),
-    config_keys=(
-        *COMMON,
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-        "vision_token_id",
-    ),
-    text=text_config,
-    towers=(f"{V}.*",),
-    image_tokens=_image_tokens,
-    closed_form=False,  # the closed form's per-layer counts describe the text decoder only
+        follows=follows,
+        shape_keys=(*TEXT_KEYS, "text_config", "vision_config"),
+        config_keys=(
+            *COMMON,
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+            "vision_token_id",
+        ),
+        text=text_config,
+        towers=(f"{V}.*",),
+        image_tokens=image_tokens,
+        closed_form=False,  # the closed form's per-layer counts describe the text decoder only
+    )
+
+
+FAMILY = qwen2_text_family(
+    "qwen2_5_vl",
+    text_config,
+    vision_shapes,
+    VISION_RULES,
+    _image_tokens,
+    "vLLM qwen2_5_vl.py (Qwen2_5_VLForConditionalGeneration)",
 )

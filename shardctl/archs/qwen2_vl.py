@@ -39,17 +39,14 @@ takes no part (``recomputed``), the structure and bitwise levels check it.
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Any
 
-from shardctl.archs import qwen2, qwen2_5_vl
+from shardctl.archs import qwen2_5_vl
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, Shapes, get_bool, get_int
-from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import section, text_forward
+from shardctl.archs._family import Config, Shapes, get_int
+from shardctl.archs._multimodal import section
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
-from shardctl.model.types import ModelDims
 
 V = "visual"
 _B = f"{V}.blocks.*"
@@ -66,7 +63,6 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
         (f"{V}.*", R),  # patch_embed, merger.ln_q, merger.mlp.2.bias
     )
 )
-RULES: tuple[RuleSpec, ...] = qwen2.FAMILY.rules + VISION_RULES
 
 # Qwen2VLVisionConfig's defaults (transformers 5.24) for keys a vision_config leaves out
 VISION_DEFAULTS: Config = {
@@ -114,17 +110,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     m = get_int(v, "spatial_merge_size", w)
     out_hidden = get_int(v, "hidden_size", w)
     i = _mlp_hidden(v, e, w)
-    if e % heads:
-        raise InvalidInputError(
-            f"vision embed_dim {e} is not a whole number of its num_heads={heads} heads",
-            where=w,
-        )
-    if out_hidden != text_hidden:
-        raise InvalidInputError(
-            f"vision hidden_size {out_hidden} is not the text hidden_size {text_hidden} "
-            "(the merger's output joins the text embeddings)",
-            where=w,
-        )
+    qwen2_5_vl.check_tower(("embed_dim", e), heads, ("hidden_size", out_hidden), text_hidden, w)
     out: Shapes = [(f"{V}.patch_embed.proj.weight", (e, get_int(v, "in_channels", w), t, p, p))]
     for k in range(get_int(v, "depth", w)):
         b = f"{V}.blocks.{k}"
@@ -154,16 +140,6 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     return out
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    return qwen2.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
-
-
-def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
-    text = qwen2.FAMILY.tensors(text_config(config, where), d, where)
-    return text + vision_shapes(config, d.hidden_size, where)
-
-
 def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
     v = _vision(config, "config")
@@ -172,36 +148,11 @@ def _image_tokens(config: Config) -> int:
     return qwen2_5_vl.square_tokens(qwen2_5_vl.MAX_PIXELS, factor)
 
 
-FAMILY = Family(
-    name="qwen2_vl",
-    model_types=("qwen2_vl",),
-    tied_default=False,
-    dims=_dims,
-    tensors=_tensors,
-    rules=RULES,
-    memory=lambda config: qwen2.FAMILY.memory(text_config(config)),
-    forward=dataclasses.replace(
-        text_forward(
-            qwen2.FAMILY,
-            text_config,
-            recomputed=(f"{V}.*",),
-            reference_layers="model.language_model.layers",
-            reference_auto="AutoModelForImageTextToText",
-        ),
-        renames=(),  # the text tensors are stored under qwen2's own names
-    ),
-    follows="vLLM qwen2_vl.py (Qwen2VLForConditionalGeneration)",
-    shape_keys=(*qwen2_5_vl.TEXT_KEYS, "text_config", "vision_config"),
-    config_keys=(
-        *COMMON,
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-        "vision_token_id",
-    ),
-    text=text_config,
-    towers=(f"{V}.*",),
-    image_tokens=_image_tokens,
-    closed_form=False,  # the closed form's per-layer counts describe the text decoder only
+FAMILY = qwen2_5_vl.qwen2_text_family(
+    "qwen2_vl",
+    text_config,
+    vision_shapes,
+    VISION_RULES,
+    _image_tokens,
+    "vLLM qwen2_vl.py (Qwen2VLForConditionalGeneration)",
 )

@@ -161,17 +161,9 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     m = get_int(v, "spatial_merge_size", w)
     heads, depth = get_int(v, "num_heads", w), get_int(v, "depth", w)
     out_hidden = get_int(v, "out_hidden_size", w)
-    if h % heads:
-        raise InvalidInputError(
-            f"vision hidden_size {h} is not a whole number of its num_heads={heads} heads",
-            where=w,
-        )
-    if out_hidden != text_hidden:
-        raise InvalidInputError(
-            f"vision out_hidden_size {out_hidden} is not the text hidden_size {text_hidden} "
-            "(the merger's output joins the text embeddings)",
-            where=w,
-        )
+    qwen2_5_vl.check_tower(
+        ("hidden_size", h), heads, ("out_hidden_size", out_hidden), text_hidden, w
+    )
     out: Shapes = [
         (f"{V}.patch_embed.proj.weight", (h, get_int(v, "in_channels", w), t, p, p)),
         (f"{V}.patch_embed.proj.bias", (h,)),
