@@ -120,11 +120,24 @@ def text_config(config: Config, where: str = "config") -> Config:
     return text_section(config, where, "qwen2", "Qwen2.5-VL", TEXT_KEYS)
 
 
-def square_tokens(max_pixels: int, factor: int) -> int:
-    """Merged embeddings of the largest image vLLM profiles for a Qwen-VL: ``smart_resize`` of a
-    huge square under ``max_pixels`` at a multiple of ``factor`` (patch × merge) per side."""
+def largest_image_tokens(vision: Config, max_pixels: int) -> int:
+    """Merged embeddings of the largest image vLLM profiles for a Qwen-VL tower's config
+    ``vision``: ``smart_resize`` of a huge square under ``max_pixels`` at a multiple of
+    ``patch_size · spatial_merge_size`` per side."""
+    w = "config: vision_config"
+    factor = get_int(vision, "patch_size", w) * get_int(vision, "spatial_merge_size", w)
     side = math.floor(math.sqrt(max_pixels) / factor)
     return side * side
+
+
+def attention_shapes(block: str, width: int) -> Shapes:
+    """A Qwen-VL ViT block's attention: the fused, biased ``qkv`` and the biased ``proj``."""
+    return [
+        (f"{block}.attn.qkv.weight", (3 * width, width)),
+        (f"{block}.attn.qkv.bias", (3 * width,)),
+        (f"{block}.attn.proj.weight", (width, width)),
+        (f"{block}.attn.proj.bias", (width,)),
+    ]
 
 
 def check_tower(
@@ -170,10 +183,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
         out += [
             (f"{b}.norm1.weight", (h,)),
             (f"{b}.norm2.weight", (h,)),
-            (f"{b}.attn.qkv.weight", (3 * h, h)),
-            (f"{b}.attn.qkv.bias", (3 * h,)),
-            (f"{b}.attn.proj.weight", (h, h)),
-            (f"{b}.attn.proj.bias", (h,)),
+            *attention_shapes(b, h),
             (f"{b}.mlp.gate_proj.weight", (i, h)),
             (f"{b}.mlp.gate_proj.bias", (i,)),
             (f"{b}.mlp.up_proj.weight", (i, h)),
@@ -194,11 +204,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
 
 def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
-    v = _vision(config, "config")
-    w = "config: vision_config"
-    return square_tokens(
-        MAX_PIXELS, get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
-    )
+    return largest_image_tokens(_vision(config, "config"), MAX_PIXELS)
 
 
 def qwen2_text_family(

@@ -119,10 +119,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
             (f"{b}.norm1.bias", (e,)),
             (f"{b}.norm2.weight", (e,)),
             (f"{b}.norm2.bias", (e,)),
-            (f"{b}.attn.qkv.weight", (3 * e, e)),
-            (f"{b}.attn.qkv.bias", (3 * e,)),
-            (f"{b}.attn.proj.weight", (e, e)),
-            (f"{b}.attn.proj.bias", (e,)),
+            *qwen2_5_vl.attention_shapes(b, e),
             (f"{b}.mlp.fc1.weight", (i, e)),
             (f"{b}.mlp.fc1.bias", (i,)),
             (f"{b}.mlp.fc2.weight", (e, i)),
@@ -142,10 +139,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
 
 def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
-    v = _vision(config, "config")
-    w = "config: vision_config"
-    factor = get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
-    return qwen2_5_vl.square_tokens(qwen2_5_vl.MAX_PIXELS, factor)
+    return qwen2_5_vl.largest_image_tokens(_vision(config, "config"), qwen2_5_vl.MAX_PIXELS)
 
 
 FAMILY = qwen2_5_vl.qwen2_text_family(

@@ -176,10 +176,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
             (f"{b}.norm1.bias", (h,)),
             (f"{b}.norm2.weight", (h,)),
             (f"{b}.norm2.bias", (h,)),
-            (f"{b}.attn.qkv.weight", (3 * h, h)),
-            (f"{b}.attn.qkv.bias", (3 * h,)),
-            (f"{b}.attn.proj.weight", (h, h)),
-            (f"{b}.attn.proj.bias", (h,)),
+            *qwen2_5_vl.attention_shapes(b, h),
             (f"{b}.mlp.linear_fc1.weight", (i, h)),
             (f"{b}.mlp.linear_fc1.bias", (i,)),
             (f"{b}.mlp.linear_fc2.weight", (h, i)),
@@ -216,10 +213,7 @@ def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
 
 def _image_tokens(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
-    v = _vision(config, "config")
-    w = "config: vision_config"
-    factor = get_int(v, "patch_size", w) * get_int(v, "spatial_merge_size", w)
-    return qwen2_5_vl.square_tokens(MAX_PIXELS, factor)
+    return qwen2_5_vl.largest_image_tokens(_vision(config, "config"), MAX_PIXELS)
 
 
 def _levels(config: Config) -> int:
