@@ -292,13 +292,14 @@ def plan_manifest(
     cluster layout (the device map's one stage per layer) without the GPU-count check."""
     from shardctl.plan.checks import check_keep_16bit, check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
-    from shardctl.plan.weights import weights_per_coord
+    from shardctl.plan.weights import engine_rules, weights_per_coord
 
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     check_keep_16bit(model, manifest.quantization)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
+    rules = engine_rules(model, manifest.rules, manifest.workload.engine)
     shared_ep = 0
     if manifest.expert_placement == "shared":
         from shardctl.plan import shared_ep as sh
@@ -306,9 +307,7 @@ def plan_manifest(
         sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
         full, mesh = mesh, sh.attention_mesh(mesh)
         warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
-        stages, by_dp = sh.shared_ep_weights(
-            model, full, rules=manifest.rules, options=manifest.layout
-        )
+        stages, by_dp = sh.shared_ep_weights(model, full, rules=rules, options=manifest.layout)
         weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
         shared_ep = full.ep
     else:
@@ -316,7 +315,7 @@ def plan_manifest(
         stages, weights = weights_per_coord(
             model,
             mesh,
-            rules=manifest.rules,
+            rules=rules,
             options=manifest.layout,
             quant=manifest.quantization,
         )

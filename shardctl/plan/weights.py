@@ -34,6 +34,33 @@ def options_for(options: LayoutOptions, pp: int) -> LayoutOptions:
     return options
 
 
+def engine_rules(model: ModelInfo, rules: Sequence[RuleSpec], engine: str) -> tuple[RuleSpec, ...]:
+    """``rules`` as the serving ``engine`` places the weights.
+
+    vLLM builds a multimodal model's vision tower and projector on every pipeline stage: its
+    ``*ForConditionalGeneration`` classes make ``self.visual`` / ``self.vision_tower`` and the
+    projector in ``__init__`` with no pipeline-rank test (vLLM ``qwen2_5_vl.py``,
+    ``qwen3_vl.py``, ``gemma3_mm.py``; only the language model's layers are split). So for
+    ``engine: vllm`` the family's tower rules (those matching ``Family.towers``) come again,
+    after the manifest's own, at ``stage: all``; ``reshard`` keeps them on the first stage,
+    where the image embeddings are used. Other engines: ``rules`` as given."""
+    if engine != "vllm":
+        return tuple(rules)
+    from shardctl.archs import find
+    from shardctl.plan.memory.precision import first_match
+
+    family = find(model.architecture)
+    if family is None or not family.towers:
+        return tuple(rules)
+    tower = first_match(family.towers)
+    every = tuple(
+        replace(r, stage="all")
+        for r in family.rules
+        if r.stage == "first" and tower(r.match) is not None
+    )
+    return (*rules, *every)
+
+
 def weights_per_coord(
     model: ModelInfo,
     mesh: Mesh,

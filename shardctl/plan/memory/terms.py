@@ -128,8 +128,10 @@ def vllm_terms(ctx: Context, st: Stage) -> tuple[int, int, dict[str, int]]:
         detail["activations.moe_workspace"] = moe
         peak += moe
     image = ctx.image_tokens
-    if image and st.index == 0 and w.vllm_version in vllm.V1_VERSIONS:
-        # the first stage holds the vision tower (its rules pin it there) and runs the encoder
+    if image and w.vllm_version in vllm.V1_VERSIONS:
+        # every stage: vLLM builds the vision tower on every pipeline rank (plan/weights.py
+        # ``engine_rules``), and V1's ``profile_run`` profiles the encoder wherever the model
+        # takes multimodal input (``supports_mm_inputs``), with no pipeline-rank test
         cached = vllm.encoder_cache_bytes(
             budget_tokens=tokens,
             item_tokens=image,

@@ -1,0 +1,90 @@
+"""vLLM loads a multimodal model's vision tower on every pipeline stage.
+
+vLLM's ``*ForConditionalGeneration`` classes build the tower and projector in ``__init__`` with
+no pipeline-rank test (``qwen2_5_vl.py``: ``self.visual = Qwen2_5_VisionTransformer(...)``
+whenever images or videos are allowed; ``gemma3_mm.py``: ``self.vision_tower =
+SiglipVisionModel(...)``), and only the language model's layers are split. So under
+``engine: vllm`` every stage carries the tower's bytes (and V1's encoder-profile cache), while
+``reshard`` and the other engines keep the tower on the first stage.
+
+The tower's bytes per tp rank are taken from the layout engine at ``pp: 1`` (the shards of the
+tensors ``Family.towers`` names), not from the code under test.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardctl.archs import find
+from shardctl.layout.engine import build_layout
+from shardctl.layout.types import Mesh
+from shardctl.manifest import load_manifest
+from shardctl.plan.api import load_model
+from shardctl.plan.memory.precision import first_match
+from tests._cli import ROOT
+from tests._multimodal import plan_json
+
+MANIFESTS = [
+    "qwen2.5-vl-7b-vllm-tp2.yaml",  # qwen2_5_vl: visual.*
+    "qwen3-vl-8b-vllm-tp2.yaml",  # qwen3_vl: model.visual.* (DeepStack mergers too)
+    "gemma-3-27b-it-vllm-tp1.yaml",  # gemma3: vision tower + projector
+    "mistral-small-3.1-24b-vllm-tp1.yaml",  # mistral3: Pixtral tower + projector
+    "granite-vision-3.3-2b-vllm-tp1.yaml",  # llava_next: tower, projector, image_newline
+]
+
+
+def _tower_bytes_per_tp_rank(manifest: Path, tp: int) -> list[int]:
+    model = load_model(load_manifest(manifest))
+    family = find(model.architecture)
+    assert family is not None and family.towers
+    tower = first_match(family.towers)
+    layout = build_layout(model, Mesh(tp=tp))
+    return [sum(s.nbytes for s in r.shards if tower(s.fqn) is not None) for r in layout.ranks]
+
+
+def _weights(doc: dict[str, Any]) -> dict[tuple[int, int], int]:
+    return {(r["coord"]["pp"], r["coord"]["tp"]): r["memory"]["weights"] for r in doc["ranks"]}
+
+
+@pytest.mark.parametrize("name", MANIFESTS)
+def test_every_stage_holds_the_tower_under_vllm(tmp_path: Path, name: str) -> None:
+    path = ROOT / "manifests" / name
+    text = path.read_text()
+    assert "engine: vllm" in text
+    flags = ("--tp", "2", "--pp", "2")
+    vllm = plan_json(tmp_path, text, *flags)
+    generic = plan_json(tmp_path, text.replace("engine: vllm", "engine: generic"), *flags)
+    tower = _tower_bytes_per_tp_rank(path, 2)
+    assert min(tower) > 100 * 2**20  # a real tower: hundreds of MiB per rank
+    v, g = _weights(vllm), _weights(generic)
+    for t in range(2):
+        assert v[(0, t)] == g[(0, t)]  # the first stage held it already
+        assert v[(1, t)] - g[(1, t)] == tower[t]  # the last stage: the tower, to the byte
+    # the encoder profile's cache is on both stages where the family prices one
+    detail = vllm["memory_model"]["detail_per_stage"]
+    cached = [st.get("activations.encoder_cache", 0) for st in detail]
+    assert cached[0] == cached[1] > 0
+
+
+def test_pp1_and_reshard_layout_unchanged() -> None:
+    # pp 1: the same bytes for every engine; the layout reshard writes keeps the tower on stage 0
+    path = ROOT / "manifests/qwen2.5-vl-7b-vllm-tp2.yaml"
+    model = load_model(load_manifest(path))
+    tower = first_match(("visual.*",))
+    layout = build_layout(model, Mesh(tp=1, pp=2))
+    on = [sum(1 for s in r.shards if tower(s.fqn) is not None) for r in layout.ranks]
+    assert on[0] > 0 and on[1] == 0
+
+
+def test_search_prices_the_stage_as_plan_does(tmp_path: Path) -> None:
+    # the layout search and plan take the same rules: the pp-2 candidate's heaviest rank is
+    # plan's, tower included
+    text = (ROOT / "manifests/qwen2.5-vl-7b-vllm-tp2.yaml").read_text()
+    found = plan_json(tmp_path, text, "--search", "--gpus", "2", "--top", "50")
+    planned = plan_json(tmp_path, text, "--tp", "1", "--pp", "2")
+    cands = [c for c in found["candidates"] if c["mesh"]["pp"] == 2 and c["mesh"]["tp"] == 1]
+    assert len(cands) == 1, found["candidates"]
+    assert cands[0]["peak_bytes"] == max(r["memory"]["total"] for r in planned["ranks"])
