@@ -69,14 +69,19 @@ def test_every_stage_holds_the_tower_under_vllm(tmp_path: Path, name: str) -> No
     assert cached[0] == cached[1] > 0
 
 
-def test_pp1_and_reshard_layout_unchanged() -> None:
-    # pp 1: the same bytes for every engine; the layout reshard writes keeps the tower on stage 0
+def test_reshard_layout_and_pp1_unchanged(tmp_path: Path) -> None:
+    # the layout reshard writes keeps the tower on stage 0 only
     path = ROOT / "manifests/qwen2.5-vl-7b-vllm-tp2.yaml"
     model = load_model(load_manifest(path))
     tower = first_match(("visual.*",))
     layout = build_layout(model, Mesh(tp=1, pp=2))
     on = [sum(1 for s in r.shards if tower(s.fqn) is not None) for r in layout.ranks]
     assert on[0] > 0 and on[1] == 0
+    # one stage: every engine prices the same weights
+    text = path.read_text()
+    vllm = plan_json(tmp_path, text)
+    generic = plan_json(tmp_path, text.replace("engine: vllm", "engine: generic"))
+    assert _weights(vllm) == _weights(generic)
 
 
 def test_search_prices_the_stage_as_plan_does(tmp_path: Path) -> None:
