@@ -79,6 +79,9 @@ FAMILIES: dict[str, list[Mesh]] = {
     "qwen2_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
     # Qwen3-VL: qwen3 (kv 2) under model.language_model.* beside a ViT with DeepStack mergers
     "qwen3_vl": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
+    # Qwen3-VL-MoE: qwen3_moe (kv 2, a dense layer) with packed experts stored [E, H, 2I],
+    # beside Qwen3-VL's ViT
+    "qwen3_vl_moe": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(ep=2), Mesh(ep=2, tp=2), Mesh(tp=4)],
     # LLaVA-1.5: llama (kv 2, untied) beside a CLIP tower (4 heads)
     "llava": [Mesh(tp=2), Mesh(pp=2, tp=2), Mesh(tp=4)],
 }

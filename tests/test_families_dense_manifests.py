@@ -75,13 +75,13 @@ def test_gemma3_27b_text_tp4() -> None:
     assert {r["memory"]["weights"] for r in doc["ranks"]} == {BF16 * rank}
 
 
-def test_multimodal_qwen3_vl_moe_config_is_refused_naming_its_relatives(tmp_path: Path) -> None:
-    """model_type "qwen3_vl_moe" (Qwen3-VL-MoE: Qwen3-VL's tower + a Qwen3-MoE language model
-    with packed experts) is not placed: exit 3, one line that names the relatives that are
-    (qwen3_vl, qwen3_moe) and how to place it anyway, with no dangling list."""
+def test_omni_qwen3_config_is_refused_naming_its_relatives(tmp_path: Path) -> None:
+    """model_type "qwen3_omni_moe" (Qwen3-Omni: a thinker with an audio tower, a talker and a
+    code-to-wave decoder) is not placed: exit 3, one line that names the relatives that are
+    (qwen3_vl_moe, qwen3_moe) and how to place it anyway, with no dangling list."""
     from transformers import AutoConfig
 
-    AutoConfig.for_model("qwen3_vl_moe").save_pretrained(tmp_path)
+    AutoConfig.for_model("qwen3_omni_moe").save_pretrained(tmp_path)
     done = subprocess.run(
         [sys.executable, "-m", "shardctl", "plan", str(tmp_path / "config.json"), "--tp", "2"],
         capture_output=True,
@@ -92,8 +92,8 @@ def test_multimodal_qwen3_vl_moe_config_is_refused_naming_its_relatives(tmp_path
     assert done.returncode == 3, done.stderr
     lines = [ln for ln in done.stderr.splitlines() if ln.startswith("shardctl: error:")]
     assert len(lines) == 1 and "Traceback" not in done.stderr
-    assert "'qwen3_vl_moe'" in lines[0] and "multimodal" in lines[0]
-    assert "'qwen3_vl'" in lines[0] and "'qwen3_moe'" in lines[0]
+    assert "'qwen3_omni_moe'" in lines[0] and "omni-modal" in lines[0]
+    assert "'qwen3_vl_moe'" in lines[0] and "'qwen3_moe'" in lines[0]
     assert "shardctl inspect" in lines[0] and not lines[0].rstrip().endswith(":")
 
 

@@ -30,6 +30,7 @@ from tests._multimodal import plan_json
 MANIFESTS = [
     "qwen2.5-vl-7b-vllm-tp2.yaml",  # qwen2_5_vl: visual.*
     "qwen3-vl-8b-vllm-tp2.yaml",  # qwen3_vl: model.visual.* (DeepStack mergers too)
+    "qwen3-vl-30b-a3b-vllm-tp2.yaml",  # qwen3_vl_moe: the same tower beside packed experts
     "gemma-3-27b-it-vllm-tp1.yaml",  # gemma3: vision tower + projector
     "mistral-small-3.1-24b-vllm-tp1.yaml",  # mistral3: Pixtral tower + projector
     "granite-vision-3.3-2b-vllm-tp1.yaml",  # llava_next: tower, projector, image_newline

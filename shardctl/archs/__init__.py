@@ -49,6 +49,7 @@ from shardctl.archs import (
     qwen3,
     qwen3_moe,
     qwen3_vl,
+    qwen3_vl_moe,
     stablelm,
     starcoder2,
 )
@@ -109,6 +110,7 @@ _MODULES: tuple[ModuleType, ...] = (
     qwen2_5_vl,
     qwen2_vl,
     qwen3_vl,
+    qwen3_vl_moe,
 )
 
 FAMILIES: dict[str, Family] = {
@@ -116,7 +118,8 @@ FAMILIES: dict[str, Family] = {
 }
 SUPPORTED: tuple[str, ...] = tuple(sorted(FAMILIES))
 # model_type -> why it is refused and what to do, for a known relative a family file declines
-# (a module's optional ``REFUSED`` dict, e.g. qwen3_vl.py: the multimodal "qwen3_vl_moe").
+# (a module's optional ``REFUSED`` dict, e.g. qwen3_vl_moe.py: the omni-modal
+# "qwen3_omni_moe").
 REFUSED: dict[str, str] = {t: why for m in _MODULES for t, why in getattr(m, "REFUSED", {}).items()}
 
 _LAYER_INDEX = re.compile(r"\.\d+\.")

@@ -10,7 +10,7 @@ function, so ``plan`` never imports torch.
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -72,6 +72,10 @@ class ExpertSpec:
     # other on-disk names in a layer -> their in-memory ones, where transformers renames them on
     # load (MiniMax-M2: ``block_sparse_moe.e_score_correction_bias`` -> ``mlp.…``)
     aliases: tuple[tuple[str, str], ...] = ()
+    # packed on-disk names in a layer stored ``[E, in, out]`` where transformers holds
+    # ``[E, out, in]`` (Qwen3-VL-MoE's published ``mlp.experts.gate_up_proj``): transposed as
+    # they load, as transformers' own conversion mapping does
+    transposed: tuple[str, ...] = ()
 
     @property
     def regex(self) -> re.Pattern[str] | None:
@@ -207,6 +211,12 @@ class Family:
     # lists) and as quantizing to fit means (the language model holds the bytes); a
     # ``quantization.overrides`` entry still quantizes them (plan/memory/precision.py).
     towers: tuple[str, ...] = ()
+    # (a checkpoint's (fqn, shape) pairs, config, where) -> None: refuses, in one line, tensors
+    # stored in a layout the rules do not describe (Qwen3-VL-MoE's experts as transformers 5
+    # saves them); called wherever a checkpoint or record is inventoried (model/inventory.py)
+    check_tensors: Callable[[Iterable[tuple[str, tuple[int, ...]]], Config, str], None] | None = (
+        None
+    )
     follows: str = ""  # the engine code whose placement the rules follow
     # False: plan/memory/shapes.py's Llama/Mixtral closed-form counts do not describe this
     # family (DeepSeek's MLA, dense-first layers, shared experts); plan counts by kind from

@@ -46,6 +46,7 @@ no part (``recomputed``), the structure and bitwise levels check it.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 from shardctl.archs import qwen2_5_vl, qwen3
@@ -76,26 +77,14 @@ VISION_RULES: tuple[RuleSpec, ...] = tuple(
 )
 
 
-REFUSED = {
-    "qwen3_vl_moe": (
-        "that is the multimodal Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration: Qwen3-VL's "
-        "tower beside a Qwen3-MoE language model whose experts are stored packed, "
-        "mlp.experts.gate_up_proj [E, H, 2I] and down_proj [E, I, H]), which shardctl does not "
-        "place (it places the dense Qwen3-VL, model_type 'qwen3_vl', and Qwen3-MoE text "
-        "checkpoints, 'qwen3_moe'); place its tensors with manifest rules "
-        "(`shardctl inspect CHECKPOINT` suggests rules for its own tensor names)"
-    )
-}
-
-
-def _text_rule(rule: RuleSpec) -> RuleSpec:
+def text_rule(rule: RuleSpec) -> RuleSpec:
     """qwen3's rule for the same tensor under ``model.language_model.`` (the head stays)."""
     if rule.match.startswith("model."):
         return dataclasses.replace(rule, match=LM + rule.match[len("model.") :])
     return rule
 
 
-RULES: tuple[RuleSpec, ...] = tuple(_text_rule(r) for r in qwen3.FAMILY.rules) + VISION_RULES
+RULES: tuple[RuleSpec, ...] = tuple(text_rule(r) for r in qwen3.FAMILY.rules) + VISION_RULES
 
 # Qwen3VLTextConfig's and Qwen3VLVisionConfig's defaults (transformers 5.24) for keys a section
 # leaves out (a transformers-4 config wrote nested sections as differences from them)
@@ -133,7 +122,7 @@ def text_config(config: Config, where: str = "config") -> Config:
     return qwen2_5_vl.text_section(merged, where, "qwen3", "Qwen3-VL", ())
 
 
-def _vision(config: Config, where: str) -> dict[str, Any]:
+def vision(config: Config, where: str) -> dict[str, Any]:
     given = section(config, "vision_config", f"{where}: vision_config", "Qwen3-VL", required=True)
     return {**VISION_DEFAULTS, **given}
 
@@ -154,7 +143,7 @@ def _deepstack(v: Config, depth: int, where: str) -> list[int] | tuple[int, ...]
 def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     """The tower's, the merger's and the DeepStack mergers' tensors, as save_pretrained names
     them."""
-    v = _vision(config, where)
+    v = vision(config, where)
     w = f"{where}: vision_config"
     h, i = get_int(v, "hidden_size", w), get_int(v, "intermediate_size", w)
     p, t = get_int(v, "patch_size", w), get_int(v, "temporal_patch_size", w)
@@ -211,30 +200,37 @@ def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
     return moved + vision_shapes(config, d.hidden_size, where)
 
 
-def _image_tokens(config: Config) -> int:
+def image_tokens_of(config: Config) -> int:
     """Merged embeddings of the largest image vLLM profiles (module docstring)."""
-    return qwen2_5_vl.largest_image_tokens(_vision(config, "config"), MAX_PIXELS)
+    return qwen2_5_vl.largest_image_tokens(vision(config, "config"), MAX_PIXELS)
 
 
-def _levels(config: Config) -> int:
-    v = _vision(config, "config")
+def levels(config: Config) -> int:
+    v = vision(config, "config")
     return len(_deepstack(v, get_int(v, "depth", "config: vision_config"), "config"))
 
 
-def _image_width(config: Config) -> int:
+def image_width_of(config: Config) -> int:
     """One image embedding as vLLM's encoder returns and caches it: the merger's output and
     each DeepStack merger's side by side (``visual_dim + multiscale_dim``), split only when the
     embeddings are merged into the text."""
-    v = _vision(config, "config")
-    return get_int(v, "out_hidden_size", "config: vision_config") * (1 + _levels(config))
+    v = vision(config, "config")
+    return get_int(v, "out_hidden_size", "config: vision_config") * (1 + levels(config))
 
 
-def _vllm_buffers(config: Config, batched_tokens: int, act_bytes: int) -> int:
-    """vLLM's DeepStack input buffers: one ``[max_num_batched_tokens, hidden]`` zeros tensor
-    per level, made with the model (``Qwen3VLForConditionalGeneration.__init__``), on every
-    rank (tp does not split them; each pipeline stage builds the tower and them)."""
-    hidden = get_int(text_config(config), "hidden_size", "config: text_config")
-    return _levels(config) * batched_tokens * hidden * act_bytes
+def deepstack_buffers(
+    text: Callable[[Config], Config],
+) -> Callable[[Config, int, int], int]:
+    """vLLM's DeepStack input buffers of a config whose language model ``text`` reads: one
+    ``[max_num_batched_tokens, hidden]`` zeros tensor per level, made with the model
+    (``Qwen3VLForConditionalGeneration.__init__``, and Qwen3-VL-MoE's), on every rank (tp does
+    not split them; each pipeline stage builds the tower and them)."""
+
+    def buffers(config: Config, batched_tokens: int, act_bytes: int) -> int:
+        hidden = get_int(text(config), "hidden_size", "config: text_config")
+        return levels(config) * batched_tokens * hidden * act_bytes
+
+    return buffers
 
 
 FAMILY = Family(
@@ -266,9 +262,9 @@ FAMILY = Family(
     ),
     text=text_config,
     towers=(f"{V}.*",),
-    image_tokens=_image_tokens,
-    image_width=_image_width,
-    vllm_buffers=_vllm_buffers,
+    image_tokens=image_tokens_of,
+    image_width=image_width_of,
+    vllm_buffers=deepstack_buffers(text_config),
     # a quantization_config quantizes the language model's linears (the tower: ``towers``)
     quantizable=tuple(LM + g[len("model.") :] for g in qwen3.FAMILY.quantizable),
     closed_form=False,  # the closed form's per-layer counts describe the text decoder only

@@ -154,6 +154,13 @@ def from_tensors(
         architecture = model_type
     architecture = architecture or "unknown"
     dims = dims_from_config(config, where=str(config_path)) if architecture in SUPPORTED else None
+    if dims is not None:
+        from shardctl.archs import find
+
+        family = find(architecture)
+        if family is not None and family.check_tensors is not None:
+            shapes = ((t.fqn, t.shape) for t in tensors)
+            family.check_tensors(shapes, config, str(config_path))
     numels = numel_by_dtype(tensors)
     by_bytes = bytes_by_dtype(tensors, numels)
     dominant = min(by_bytes, key=lambda d: (-by_bytes[d], d)) if by_bytes else None

@@ -143,6 +143,7 @@ def _vocab(ad: Adapter, d: Dims, tensors: dict[str, torch.Tensor]) -> tuple[int,
 
 SKIP = ("", ())  # a tensor the forward does not compute with (the bitwise level checks it)
 GATE, UP = "gate", "up"  # which half of a packed gate_up_proj [E, 2I, H]
+TRANSPOSED = ("T",)  # a packed tensor stored [E, in, out]: loaded transposed (ExpertSpec)
 
 
 def _tensor(model: nn.Module, name: str) -> torch.Tensor:
@@ -182,6 +183,8 @@ def _target(fqn: str, ad: Adapter, d: Dims, role: Role) -> tuple[str, tuple[Any,
     for disk, memory in ex.aliases:
         if rest == disk:
             return f"{prefix}.{memory}", ()
+    if rest in ex.transposed:
+        return f"{prefix}.{rest}", TRANSPOSED
     regex = ex.regex
     e = regex.match(rest) if regex is not None else None
     if e is None:  # not an expert, or experts packed on disk as in memory
@@ -237,6 +240,8 @@ def _load(
         if target == SKIP:
             continue
         name, index = target
+        if index == TRANSPOSED:
+            t, index = t.transpose(-1, -2), ()
         try:
             param = _tensor(model, name)
         except AttributeError:
