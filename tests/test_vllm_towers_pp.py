@@ -1,4 +1,5 @@
-"""vLLM loads a multimodal model's vision tower on every pipeline stage.
+"""vLLM loads a multimodal model's vision tower on every pipeline stage; ``mm_encoder_tp_mode:
+data`` replicates it; serving text only (``limit_mm_per_prompt`` 0) builds none.
 
 vLLM's ``*ForConditionalGeneration`` classes build the tower and projector in ``__init__`` with
 no pipeline-rank test (``qwen2_5_vl.py``: ``self.visual = Qwen2_5_VisionTransformer(...)``
@@ -24,7 +25,7 @@ from shardctl.layout.types import Mesh
 from shardctl.manifest import load_manifest
 from shardctl.plan.api import load_model
 from shardctl.plan.memory.precision import first_match
-from tests._cli import ROOT
+from tests._cli import ROOT, run_cli
 from tests._multimodal import plan_json
 
 MANIFESTS = [
@@ -94,3 +95,74 @@ def test_search_prices_the_stage_as_plan_does(tmp_path: Path) -> None:
     cands = [c for c in found["candidates"] if c["mesh"]["pp"] == 2 and c["mesh"]["tp"] == 1]
     assert len(cands) == 1, found["candidates"]
     assert cands[0]["peak_bytes"] == max(r["memory"]["total"] for r in planned["ranks"])
+
+
+def _with(text: str, extra: str) -> str:
+    """The manifest ``text`` with ``extra`` keys added to its one-line workload mapping."""
+    head, _, tail = text.partition("workload: {")
+    assert tail, "the manifest's workload is one flow mapping"
+    return f"{head}workload: {{{extra}, {tail}"
+
+
+@pytest.mark.parametrize("name", ["qwen2.5-vl-7b-vllm-tp2.yaml", "qwen3-vl-30b-a3b-vllm-tp2.yaml"])
+def test_encoder_data_mode_replicates_the_tower(tmp_path: Path, name: str) -> None:
+    # vLLM --mm-encoder-tp-mode data: the tower's linears are built whole on every rank
+    path = ROOT / "manifests" / name
+    text = path.read_text()
+    split = _weights(plan_json(tmp_path, text, "--tp", "2"))
+    data = _weights(plan_json(tmp_path, _with(text, "mm_encoder_tp_mode: data"), "--tp", "2"))
+    whole = _tower_bytes_per_tp_rank(path, 1)[0]
+    shards = _tower_bytes_per_tp_rank(path, 2)
+    assert whole > shards[0] > 0
+    for t in range(2):
+        assert data[(0, t)] - split[(0, t)] == whole - shards[t]
+    # the search prices the same rank
+    found = plan_json(
+        tmp_path, _with(text, "mm_encoder_tp_mode: data"), "--search", "--gpus", "2", "--top", "50"
+    )
+    planned = plan_json(tmp_path, _with(text, "mm_encoder_tp_mode: data"), "--tp", "2")
+    (cand,) = [c for c in found["candidates"] if c["mesh"]["tp"] == 2 and c["mesh"]["pp"] == 1]
+    assert cand["peak_bytes"] == max(r["memory"]["total"] for r in planned["ranks"])
+
+
+def test_text_only_serving_builds_no_tower(tmp_path: Path) -> None:
+    # vLLM --limit-mm-per-prompt '{"image": 0, "video": 0}': Qwen3-VL builds no tower, so no
+    # tower weights, no encoder-profile cache and no DeepStack buffers
+    path = ROOT / "manifests/qwen3-vl-8b-vllm-tp2.yaml"
+    text = path.read_text()
+    full = plan_json(tmp_path, text)
+    bare = plan_json(tmp_path, _with(text, "limit_mm_per_prompt: {image: 0, video: 0}"))
+    tower = _tower_bytes_per_tp_rank(path, 2)
+    assert {k: v + tower[k[1]] for k, v in _weights(bare).items()} == _weights(full)
+    stage = bare["memory_model"]["detail_per_stage"][0]
+    assert "activations.encoder_cache" not in stage and "overhead.model_buffers" not in stage
+    assert full["memory_model"]["detail_per_stage"][0]["overhead.model_buffers"] > 0
+    cap = "capacity_tokens_per_rank"
+    assert bare["kv_cache"][cap] > full["kv_cache"][cap]
+    assert bare["model"]["parameters"] == full["model"]["parameters"]  # the checkpoint's own
+    # video still allowed: the tower is built
+    some = plan_json(tmp_path, _with(text, "limit_mm_per_prompt: {image: 0}"))
+    assert _weights(some) == _weights(full)
+    # a family whose vLLM class is not read for this (Gemma-3): the tower still counts
+    gemma = (ROOT / "manifests/gemma-3-27b-it-vllm-tp1.yaml").read_text()
+    assert _weights(plan_json(tmp_path, _with(gemma, "limit_mm_per_prompt: {image: 0}"))) == (
+        _weights(plan_json(tmp_path, gemma))
+    )
+
+
+@pytest.mark.parametrize(
+    ("extra", "says"),
+    [
+        ("mm_encoder_tp_mode: replicated", "workload.mm_encoder_tp_mode"),
+        ("limit_mm_per_prompt: {picture: 0}", "workload.limit_mm_per_prompt.picture"),
+        ("limit_mm_per_prompt: {image: -1}", "workload.limit_mm_per_prompt.image"),
+        ("limit_mm_per_prompt: [image]", "expected a mapping of modality to items"),
+    ],
+)
+def test_bad_multimodal_keys_are_one_line(tmp_path: Path, extra: str, says: str) -> None:
+    path = tmp_path / "m.yaml"
+    path.write_text(_with((ROOT / "manifests/qwen3-vl-8b-vllm-tp2.yaml").read_text(), extra))
+    done = run_cli("plan", str(path))
+    assert done.returncode == 3, done.stderr  # invalid input
+    lines = done.stderr.strip().splitlines()
+    assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr, lines

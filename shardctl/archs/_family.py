@@ -211,6 +211,10 @@ class Family:
     # lists) and as quantizing to fit means (the language model holds the bytes); a
     # ``quantization.overrides`` entry still quantizes them (plan/memory/precision.py).
     towers: tuple[str, ...] = ()
+    # the inputs the tower serves where vLLM's class skips the tower when each is limited to
+    # 0 items (``workload.limit_mm_per_prompt``; Qwen-VL: ``get_limit_per_prompt("image") or
+    # ...("video")``, ``_mark_tower_model``). () where that is not read: the tower counts
+    modalities: tuple[str, ...] = ()
     # (a checkpoint's (fqn, shape) pairs, config, where) -> None: refuses, in one line, tensors
     # stored in a layout the rules do not describe (Qwen3-VL-MoE's experts as transformers 5
     # saves them); called wherever a checkpoint or record is inventoried (model/inventory.py)

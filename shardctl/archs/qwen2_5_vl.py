@@ -256,6 +256,7 @@ def qwen2_text_family(
         ),
         text=text_config,
         towers=(f"{V}.*",),
+        modalities=("image", "video"),
         image_tokens=image_tokens,
         closed_form=False,  # the closed form's per-layer counts describe the text decoder only
     )

@@ -262,6 +262,7 @@ FAMILY = Family(
     ),
     text=text_config,
     towers=(f"{V}.*",),
+    modalities=("image", "video"),
     image_tokens=image_tokens_of,
     image_width=image_width_of,
     vllm_buffers=deepstack_buffers(text_config),

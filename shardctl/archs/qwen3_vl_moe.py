@@ -183,6 +183,7 @@ FAMILY = Family(
     ),
     text=text_config,
     towers=(f"{V}.*",),
+    modalities=("image", "video"),
     image_tokens=qwen3_vl.image_tokens_of,
     image_width=qwen3_vl.image_width_of,
     vllm_buffers=qwen3_vl.deepstack_buffers(text_config),

@@ -64,6 +64,8 @@ SECTION_KEYS: dict[str, tuple[str, ...]] = {
         "vllm_version",
         "free_gpu_memory_fraction",
         "tokens_per_block",
+        "mm_encoder_tp_mode",
+        "limit_mm_per_prompt",
         "micro_batch_size",
         "gradient_accumulation_steps",
     ),

@@ -14,6 +14,7 @@ from shardctl.manifest import model as m
 from shardctl.manifest.fields import INLINE_POSITIVE_INTS, SECTION_KEYS
 from shardctl.manifest.limits import MAX_AXIS, MAX_DIM
 from shardctl.plan.memory.hardware import gpu_names
+from shardctl.plan.memory.spec import MODALITIES
 
 SCHEMA_ID = "https://shardctl.dev/schema/manifest.schema.json"
 _NUMBER = r"[-+]?(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][-+]?[0-9]+)?"
@@ -301,6 +302,18 @@ def _workload_section() -> dict[str, Any]:
                 "description": "TensorRT-LLM KV cache share of free memory (default 0.9).",
             },
             "tokens_per_block": _int("TensorRT-LLM KV block size in tokens (default 32)."),
+            "mm_encoder_tp_mode": _enum(
+                ("weights", "data"),
+                "vLLM --mm-encoder-tp-mode: weights (default) splits a multimodal tower over "
+                "tp; data replicates it on every rank (Qwen-VL and Llama-4 towers).",
+            ),
+            "limit_mm_per_prompt": {
+                "type": "object",
+                "properties": {k: {"type": "integer", "minimum": 0} for k in MODALITIES},
+                "additionalProperties": False,
+                "description": "vLLM --limit-mm-per-prompt, e.g. {image: 0, video: 0}: with "
+                "every modality of a model's tower at 0, vLLM builds no tower (text only).",
+            },
             "micro_batch_size": _int("Training micro-batch (default: batch_size)."),
             "gradient_accumulation_steps": _int("Default 1."),
         },

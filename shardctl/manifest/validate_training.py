@@ -17,7 +17,7 @@ from shardctl.manifest.values import (
     read_str,
 )
 from shardctl.manifest.yamlstrict import Map, Node, Scalar, Seq
-from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
+from shardctl.plan.memory.spec import MODALITIES, QuantSpec, TrainingSpec, Workload
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,10 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         ),
         free_gpu_memory_fraction=get(section, "free_gpu_memory_fraction", path, _fraction, 0.9),
         tokens_per_block=get(section, "tokens_per_block", path, read_positive, 32),
+        mm_encoder_tp_mode=get(
+            section, "mm_encoder_tp_mode", path, enum(("weights", "data")), "weights"
+        ),
+        limit_mm_per_prompt=get(section, "limit_mm_per_prompt", path, _limits, ()),
         only_weights=mode == "weights-only",
     )
     return WorkloadKeys(
@@ -91,6 +95,25 @@ def read_workload(section: Map | None, training: bool, problems: Problems) -> Wo
         batch_given="batch_size" in section.entries,
         steps_given="gradient_accumulation_steps" in section.entries,
     )
+
+
+def _limits(node: Node, path: str) -> tuple[tuple[str, int], ...]:
+    """vLLM ``--limit-mm-per-prompt``: a mapping of modality to items per prompt."""
+    if not isinstance(node, Map):
+        raise Invalid(
+            path,
+            f"expected a mapping of modality to items, e.g. {{image: 0, video: 0}}; got "
+            f"{describe(node)}",
+            node.line,
+        )
+    out: list[tuple[str, int]] = []
+    for key, value in node.entries.items():
+        where = f"{path}.{key}"
+        if key not in MODALITIES:
+            choices = ", ".join(MODALITIES)
+            raise Invalid(where, f"is not a modality ({choices})", node.key_lines[key])
+        out.append((key, read_int(value, where, minimum=0)))
+    return tuple(out)
 
 
 def _fraction(node: Node, path: str) -> float:

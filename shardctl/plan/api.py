@@ -292,14 +292,15 @@ def plan_manifest(
     cluster layout (the device map's one stage per layer) without the GPU-count check."""
     from shardctl.plan.checks import check_keep_16bit, check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
-    from shardctl.plan.weights import engine_rules, weights_per_coord
+    from shardctl.plan.weights import engine_rules, served_model, weights_per_coord
 
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
     check_workload(model, manifest.workload, manifest.training)
     check_keep_16bit(model, manifest.quantization)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
-    rules = engine_rules(model, manifest.rules, manifest.workload.engine)
+    served = served_model(model, manifest.workload)  # the tensors the engine loads
+    rules = engine_rules(served, manifest.rules, manifest.workload)
     shared_ep = 0
     if manifest.expert_placement == "shared":
         from shardctl.plan import shared_ep as sh
@@ -307,19 +308,19 @@ def plan_manifest(
         sh.check_modeled(manifest.training is not None, manifest.quantization is not None)
         full, mesh = mesh, sh.attention_mesh(mesh)
         warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
-        stages, by_dp = sh.shared_ep_weights(model, full, rules=rules, options=manifest.layout)
+        stages, by_dp = sh.shared_ep_weights(served, full, rules=rules, options=manifest.layout)
         weights: Mapping[tuple[int, int, int], int] | None = sh.memory_coords(by_dp, mesh)
         shared_ep = full.ep
     else:
         warnings = check_mesh(mesh, manifest.hardware, _cp(manifest)) if check_hardware else ()
         stages, weights = weights_per_coord(
-            model,
+            served,
             mesh,
             rules=rules,
             options=manifest.layout,
             quant=manifest.quantization,
         )
-    memory = plan_memory(manifest, model, mesh, stages, weights)
+    memory = plan_memory(manifest, served, mesh, stages, weights)
     ranks = tuple(
         RankPlan(
             rank=r,

@@ -156,15 +156,16 @@ def _with_format(manifest: Manifest, fmt: str) -> Manifest:
 def _weights(manifest: Manifest, model: ModelInfo, cand: Candidate) -> int:
     from shardctl.layout.types import Mesh
     from shardctl.plan.memory.adapter import plan_memory
-    from shardctl.plan.weights import engine_rules, options_for, weights_per_coord
+    from shardctl.plan.weights import engine_rules, options_for, served_model, weights_per_coord
 
     mesh = Mesh(pp=cand.mesh.pp, dp=cand.mesh.dp, ep=cand.mesh.ep, tp=cand.mesh.tp)
     options = options_for(manifest.layout, mesh.pp)
-    rules = engine_rules(model, manifest.rules, manifest.workload.engine)
+    served = served_model(model, manifest.workload)
+    rules = engine_rules(served, manifest.rules, manifest.workload)
     stages, weights = weights_per_coord(
-        model, mesh, rules=rules, options=options, quant=manifest.quantization
+        served, mesh, rules=rules, options=options, quant=manifest.quantization
     )
-    memory = plan_memory(manifest, model, mesh, stages, weights)
+    memory = plan_memory(manifest, served, mesh, stages, weights)
     return max(m.weights for m in memory.coords.values())
 
 

@@ -47,7 +47,7 @@ from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import stage_comm
 from shardctl.plan.memory.vllm import engine_hardware
 from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
-from shardctl.plan.weights import engine_rules, options_for, weights_per_coord
+from shardctl.plan.weights import engine_rules, options_for, served_model, weights_per_coord
 
 # rejection reason of every mesh when the serving engine refuses the sequence length
 ENGINE_REFUSES = "engine_refuses_length"
@@ -85,7 +85,8 @@ def search(
     """
     t0 = time.perf_counter()
     workload = workload or Workload()
-    rules = engine_rules(model, rules, workload.engine)
+    model = served_model(model, workload)  # the tensors the engine loads (plan's)
+    rules = engine_rules(model, rules, workload)
     quant = quant or QuantSpec()
     hw = engine_hardware(hardware or HardwareSpec(), workload.engine, training=training is not None)
     ovh = overhead or OverheadSpec()
@@ -242,8 +243,8 @@ def invalid_reason(
     if reason:
         return reason
     try:
-        served = engine_rules(model, rules, workload.engine)
-        _stage_weights(model, replace(mesh, dp=1), served, base)
+        served = served_model(model, workload)
+        _stage_weights(served, replace(mesh, dp=1), engine_rules(served, rules, workload), base)
     except LayoutError:
         return "layout_refused"
     if training is None and refusal(model, workload.engine, workload.sequence_length):

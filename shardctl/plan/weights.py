@@ -21,7 +21,7 @@ from shardctl.layout.split import SplitSpec
 from shardctl.layout.types import LayoutOptions, Mesh, RuleSpec, Stage
 from shardctl.model.types import ModelInfo
 from shardctl.plan.memory.precision import Format
-from shardctl.plan.memory.spec import QuantSpec
+from shardctl.plan.memory.spec import QuantSpec, Workload
 
 Coord = tuple[int, int, int]  # (pp, ep, tp)
 
@@ -34,8 +34,10 @@ def options_for(options: LayoutOptions, pp: int) -> LayoutOptions:
     return options
 
 
-def engine_rules(model: ModelInfo, rules: Sequence[RuleSpec], engine: str) -> tuple[RuleSpec, ...]:
-    """``rules`` as the serving ``engine`` places the weights.
+def engine_rules(
+    model: ModelInfo, rules: Sequence[RuleSpec], workload: Workload
+) -> tuple[RuleSpec, ...]:
+    """``rules`` as the serving engine places the weights.
 
     vLLM builds a multimodal model's vision tower and projector on every pipeline stage: its
     ``*ForConditionalGeneration`` classes make ``self.visual`` / ``self.vision_tower`` and the
@@ -43,22 +45,48 @@ def engine_rules(model: ModelInfo, rules: Sequence[RuleSpec], engine: str) -> tu
     ``qwen3_vl.py``, ``gemma3_mm.py``; only the language model's layers are split). So for
     ``engine: vllm`` the family's tower rules (those matching ``Family.towers``) come again,
     after the manifest's own, at ``stage: all``; ``reshard`` keeps them on the first stage,
-    where the image embeddings are used. Other engines: ``rules`` as given."""
-    if engine != "vllm":
+    where the image embeddings are used. With ``mm_encoder_tp_mode: data`` (vLLM
+    ``--mm-encoder-tp-mode data``: the tower's linears built with ``disable_tp``, the images
+    sharded over the ranks instead) they are replicated (``tp: R``); vLLM falls back to
+    ``weights`` for a class without ``supports_encoder_tp_data``, where the plan then counts
+    the tower ``tp`` times over (the safe side). Other engines: ``rules`` as given."""
+    if workload.engine != "vllm":
         return tuple(rules)
     from shardctl.archs import find
     from shardctl.plan.memory.precision import first_match
 
     family = find(model.architecture)
-    if family is None or not family.towers:
-        return tuple(rules)
+    if family is None or not family.towers or workload.text_only(family.modalities):
+        return tuple(rules)  # no tower, or none built (served_model leaves its tensors out)
     tower = first_match(family.towers)
+    data = workload.mm_encoder_tp_mode == "data"
+
+    def served(r: RuleSpec) -> RuleSpec:
+        if data and r.tp is not None:
+            return replace(r, stage="all", tp="R", parts=None, heads=None, groups=None)
+        return replace(r, stage="all")
+
     every = tuple(
-        replace(r, stage="all")
-        for r in family.rules
-        if r.stage == "first" and tower(r.match) is not None
+        served(r) for r in family.rules if r.stage == "first" and tower(r.match) is not None
     )
     return (*rules, *every)
+
+
+def served_model(model: ModelInfo, workload: Workload) -> ModelInfo:
+    """``model`` as the serving engine loads it: vLLM serving a multimodal model text only
+    (``limit_mm_per_prompt`` 0 for every modality its tower serves, ``Family.modalities``)
+    builds no tower (``get_limit_per_prompt`` / ``_mark_tower_model``), so its tensors are left
+    out of the weights; otherwise ``model`` itself."""
+    if workload.engine != "vllm" or not workload.limit_mm_per_prompt:
+        return model
+    from shardctl.archs import find
+    from shardctl.plan.memory.precision import first_match
+
+    family = find(model.architecture)
+    if family is None or not workload.text_only(family.modalities):
+        return model
+    tower = first_match(family.towers)
+    return replace(model, tensors=tuple(t for t in model.tensors if tower(t.fqn) is None))
 
 
 def weights_per_coord(

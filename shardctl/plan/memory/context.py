@@ -112,10 +112,12 @@ class Context:
         n_layers = shape.dims.num_layers if shape is not None else 0
         arch, text = language_config(model)  # a multimodal model's text section
         family = find(model.architecture)
+        # vLLM serving it text only builds no tower: no encoder profile, no DeepStack buffers
+        towerless = self.vllm and family is not None and workload.text_only(family.modalities)
         # tokens of one image's embeddings (a multimodal family's ``image_tokens``; 0: none)
         self.image_tokens = (
             family.image_tokens(model.config)
-            if family is not None and family.image_tokens is not None
+            if family is not None and family.image_tokens is not None and not towerless
             else 0
         )
         # the width of one image embedding as the encoder caches it (0: the text hidden size)
@@ -131,6 +133,7 @@ class Context:
             and workload.vllm_version in V1_VERSIONS
             and family is not None
             and family.vllm_buffers is not None
+            and not towerless
             else 0
         )
         self.windows = layer_windows(arch, text, n_layers)

@@ -40,6 +40,9 @@ def _positive(value: int, where: str) -> None:
         raise InvalidInputError(f"expected a positive integer, got {value!r}", where=where)
 
 
+MODALITIES = ("image", "video", "audio")  # vLLM --limit-mm-per-prompt keys
+
+
 @dataclass(frozen=True)
 class Workload:
     """Inference: ``batch_size`` concurrent sequences of ``sequence_length`` tokens (prompt +
@@ -95,9 +98,36 @@ class Workload:
     vllm_version: str = "0.6"
     free_gpu_memory_fraction: float = 0.9
     tokens_per_block: int = 32
+    # vLLM ``--mm-encoder-tp-mode``: "weights" splits a multimodal tower over tp, "data"
+    # replicates it on every rank (families whose vLLM class supports it, ``Family.
+    # encoder_tp_data``; vLLM falls back to "weights" for the others)
+    mm_encoder_tp_mode: str = "weights"
+    # vLLM ``--limit-mm-per-prompt`` as ``(modality, items)`` pairs; () = vLLM's defaults. Every
+    # modality of a family's tower at 0 (``Family.modalities``): vLLM builds no tower
+    limit_mm_per_prompt: tuple[tuple[str, int], ...] = ()
+
+    def text_only(self, modalities: tuple[str, ...]) -> bool:
+        """Whether vLLM skips a tower that serves ``modalities`` (each limited to 0 items)."""
+        limits = dict(self.limit_mm_per_prompt)
+        return bool(modalities) and all(limits.get(m) == 0 for m in modalities)
 
     def __post_init__(self) -> None:
         from shardctl.plan.memory.engines import ENGINES
+
+        if self.mm_encoder_tp_mode not in ("weights", "data"):
+            raise InvalidInputError(
+                f"expected 'weights' or 'data', got {self.mm_encoder_tp_mode!r}",
+                where="workload.mm_encoder_tp_mode",
+                hint="vLLM --mm-encoder-tp-mode: weights (split over tp) or data (replicated)",
+            )
+        for modality, items in self.limit_mm_per_prompt:
+            if modality not in MODALITIES or isinstance(items, bool) or items < 0:
+                raise InvalidInputError(
+                    f"expected one of {', '.join(MODALITIES)} with a non-negative count, got "
+                    f"{modality!r}: {items!r}",
+                    where="workload.limit_mm_per_prompt",
+                    hint="as vLLM --limit-mm-per-prompt, e.g. {image: 0, video: 0}",
+                )
 
         _positive(self.batch_size, "workload.batch_size")
         if self.engine not in ENGINES:

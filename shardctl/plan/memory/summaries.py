@@ -144,6 +144,10 @@ def plan_inputs(ctx: Context) -> dict[str, Any]:
                 max_num_batched_tokens=tokens,
                 device_memory_cuda=ctx.hw.device_memory,
             )
+            if w.mm_encoder_tp_mode != "weights":
+                out.update(mm_encoder_tp_mode=w.mm_encoder_tp_mode)
+            if w.limit_mm_per_prompt:
+                out.update(limit_mm_per_prompt=dict(w.limit_mm_per_prompt))
     else:
         out.update(
             optimizer=tr.optimizer,
