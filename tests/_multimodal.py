@@ -45,3 +45,55 @@ def refused_in_one_line(tmp_path: Path, config: dict[str, Any], says: str) -> No
     assert done.returncode == 3, done.stderr
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("shardctl: error:") and says in lines[0], lines
+
+
+def qwen3_vl_config(
+    model_type: str,
+    h: int,
+    i: int,
+    layers: int,
+    heads: int,
+    kv: int,
+    tied: bool,
+    vision: tuple[int, int, int, list[int]],
+    out: int,
+) -> dict[str, Any]:
+    """A published Qwen3-VL / Qwen3-VL-MoE config.json's shape keys (transformers 4.57 layout:
+    nested sections); ``vision`` is the tower's (depth, width, intermediate, DeepStack blocks),
+    ``out`` its merger's output width."""
+    depth, width, inner, deepstack = vision
+    return {
+        "model_type": model_type,
+        "tie_word_embeddings": tied,
+        "text_config": {
+            "model_type": f"{model_type}_text",
+            "hidden_size": h,
+            "intermediate_size": i,
+            "num_hidden_layers": layers,
+            "num_attention_heads": heads,
+            "num_key_value_heads": kv,
+            "head_dim": 128,
+            "vocab_size": 151936,
+            "max_position_embeddings": 262144,
+            "tie_word_embeddings": tied,
+            "rope_scaling": {
+                "mrope_interleaved": True,
+                "mrope_section": [24, 20, 20],
+                "rope_type": "default",
+            },
+            "rope_theta": 5000000,
+        },
+        "vision_config": {
+            "depth": depth,
+            "hidden_size": width,
+            "intermediate_size": inner,
+            "num_heads": 16,
+            "in_channels": 3,
+            "num_position_embeddings": 2304,
+            "out_hidden_size": out,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "deepstack_visual_indexes": deepstack,
+        },
+    }

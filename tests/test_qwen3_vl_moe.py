@@ -27,55 +27,27 @@ from shardctl.layout.types import Mesh
 from shardctl.model.inventory import from_config
 from tests._cli import ROOT, run_cli
 from tests._models import make_checkpoint, published_expert_layout
-from tests._multimodal import plan_json
+from tests._multimodal import plan_json, qwen3_vl_config
 
 MANIFEST = ROOT / "manifests/qwen3-vl-30b-a3b-vllm-tp2.yaml"
 LM = "model.language_model"
 
 
 def _config(h: int, i: int, moe: int, layers: int, heads: int, out: int) -> dict[str, Any]:
-    """A published Qwen3-VL-MoE config.json's shape keys (transformers 4.57: nested)."""
-    return {
-        "model_type": "qwen3_vl_moe",
-        "tie_word_embeddings": False,
-        "text_config": {
-            "model_type": "qwen3_vl_moe_text",
-            "hidden_size": h,
-            "intermediate_size": i,
-            "moe_intermediate_size": moe,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "decoder_sparse_step": 1,
-            "mlp_only_layers": [],
-            "vocab_size": 151936,
-            "max_position_embeddings": 262144,
-            "rope_scaling": {
-                "mrope_interleaved": True,
-                "mrope_section": [24, 20, 20],
-                "rope_type": "default",
-            },
-            "rope_theta": 5000000,
-        },
-        "vision_config": {
-            "depth": 27,
-            "hidden_size": 1152,
-            "intermediate_size": 4304,
-            "num_heads": 16,
-            "in_channels": 3,
-            "num_position_embeddings": 2304,
-            "out_hidden_size": out,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "deepstack_visual_indexes": [8, 16, 24],
-        },
-    }
+    """A published Qwen3-VL-MoE config.json's shape keys (transformers 4.57: nested): Qwen3-VL's
+    large tower, 128 experts of ``moe``, top 8, every layer sparse."""
+    cfg = qwen3_vl_config("qwen3_vl_moe", h, i, layers, heads, 4, False, LARGE_TOWER, out)
+    cfg["text_config"].update(
+        moe_intermediate_size=moe,
+        num_experts=128,
+        num_experts_per_tok=8,
+        decoder_sparse_step=1,
+        mlp_only_layers=[],
+    )
+    return cfg
 
 
+LARGE_TOWER = (27, 1152, 4304, [8, 16, 24])  # Qwen3-VL-8B / 32B / MoE
 A3B = _config(2048, 6144, 768, 48, 32, 2048)
 A22B = _config(4096, 12288, 1536, 94, 64, 4096)
 

@@ -30,7 +30,7 @@ from shardctl.layout.engine import build_layout
 from shardctl.layout.types import Mesh
 from shardctl.model.inventory import from_config
 from tests._cli import ROOT
-from tests._multimodal import plan_json, refused_in_one_line
+from tests._multimodal import plan_json, qwen3_vl_config, refused_in_one_line
 
 QWEN3_VL_8B = ROOT / "manifests/qwen3-vl-8b-vllm-tp2.yaml"
 
@@ -68,42 +68,7 @@ def _qwen3_vl(
     h: int, i: int, layers: int, heads: int, tied: bool, vision: tuple[int, int, int, list[int]]
 ) -> dict:
     """A published Qwen3-VL config.json (transformers 4.57 layout: nested sections)."""
-    depth, width, inner, deepstack = vision
-    return {
-        "model_type": "qwen3_vl",
-        "tie_word_embeddings": tied,
-        "text_config": {
-            "model_type": "qwen3_vl_text",
-            "hidden_size": h,
-            "intermediate_size": i,
-            "num_hidden_layers": layers,
-            "num_attention_heads": heads,
-            "num_key_value_heads": 8,
-            "head_dim": 128,
-            "vocab_size": 151936,
-            "max_position_embeddings": 262144,
-            "tie_word_embeddings": tied,
-            "rope_scaling": {
-                "mrope_interleaved": True,
-                "mrope_section": [24, 20, 20],
-                "rope_type": "default",
-            },
-            "rope_theta": 5000000,
-        },
-        "vision_config": {
-            "depth": depth,
-            "hidden_size": width,
-            "intermediate_size": inner,
-            "num_heads": 16,
-            "in_channels": 3,
-            "num_position_embeddings": 2304,
-            "out_hidden_size": h,
-            "patch_size": 16,
-            "spatial_merge_size": 2,
-            "temporal_patch_size": 2,
-            "deepstack_visual_indexes": deepstack,
-        },
-    }
+    return qwen3_vl_config("qwen3_vl", h, i, layers, heads, 8, tied, vision, h)
 
 
 SMALL_TOWER = (24, 1024, 4096, [5, 11, 17])  # Qwen3-VL-2B / 4B

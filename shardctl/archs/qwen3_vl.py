@@ -51,7 +51,7 @@ from typing import Any
 
 from shardctl.archs import qwen2_5_vl, qwen3
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, Shapes, get_bool, get_int
+from shardctl.archs._family import Config, Family, ForwardSpec, Shapes, get_bool, get_int
 from shardctl.archs._keys import COMMON
 from shardctl.archs._multimodal import section, text_forward
 from shardctl.errors import InvalidInputError
@@ -233,40 +233,64 @@ def deepstack_buffers(
     return buffers
 
 
-FAMILY = Family(
-    name="qwen3_vl",
-    model_types=("qwen3_vl",),
-    tied_default=False,
-    dims=_dims,
-    tensors=_tensors,
-    rules=RULES,
-    memory=lambda config: qwen3.FAMILY.memory(text_config(config)),
-    forward=dataclasses.replace(
+def vl_forward(text: Family, text_config: Callable[[Config], Config]) -> ForwardSpec:
+    """The forward level of a Qwen3-VL family: ``text``'s model on each rank's text config,
+    ``model.language_model.X`` read as its ``model.X``, the tower skipped, compared with the
+    ``*ForConditionalGeneration`` logits (module docstring)."""
+    return dataclasses.replace(
         text_forward(
-            qwen3.FAMILY,
+            text,
             text_config,
             recomputed=(f"{V}.*",),
             reference_layers="model.language_model.layers",
             reference_auto="AutoModelForImageTextToText",
         ),
-        renames=((LM, "model."),),  # model.language_model.X is qwen3's model.X
-    ),
+        renames=((LM, "model."),),  # model.language_model.X is the text family's model.X
+    )
+
+
+def vl_family(
+    name: str,
+    text: Family,
+    text_config: Callable[[Config], Config],
+    **fields: Any,
+) -> Family:
+    """A Qwen3-VL family: ``text``'s language model under ``model.language_model.`` beside this
+    file's tower, with its DeepStack profile terms; ``fields`` are the family's own (dims,
+    tensors, rules, forward, follows, ...)."""
+    return Family(
+        name=name,
+        model_types=(name,),
+        tied_default=False,
+        memory=lambda config: text.memory(text_config(config)),
+        shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
+        config_keys=(
+            *COMMON,
+            "image_token_id",
+            "video_token_id",
+            "vision_start_token_id",
+            "vision_end_token_id",
+        ),
+        text=text_config,
+        towers=(f"{V}.*",),
+        modalities=("image", "video"),
+        image_tokens=image_tokens_of,
+        image_width=image_width_of,
+        vllm_buffers=deepstack_buffers(text_config),
+        # a quantization_config quantizes the language model's linears (the tower: ``towers``)
+        quantizable=tuple(LM + g[len("model.") :] for g in text.quantizable),
+        closed_form=False,  # the closed form's per-layer counts describe the text decoder only
+        **fields,
+    )
+
+
+FAMILY = vl_family(
+    "qwen3_vl",
+    qwen3.FAMILY,
+    text_config,
+    dims=_dims,
+    tensors=_tensors,
+    rules=RULES,
+    forward=vl_forward(qwen3.FAMILY, text_config),
     follows="vLLM qwen3_vl.py (Qwen3VLForConditionalGeneration)",
-    shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
-    config_keys=(
-        *COMMON,
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    ),
-    text=text_config,
-    towers=(f"{V}.*",),
-    modalities=("image", "video"),
-    image_tokens=image_tokens_of,
-    image_width=image_width_of,
-    vllm_buffers=deepstack_buffers(text_config),
-    # a quantization_config quantizes the language model's linears (the tower: ``towers``)
-    quantizable=tuple(LM + g[len("model.") :] for g in qwen3.FAMILY.quantizable),
-    closed_form=False,  # the closed form's per-layer counts describe the text decoder only
 )

@@ -31,13 +31,11 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections.abc import Iterable
-from typing import Any
 
 from shardctl.archs import _qwen_moe as moe
 from shardctl.archs import qwen2_5_vl, qwen3_moe, qwen3_vl
-from shardctl.archs._family import Config, Family, Shapes, get_bool
-from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import section, text_forward
+from shardctl.archs._family import Config, ForwardSpec, Shapes, get_bool
+from shardctl.archs._multimodal import section
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -150,44 +148,21 @@ def check_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], config: Config, 
             )
 
 
-def _forward() -> Any:
-    spec = text_forward(
-        qwen3_moe.FAMILY,
-        text_config,
-        recomputed=(f"{V}.*",),
-        reference_layers="model.language_model.layers",
-        reference_auto="AutoModelForImageTextToText",
-    )
+def _forward() -> ForwardSpec:
+    spec = qwen3_vl.vl_forward(qwen3_moe.FAMILY, text_config)
     assert spec.experts is not None
     experts = dataclasses.replace(spec.experts, transposed=(GATE_UP, DOWN))
-    return dataclasses.replace(spec, renames=((LM, "model."),), experts=experts)
+    return dataclasses.replace(spec, experts=experts)
 
 
-FAMILY = Family(
-    name="qwen3_vl_moe",
-    model_types=("qwen3_vl_moe",),
-    tied_default=False,
+FAMILY = qwen3_vl.vl_family(
+    "qwen3_vl_moe",
+    qwen3_moe.FAMILY,
+    text_config,
     dims=_dims,
     tensors=_tensors,
     rules=RULES,
-    memory=lambda config: qwen3_moe.FAMILY.memory(text_config(config)),
     forward=_forward(),
     follows="vLLM qwen3_vl_moe.py (Qwen3VLMoeForConditionalGeneration, FusedMoE)",
-    shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
-    config_keys=(
-        *COMMON,
-        "image_token_id",
-        "video_token_id",
-        "vision_start_token_id",
-        "vision_end_token_id",
-    ),
-    text=text_config,
-    towers=(f"{V}.*",),
-    modalities=("image", "video"),
-    image_tokens=qwen3_vl.image_tokens_of,
-    image_width=qwen3_vl.image_width_of,
-    vllm_buffers=qwen3_vl.deepstack_buffers(text_config),
     check_tensors=check_layout,
-    quantizable=tuple(LM + g[len("model.") :] for g in qwen3_moe.FAMILY.quantizable),
-    closed_form=False,
 )
