@@ -143,10 +143,20 @@ def test_text_only_serving_builds_no_tower(tmp_path: Path) -> None:
     # video still allowed: the tower is built
     some = plan_json(tmp_path, _with(text, "limit_mm_per_prompt: {image: 0}"))
     assert _weights(some) == _weights(full)
-    # a family whose vLLM class is not read for this (Gemma-3): the tower still counts
-    gemma = (ROOT / "manifests/gemma-3-27b-it-vllm-tp1.yaml").read_text()
-    assert _weights(plan_json(tmp_path, _with(gemma, "limit_mm_per_prompt: {image: 0}"))) == (
-        _weights(plan_json(tmp_path, gemma))
+    # Gemma-3 and Mistral-3 serve images only: {image: 0} is text only
+    for name in ("gemma-3-27b-it-vllm-tp1.yaml", "mistral-small-3.1-24b-vllm-tp1.yaml"):
+        path = ROOT / "manifests" / name
+        text = path.read_text()
+        full = plan_json(tmp_path, text)
+        bare = plan_json(tmp_path, _with(text, "limit_mm_per_prompt: {image: 0}"))
+        (tower,) = _tower_bytes_per_tp_rank(path, 1)
+        assert _weights(bare) == {k: v - tower for k, v in _weights(full).items()}, name
+        assert "activations.encoder_cache" in full["memory_model"]["detail_per_stage"][0]
+        assert "activations.encoder_cache" not in bare["memory_model"]["detail_per_stage"][0]
+    # a family whose vLLM code for this was not read (LLaVA-NeXT): the tower still counts
+    llava = (ROOT / "manifests/granite-vision-3.3-2b-vllm-tp1.yaml").read_text()
+    assert _weights(plan_json(tmp_path, _with(llava, "limit_mm_per_prompt: {image: 0}"))) == (
+        _weights(plan_json(tmp_path, llava))
     )
 
 

@@ -195,6 +195,7 @@ FAMILY = Family(
     ),
     text=text_config,
     towers=(f"{V}.*", f"{P}.*"),
+    modalities=("image",),  # vLLM builds the tower under _mark_tower_model(..., "image")
     image_tokens=_image_tokens,
     # the closed form's per-layer counts describe the text decoder only
     closed_form=False,

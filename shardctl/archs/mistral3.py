@@ -234,6 +234,7 @@ FAMILY = Family(
     config_keys=(*COMMON, "image_token_index", "projector_hidden_act"),
     text=text_config,
     towers=(f"{V}.*", f"{P}.*"),
+    modalities=("image",),  # vLLM builds the tower under _mark_tower_model(..., "image")
     image_tokens=_image_tokens,
     # compressed-tensors releases quantize the text model's linears; the tower, projector and
     # head stay 16-bit (their recipes' ignore lists)
