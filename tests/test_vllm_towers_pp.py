@@ -176,3 +176,21 @@ def test_bad_multimodal_keys_are_one_line(tmp_path: Path, extra: str, says: str)
     assert done.returncode == 3, done.stderr  # invalid input
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and says in lines[0] and "Traceback" not in done.stderr, lines
+
+
+def test_text_only_drops_manifest_rules_about_the_tower(tmp_path: Path) -> None:
+    # a manifest rule that places only tower tensors has nothing to place when vLLM builds no
+    # tower: it is dropped, not refused; a rule matching nothing at all is still refused
+    text = (ROOT / "manifests/qwen3-vl-8b-vllm-tp2.yaml").read_text()
+    bare = _with(text, "limit_mm_per_prompt: {image: 0, video: 0}")
+    rule = 'rules:\n  - {match: "model.visual.blocks.*.mlp.linear_fc1.*", tp: R}\n'
+    ruled = bare.replace("mesh: {tp: 2}\n", rule + "mesh: {tp: 2}\n")
+    assert ruled != bare
+    assert _weights(plan_json(tmp_path, ruled)) == _weights(plan_json(tmp_path, bare))
+    # with the tower served, the same rule applies (the fc1 weights whole on each rank)
+    served = text.replace("mesh: {tp: 2}\n", rule + "mesh: {tp: 2}\n")
+    assert _weights(plan_json(tmp_path, served)) != _weights(plan_json(tmp_path, text))
+    path = tmp_path / "typo.yaml"
+    path.write_text(ruled.replace("model.visual.blocks", "model.visul.blocks"))
+    done = run_cli("plan", str(path))
+    assert done.returncode == 3 and "no tensor matches" in done.stderr, done.stderr

@@ -292,7 +292,12 @@ def plan_manifest(
     cluster layout (the device map's one stage per layer) without the GPU-count check."""
     from shardctl.plan.checks import check_keep_16bit, check_mesh, check_workload
     from shardctl.plan.memory.adapter import plan_memory
-    from shardctl.plan.weights import engine_rules, served_model, weights_per_coord
+    from shardctl.plan.weights import (
+        engine_rules,
+        served_model,
+        served_rules,
+        weights_per_coord,
+    )
 
     manifest = with_weights_only(manifest, only_weights)
     model = load_model(manifest)
@@ -300,7 +305,8 @@ def plan_manifest(
     check_keep_16bit(model, manifest.quantization)
     mesh = apply_mesh_overrides(manifest.mesh, mesh_overrides or {})
     served = served_model(model, manifest.workload)  # the tensors the engine loads
-    rules = engine_rules(served, manifest.rules, manifest.workload)
+    own = served_rules(model, served, manifest.rules)
+    rules = engine_rules(served, own, manifest.workload)
     shared_ep = 0
     if manifest.expert_placement == "shared":
         from shardctl.plan import shared_ep as sh

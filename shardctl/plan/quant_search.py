@@ -156,12 +156,19 @@ def _with_format(manifest: Manifest, fmt: str) -> Manifest:
 def _weights(manifest: Manifest, model: ModelInfo, cand: Candidate) -> int:
     from shardctl.layout.types import Mesh
     from shardctl.plan.memory.adapter import plan_memory
-    from shardctl.plan.weights import engine_rules, options_for, served_model, weights_per_coord
+    from shardctl.plan.weights import (
+        engine_rules,
+        options_for,
+        served_model,
+        served_rules,
+        weights_per_coord,
+    )
 
     mesh = Mesh(pp=cand.mesh.pp, dp=cand.mesh.dp, ep=cand.mesh.ep, tp=cand.mesh.tp)
     options = options_for(manifest.layout, mesh.pp)
     served = served_model(model, manifest.workload)
-    rules = engine_rules(served, manifest.rules, manifest.workload)
+    own = served_rules(model, served, manifest.rules)
+    rules = engine_rules(served, own, manifest.workload)
     stages, weights = weights_per_coord(
         served, mesh, rules=rules, options=options, quant=manifest.quantization
     )

@@ -47,7 +47,13 @@ from shardctl.plan.memory.spec import QuantSpec, TrainingSpec, Workload
 from shardctl.plan.memory.summaries import stage_comm
 from shardctl.plan.memory.vllm import engine_hardware
 from shardctl.plan.search_types import OBJECTIVES, Candidate, SearchOptions, SearchResult
-from shardctl.plan.weights import engine_rules, options_for, served_model, weights_per_coord
+from shardctl.plan.weights import (
+    engine_rules,
+    options_for,
+    served_model,
+    served_rules,
+    weights_per_coord,
+)
 
 # rejection reason of every mesh when the serving engine refuses the sequence length
 ENGINE_REFUSES = "engine_refuses_length"
@@ -85,8 +91,9 @@ def search(
     """
     t0 = time.perf_counter()
     workload = workload or Workload()
-    model = served_model(model, workload)  # the tensors the engine loads (plan's)
-    rules = engine_rules(model, rules, workload)
+    served = served_model(model, workload)  # the tensors the engine loads (plan's)
+    rules = engine_rules(served, served_rules(model, served, rules), workload)
+    model = served
     quant = quant or QuantSpec()
     hw = engine_hardware(hardware or HardwareSpec(), workload.engine, training=training is not None)
     ovh = overhead or OverheadSpec()
@@ -244,7 +251,8 @@ def invalid_reason(
         return reason
     try:
         served = served_model(model, workload)
-        _stage_weights(served, replace(mesh, dp=1), engine_rules(served, rules, workload), base)
+        own = served_rules(model, served, rules)
+        _stage_weights(served, replace(mesh, dp=1), engine_rules(served, own, workload), base)
     except LayoutError:
         return "layout_refused"
     if training is None and refusal(model, workload.engine, workload.sequence_length):

@@ -89,6 +89,25 @@ def served_model(model: ModelInfo, workload: Workload) -> ModelInfo:
     return replace(model, tensors=tuple(t for t in model.tensors if tower(t.fqn) is None))
 
 
+def served_rules(
+    model: ModelInfo, served: ModelInfo, rules: Sequence[RuleSpec]
+) -> tuple[RuleSpec, ...]:
+    """The manifest's ``rules`` for the model the engine loads (:func:`served_model`): a rule
+    that places only tensors the engine does not build (a tower served text only) is dropped;
+    one that matches nothing in ``model`` either stays, and is refused as before."""
+    if served is model or not rules:
+        return tuple(rules)
+    from shardctl.plan.memory.precision import first_match
+
+    kept: list[RuleSpec] = []
+    for r in rules:
+        match = first_match((r.match,))
+        in_served = any(match(t.fqn) is not None for t in served.tensors)
+        if in_served or not any(match(t.fqn) is not None for t in model.tensors):
+            kept.append(r)
+    return tuple(kept)
+
+
 def weights_per_coord(
     model: ModelInfo,
     mesh: Mesh,
