@@ -47,7 +47,7 @@ from shardctl.archs import qwen2
 from shardctl.archs._decoder import R
 from shardctl.archs._family import Config, Family, Shapes, get_bool, get_int
 from shardctl.archs._keys import COMMON, DECODER_OTHER, DECODER_SHAPES, SLIDING
-from shardctl.archs._multimodal import section, text_forward
+from shardctl.archs._multimodal import section, text_forward, text_memory
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -191,15 +191,22 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
             (f"{b}.mlp.down_proj.weight", (h, i)),
             (f"{b}.mlp.down_proj.bias", (h,)),
         ]
-    merged = h * m * m
-    out += [
-        (f"{V}.merger.ln_q.weight", (h,)),
+    return out + merger_shapes(h, m, text_hidden, norm_bias=False)
+
+
+def merger_shapes(width: int, merge: int, text_hidden: int, *, norm_bias: bool) -> Shapes:
+    """A Qwen2-VL / Qwen2.5-VL patch merger: the norm ``ln_q`` over the tower's ``width`` (an
+    RMSNorm, or a LayerNorm with bias), then ``mlp.0`` over the ``merge × merge`` merged width and
+    ``mlp.2`` into the text hidden size."""
+    merged = width * merge * merge
+    return [
+        (f"{V}.merger.ln_q.weight", (width,)),
+        *([(f"{V}.merger.ln_q.bias", (width,))] if norm_bias else []),
         (f"{V}.merger.mlp.0.weight", (merged, merged)),
         (f"{V}.merger.mlp.0.bias", (merged,)),
         (f"{V}.merger.mlp.2.weight", (text_hidden, merged)),
         (f"{V}.merger.mlp.2.bias", (text_hidden,)),
     ]
-    return out
 
 
 def _image_tokens(config: Config) -> int:
@@ -233,7 +240,7 @@ def qwen2_text_family(
         dims=dims,
         tensors=tensors,
         rules=qwen2.FAMILY.rules + vision_rules,
-        memory=lambda config: qwen2.FAMILY.memory(text_config(config, "config")),
+        memory=text_memory(qwen2.FAMILY, text_config),
         forward=dataclasses.replace(
             text_forward(
                 qwen2.FAMILY,

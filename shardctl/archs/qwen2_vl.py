@@ -125,16 +125,7 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
             (f"{b}.mlp.fc2.weight", (e, i)),
             (f"{b}.mlp.fc2.bias", (e,)),
         ]
-    merged = e * m * m
-    out += [
-        (f"{V}.merger.ln_q.weight", (e,)),
-        (f"{V}.merger.ln_q.bias", (e,)),
-        (f"{V}.merger.mlp.0.weight", (merged, merged)),
-        (f"{V}.merger.mlp.0.bias", (merged,)),
-        (f"{V}.merger.mlp.2.weight", (text_hidden, merged)),
-        (f"{V}.merger.mlp.2.bias", (text_hidden,)),
-    ]
-    return out
+    return out + qwen2_5_vl.merger_shapes(e, m, text_hidden, norm_bias=True)
 
 
 def _image_tokens(config: Config) -> int:

@@ -51,9 +51,9 @@ from typing import Any
 
 from shardctl.archs import qwen2_5_vl, qwen3
 from shardctl.archs._decoder import R
-from shardctl.archs._family import Config, Family, ForwardSpec, Shapes, get_bool, get_int
+from shardctl.archs._family import Config, Family, ForwardSpec, Shapes, get_int
 from shardctl.archs._keys import COMMON
-from shardctl.archs._multimodal import section, text_forward
+from shardctl.archs._multimodal import section, text_dims, text_forward, text_memory
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -189,11 +189,6 @@ def vision_shapes(config: Config, text_hidden: int, where: str) -> Shapes:
     return out
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    return qwen3.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
-
-
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
     text = qwen3.FAMILY.tensors(text_config(config, where), d, f"{where}: text_config")
     moved = [(LM + n[len("model.") :] if n.startswith("model.") else n, s) for n, s in text]
@@ -233,7 +228,7 @@ def deepstack_buffers(
     return buffers
 
 
-def vl_forward(text: Family, text_config: Callable[[Config], Config]) -> ForwardSpec:
+def vl_forward(text: Family, text_config: Callable[..., Config]) -> ForwardSpec:
     """The forward level of a Qwen3-VL family: ``text``'s model on each rank's text config,
     ``model.language_model.X`` read as its ``model.X``, the tower skipped, compared with the
     ``*ForConditionalGeneration`` logits (module docstring)."""
@@ -252,17 +247,18 @@ def vl_forward(text: Family, text_config: Callable[[Config], Config]) -> Forward
 def vl_family(
     name: str,
     text: Family,
-    text_config: Callable[[Config], Config],
+    text_config: Callable[..., Config],  # (config, where="config")
     **fields: Any,
 ) -> Family:
     """A Qwen3-VL family: ``text``'s language model under ``model.language_model.`` beside this
-    file's tower, with its DeepStack profile terms; ``fields`` are the family's own (dims,
-    tensors, rules, forward, follows, ...)."""
+    file's tower, with its DeepStack profile terms; dims and memory flags are the text
+    section's; ``fields`` are the family's own (tensors, rules, forward, follows, ...)."""
     return Family(
         name=name,
         model_types=(name,),
         tied_default=False,
-        memory=lambda config: text.memory(text_config(config)),
+        dims=text_dims(text, text_config),
+        memory=text_memory(text, text_config),
         shape_keys=("text_config", "vision_config", "tie_word_embeddings"),
         config_keys=(
             *COMMON,
@@ -288,7 +284,6 @@ FAMILY = vl_family(
     "qwen3_vl",
     qwen3.FAMILY,
     text_config,
-    dims=_dims,
     tensors=_tensors,
     rules=RULES,
     forward=vl_forward(qwen3.FAMILY, text_config),

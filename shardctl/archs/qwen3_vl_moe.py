@@ -34,8 +34,8 @@ from collections.abc import Iterable
 
 from shardctl.archs import _qwen_moe as moe
 from shardctl.archs import qwen2_5_vl, qwen3_moe, qwen3_vl
-from shardctl.archs._family import Config, ForwardSpec, Shapes, get_bool
-from shardctl.archs._multimodal import section
+from shardctl.archs._family import Config, ForwardSpec, Shapes
+from shardctl.archs._multimodal import section, text_dims
 from shardctl.errors import InvalidInputError
 from shardctl.layout.types import RuleSpec
 from shardctl.model.types import ModelDims
@@ -116,11 +116,6 @@ def _text_tensors(text: Config, d: ModelDims, where: str) -> Shapes:
     return out
 
 
-def _dims(config: Config, tied: bool, where: str) -> ModelDims:
-    text = text_config(config, where)
-    return qwen3_moe.FAMILY.dims(text, get_bool(text, "tie_word_embeddings", where, tied), where)
-
-
 def _tensors(config: Config, d: ModelDims, where: str) -> Shapes:
     text = _text_tensors(text_config(config, where), d, f"{where}: text_config")
     moved = [(LM + n[len("model.") :] if n.startswith("model.") else n, s) for n, s in text]
@@ -132,7 +127,7 @@ def check_layout(shapes: Iterable[tuple[str, tuple[int, ...]]], config: Config, 
     ``down_proj [E, H, I]``, what its ``save_pretrained`` writes) in one line: vLLM loads the
     published ``[E, H, 2I]`` / ``[E, I, H]`` and would transpose these again. A square model
     (``H`` = ``2I``) has the same shapes either way, as transformers itself assumes."""
-    d = _dims(config, False, where)
+    d = text_dims(qwen3_moe.FAMILY, text_config)(config, False, where)
     h, i, e = d.hidden_size, d.intermediate_size, d.num_experts
     if h == 2 * i:
         return
@@ -159,7 +154,6 @@ FAMILY = qwen3_vl.vl_family(
     "qwen3_vl_moe",
     qwen3_moe.FAMILY,
     text_config,
-    dims=_dims,
     tensors=_tensors,
     rules=RULES,
     forward=_forward(),
