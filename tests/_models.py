@@ -293,26 +293,6 @@ CONFIGS: dict[str, dict[str, Any]] = {
             deepstack_visual_indexes=[0, 2], num_position_embeddings=64,
         ),
     ),
-    # Qwen3-VL-MoE: qwen3_moe's text model (4 experts of 48, top 2, layer 1 dense) under
-    # model.language_model.* with its experts packed as the releases store them ([E, H, 2I],
-    # [E, I, H]: make_checkpoint transposes what transformers 5 saves), beside Qwen3-VL's ViT
-    "qwen3_vl_moe": dict(
-        model_type="qwen3_vl_moe", tie_word_embeddings=False,
-        text_config=dict(
-            hidden_size=64, intermediate_size=96, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, head_dim=16, vocab_size=256, max_position_embeddings=128,
-            moe_intermediate_size=48, num_experts=4, num_experts_per_tok=2,
-            decoder_sparse_step=1, mlp_only_layers=[1],
-            rope_parameters={
-                "rope_type": "default", "rope_theta": 5000000.0, "mrope_section": [2, 3, 3],
-                "mrope_interleaved": True,
-            },
-        ),
-        vision_config=dict(
-            depth=3, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=64,
-            deepstack_visual_indexes=[0, 2], num_position_embeddings=64,
-        ),
-    ),
     # quant branch: dims where real quantization blocks fit (head_dim 128 = one FP8 block and
     # one GPTQ/AWQ group of 128; tp=2 splits every block/group, tp=4 cuts in-features 256).
     "llama-quant": dict(
@@ -415,6 +395,22 @@ CONFIGS: dict[str, dict[str, Any]] = {
 }
 # fmt: on
 
+# Qwen3-VL-MoE: Qwen3-VL's config with qwen3_moe's text model (4 experts of 48, top 2, layer 1
+# dense) under model.language_model.*, its experts packed as the releases store them ([E, H, 2I],
+# [E, I, H]: make_checkpoint transposes what transformers 5 saves), beside the same ViT
+CONFIGS["qwen3_vl_moe"] = {
+    **CONFIGS["qwen3_vl"],
+    "model_type": "qwen3_vl_moe",
+    "text_config": {
+        **CONFIGS["qwen3_vl"]["text_config"],
+        "moe_intermediate_size": 48,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": [1],
+    },
+}
+
 
 def make_config(name: str, **overrides: Any) -> Any:
     """A transformers ``PretrainedConfig`` for ``CONFIGS[name]`` (with overrides)."""
@@ -468,26 +464,30 @@ def make_checkpoint(
     if max_shard_size is not None:
         kwargs["max_shard_size"] = max_shard_size
     model.save_pretrained(out, **kwargs)
-    if cfg.model_type == "qwen3_vl_moe":
-        published_expert_layout(out)
+    published_expert_layout(out)
     return out
 
 
-# Packed experts transformers 5 holds [E, out, in] but the published files store [E, in, out]
-# (transformers' conversion_mapping.py transposes them on load, Transpose(1, 2)).
-TRANSPOSED_ON_DISK = (".mlp.experts.gate_up_proj", ".mlp.experts.down_proj")
-
-
 def published_expert_layout(out: Path) -> None:
-    """Rewrite ``out``'s packed experts as the published Qwen3-VL-MoE files hold them: dims 1
-    and 2 of every ``mlp.experts.gate_up_proj`` / ``down_proj`` swapped (transformers 5's own
-    ``save_pretrained`` writes its in-memory layout; the releases, and vLLM, have the other)."""
+    """Rewrite ``out``'s packed experts as its family's published files hold them: dims 1 and 2
+    swapped of every tensor the family stores ``[E, in, out]`` where transformers 5 holds and
+    ``save_pretrained`` writes ``[E, out, in]`` (``ExpertSpec.transposed``: Qwen3-VL-MoE's
+    gate_up_proj / down_proj; transformers' conversion_mapping.py transposes them on load). A
+    no-op for every other family."""
+    import json
+
     from safetensors.torch import load_file, save_file
 
+    from shardctl.archs import find
+
+    family = find(json.loads((out / "config.json").read_text())["model_type"])
+    experts = family.forward.experts if family is not None and family.forward else None
+    if experts is None or not experts.transposed:
+        return
+    ends = tuple("." + name for name in experts.transposed)
     for f in sorted(out.glob("*.safetensors")):
         state = load_file(str(f))
         state = {
-            k: (v.transpose(1, 2).contiguous() if k.endswith(TRANSPOSED_ON_DISK) else v)
-            for k, v in state.items()
+            k: (v.transpose(1, 2).contiguous() if k.endswith(ends) else v) for k, v in state.items()
         }
         save_file(state, str(f), metadata={"format": "pt"})
