@@ -141,6 +141,44 @@ def test_manifest_plans_on_four_h200(tmp_path: Path) -> None:
     assert detail["overhead.rotary_cache"] == 196_608 * 64 * 2
 
 
+def test_vllm_holds_the_router_in_float32(tmp_path: Path) -> None:
+    """vLLM's MiniMaxM2MoE builds the router as ``ReplicatedLinear(params_dtype=torch.float32)``
+    and the correction bias as a float32 parameter, whatever the checkpoint stores (BF16): each
+    rank of the published model at tp 4 holds 62 x (256 x 3,072 + 256) x 2 bytes more under
+    vLLM than the files hold (97.5 MB, every rank: the router is replicated). SGLang's plan is
+    the files' bytes."""
+    text = MANIFEST.read_text()
+    vllm = plan_json(tmp_path, text)
+    files = plan_json(tmp_path, text.replace("engine: vllm", "engine: sglang"))
+    extra = 62 * (256 * 3072 + 256) * (4 - 2)
+    for a, b in zip(vllm["ranks"], files["ranks"], strict=True):
+        assert a["memory"]["weights"] - b["memory"]["weights"] == extra == 97_549_312
+    assert vllm["model"] == files["model"]  # the checkpoint described as it is, both ways
+
+
+def test_vllm_float32_reads_a_checkpoint(tmp_path: Path) -> None:
+    """The same from a save_pretrained checkpoint: its BF16 router and bias are priced F32
+    under vLLM only; every other tensor keeps the dtype its header gives."""
+    from shardctl.model.inventory import from_checkpoint
+    from shardctl.plan.memory.spec import Workload
+    from shardctl.plan.weights import served_model
+    from tests._models import make_checkpoint
+
+    model = from_checkpoint(make_checkpoint("minimax_m2", tmp_path / "src"))
+    assert served_model(model, Workload(engine="sglang")) is model
+    served = served_model(model, Workload(engine="vllm"))
+    before = {t.fqn: t.dtype for t in model.tensors}
+    after = {t.fqn: t.dtype for t in served.tensors}
+    wide = {f for f in after if f.endswith(("block_sparse_moe.gate.weight", "correction_bias"))}
+    assert len(wide) == 2 * model.dims.num_layers
+    assert {before[f] for f in wide} == {"BF16"} and {after[f] for f in wide} == {"F32"}
+    assert {f: d for f, d in after.items() if f not in wide} == {
+        f: d for f, d in before.items() if f not in wide
+    }
+    grown = sum(t.numel for t in model.tensors if t.fqn in wide) * 2
+    assert served.weight_bytes == model.weight_bytes + grown
+
+
 @pytest.mark.parametrize(
     ("change", "says"),
     [

@@ -215,6 +215,11 @@ class Family:
     # 0 items (``workload.limit_mm_per_prompt``; Qwen-VL: ``get_limit_per_prompt("image") or
     # ...("video")``, ``_mark_tower_model``). () where that is not read: the tower counts
     modalities: tuple[str, ...] = ()
+    # fqn globs of tensors vLLM builds as float32 parameters whatever dtype the checkpoint
+    # stores them in (MiniMax-M2's router: ``ReplicatedLinear(params_dtype=torch.float32)``,
+    # and its float32 correction bias): with ``engine: vllm`` the plan prices them at 4 bytes
+    # an element (plan/weights.py ``served_model``)
+    vllm_float32: tuple[str, ...] = ()
     # (a checkpoint's (fqn, shape) pairs, config, where) -> None: refuses, in one line, tensors
     # stored in a layout the rules do not describe (Qwen3-VL-MoE's experts as transformers 5
     # saves them); called wherever a checkpoint or record is inventoried (model/inventory.py)

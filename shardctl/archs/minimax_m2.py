@@ -218,4 +218,7 @@ FAMILY: Family = dataclasses.replace(
     forward=dataclasses.replace(_FORWARD, shard_layer=_shard_layer, route_weights=sigmoid_weights),
     # whole-projection q/k norms and the correction bias: not the Mixtral closed form
     closed_form=False,
+    # vLLM MiniMaxM2MoE: ``gate = ReplicatedLinear(..., params_dtype=torch.float32)`` and
+    # ``e_score_correction_bias`` made float32, whatever the checkpoint stores (BF16)
+    vllm_float32=(f"{_MOE}.gate.weight", f"{_MOE}.e_score_correction_bias"),
 )

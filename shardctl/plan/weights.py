@@ -73,20 +73,35 @@ def engine_rules(
 
 
 def served_model(model: ModelInfo, workload: Workload) -> ModelInfo:
-    """``model`` as the serving engine loads it: vLLM serving a multimodal model text only
-    (``limit_mm_per_prompt`` 0 for every modality its tower serves, ``Family.modalities``)
-    builds no tower (``get_limit_per_prompt`` / ``_mark_tower_model``), so its tensors are left
-    out of the weights; otherwise ``model`` itself."""
-    if workload.engine != "vllm" or not workload.limit_mm_per_prompt:
+    """``model`` as the serving engine loads it; ``model`` itself where that is the checkpoint.
+
+    - vLLM serving a multimodal model text only (``limit_mm_per_prompt`` 0 for every modality
+      its tower serves, ``Family.modalities``) builds no tower (``get_limit_per_prompt`` /
+      ``_mark_tower_model``): its tensors are left out of the weights.
+    - vLLM builds some parameters in float32 whatever the checkpoint holds
+      (``Family.vllm_float32``: MiniMax-M2's router and its correction bias): they count at
+      4 bytes an element."""
+    if workload.engine != "vllm":
         return model
     from shardctl.archs import find
     from shardctl.plan.memory.precision import first_match
 
     family = find(model.architecture)
-    if family is None or not workload.text_only(family.modalities):
+    if family is None:
         return model
-    tower = first_match(family.towers)
-    return replace(model, tensors=tuple(t for t in model.tensors if tower(t.fqn) is None))
+    served = model
+    if workload.limit_mm_per_prompt and workload.text_only(family.modalities):
+        tower = first_match(family.towers)
+        served = replace(served, tensors=tuple(t for t in served.tensors if tower(t.fqn) is None))
+    if family.vllm_float32:
+        wide = first_match(family.vllm_float32)
+        tensors = tuple(
+            replace(t, dtype="F32") if t.dtype != "F32" and wide(t.fqn) is not None else t
+            for t in served.tensors
+        )
+        if any(a is not b for a, b in zip(tensors, served.tensors, strict=True)):
+            served = replace(served, tensors=tensors)
+    return served
 
 
 def served_rules(
