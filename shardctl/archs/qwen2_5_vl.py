@@ -84,6 +84,10 @@ VISION_DEFAULTS: Config = {
 MAX_PIXELS = 12_845_056  # Qwen2VLImageProcessor's max_pixels (and the releases' preprocessor)
 # The text keys a published (transformers 4) config keeps at its top level
 TEXT_KEYS = (*DECODER_SHAPES, *DECODER_OTHER, *SLIDING)
+# What every Qwen-VL generation's config adds for its media: the placeholder token ids, and the
+# inputs its tower serves (vLLM builds no tower when both are limited to 0 items)
+MEDIA_KEYS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+MODALITIES = ("image", "video")
 
 
 def text_section(
@@ -253,17 +257,10 @@ def qwen2_text_family(
         ),
         follows=follows,
         shape_keys=(*TEXT_KEYS, "text_config", "vision_config"),
-        config_keys=(
-            *COMMON,
-            "image_token_id",
-            "video_token_id",
-            "vision_start_token_id",
-            "vision_end_token_id",
-            "vision_token_id",
-        ),
+        config_keys=(*COMMON, *MEDIA_KEYS, "vision_token_id"),
         text=text_config,
         towers=(f"{V}.*",),
-        modalities=("image", "video"),
+        modalities=MODALITIES,
         image_tokens=image_tokens,
         closed_form=False,  # the closed form's per-layer counts describe the text decoder only
     )
