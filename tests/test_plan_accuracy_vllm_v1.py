@@ -194,6 +194,17 @@ def test_more_held_out_rows(
         ),
         # w8a8-redhatai-qwen2-5-7b--...log: weights 8.14 GiB, 1,210,272 tokens
         ("qwen2", QWEN25_7B, "BF16", None, QuantSpec(method="int8"), 1_210_272),
+        # fp8dyn-redhatai-qwen2-5---...log (RedHatAI/Qwen2.5-7B-Instruct-fp8-dynamic: FP8 weights,
+        # a scale per output channel, compressed-tensors): weights 8.14 GiB, peak 2.21GiB,
+        # 64.64 GiB, "GPU KV cache size: 1,210,304 tokens"
+        (
+            "qwen2",
+            QWEN25_7B,
+            "BF16",
+            None,
+            QuantSpec(method="fp8", fp8_scaling="channel"),
+            1_210_304,
+        ),
         # meta-llama-llama-3--h100-80gb--tp1pp1dp1--8192-dtf32.log (--dtype float32): weights
         # 29.98 GiB, peak 2.21GiB, 42.8 GiB, 175,296 tokens
         ("llama", LLAMA31_8B, "F32", None, None, 175_296),
