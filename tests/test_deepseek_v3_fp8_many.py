@@ -11,8 +11,8 @@ places whole experts. Widths are shrunk (hidden 64), the block with them (8: eve
 on whole blocks); the counts are real: 256 experts, 10,000+ tensors.
 
 Through the real CLI: ``inspect`` and ``plan`` read it, ``reshard`` splits it, ``verify`` proves
-every shard bit-exact, the merge gives back the source's bytes tensor by tensor, and the split
-output's total is what ``plan`` priced.
+every shard bit-exact, the merge gives back the source's bytes tensor by tensor, and each rank
+file holds the weight bytes ``plan`` priced for that rank.
 """
 
 from __future__ import annotations
@@ -46,8 +46,8 @@ MESH = ("--tp", "2", "--ep", "4")
 
 def _in_files(src: Path, dst: Path, files: int) -> Path:
     """``src``'s one ``model.safetensors`` as ``files`` files and an index, as a release comes:
-    tensors in name order, cut into runs of about equal count (a weight and its scale may land
-    in two files, as in DeepSeek-V3's own index)."""
+    tensors in name order, cut into runs of about equal count (so a weight and its scale may
+    land in two files)."""
     dst.mkdir()
     with safe_open(src / "model.safetensors", "pt") as f:
         names = sorted(f.keys())
@@ -109,9 +109,11 @@ def test_split_verify_merge_through_the_cli(fp8: Path, tmp_path: Path) -> None:
     assert [x["status"] for x in doc["levels"]] == ["pass", "pass", "not-run"], doc["levels"]
     bitwise = next(x for x in doc["levels"] if x["name"] == "bitwise")
     assert bitwise["figures"]["tensors"] == len(tensors(fp8))
-    # every shard was compared: the experts once (whole on their ep rank, cut in two by tp),
-    # the rest on every rank
-    assert bitwise["figures"]["shards"] > 2 * MOE_LAYERS * EXPERTS * 3 * 2
+    # every shard was compared: each expert tensor (3 weights and their 3 scales) whole on
+    # its ep rank, cut in two by tp; every other tensor on all 8 ranks (a tp cut or a replica)
+    expert_tensors = MOE_LAYERS * EXPERTS * 6
+    want = 2 * expert_tensors + 8 * (len(tensors(fp8)) - expert_tensors)
+    assert bitwise["figures"]["shards"] == want
     # what reshard wrote is what plan priced, rank by rank
     plan = _json("plan", str(fp8), *MESH, "--gpu", "h100-sxm")
     files = sorted(split.glob("rank-*.safetensors"))
