@@ -286,10 +286,11 @@ def test_render_tables_for_pass_and_fail(cks: Checkpoints) -> None:
 def tiny_blocks(monkeypatch: pytest.MonkeyPatch) -> None:
     """Blocks of 48 bytes: one row of the tiny models no longer fits, so blocks run along the
     last dim (a leading index fixed), tensors span hundreds of blocks, DST rows are capped."""
-    from shardctl.verify.bitwise import plan
+    from shardctl.verify.bitwise import columnar, plan
 
     monkeypatch.setattr(plan, "BLOCK_BYTES", 48)
     monkeypatch.setattr(plan, "DST_CAP_BYTES", 80)
+    monkeypatch.setattr(columnar, "ENABLED", False)  # the block engine itself, not the columns
 
 
 TINY = [

@@ -283,6 +283,10 @@ class RecordDstShards(rt.PerAccess[list[DstShard]]):
             begin[at] = np.frombuffer(self._begins[i], dtype=np.int64)[row[at]]
         return tensor, file, begin
 
+    def begins(self, rank: int) -> array.array[int]:
+        """Rank ``rank``'s shards' first bytes in their DST files, by row (int64)."""
+        return self._begins[rank]
+
     @property
     def paths(self) -> list[Path]:
         return self._paths

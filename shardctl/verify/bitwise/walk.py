@@ -48,6 +48,16 @@ class TensorRows(Sequence[dict[str, Any]]):
         self._n = 0
         self._failed: set[str] = set()
 
+    @classmethod
+    def from_columns(cls, fqns: list[str], shards: np.ndarray, sizes: np.ndarray) -> TensorRows:
+        """The rows of ``fqns`` in that order, with their shard counts and bytes (arrays)."""
+        rows = cls()
+        rows._fqn = fqns
+        rows._shards = shards.astype(np.int64)
+        rows._bytes = sizes.astype(np.int64)
+        rows._n = len(fqns)
+        return rows
+
     def add(self, fqn: str, shards: int, size: int) -> None:
         if self._n == self._shards.size:  # grow by doubling: amortized O(1)
             self._shards = np.resize(self._shards, max(1024, 2 * self._n))
@@ -117,11 +127,31 @@ class Walk:
     """The tensors in order, each with its DST shards (sorted by file path, then offset);
     counts and rows are recorded as :meth:`pairs` hands them out."""
 
-    def __init__(self, items: Iterable[tuple[str, list[DstShard]]], lookup: Any) -> None:
+    def __init__(
+        self,
+        items: Iterable[tuple[str, list[DstShard]]],
+        lookup: Any,
+        record: tuple[np.ndarray, list[str]] | None = None,
+    ) -> None:
         self._items = items
         self._lookup = lookup  # fqn -> its shards (only for shards that differ)
+        # a ``ranks`` DST: the record tensors' ids in walk order, and every record tensor's fqn
+        self.record = record
         self.rows = TensorRows()
         self.shards = 0
+        self.padded = 0
+
+    def fill(self, tensor: np.ndarray, nbytes: np.ndarray) -> None:
+        """The counts and rows :meth:`triples` would record, from every shard's record tensor
+        id and bytes (arrays), for a caller that compared them without walking."""
+        assert self.record is not None
+        ordered, fqns = self.record
+        counts = np.bincount(tensor, minlength=len(fqns))
+        sizes = np.zeros(len(fqns), dtype=np.int64)
+        np.add.at(sizes, tensor, nbytes)
+        names = list(map(fqns.__getitem__, ordered.tolist()))
+        self.rows = TensorRows.from_columns(names, counts[ordered], sizes[ordered])
+        self.shards = int(counts[ordered].sum())
         self.padded = 0
 
     def pairs(self) -> Iterator[tuple[str, list[DstShard]]]:
@@ -217,7 +247,7 @@ def _record_walk(src: Source, shards: RecordDstShards) -> Walk:
             fqn = fqns[t]
             yield fqn, in_order(build(t, fqn))
 
-    return Walk(items(), lookup)
+    return Walk(items(), lookup, (ordered, fqns))
 
 
 def kahn(n: int, seq: np.ndarray, same_file: np.ndarray) -> np.ndarray:

@@ -1,0 +1,184 @@
+"""verify bitwise, columnar (``shardctl/verify/bitwise/columnar.py``): a clean HF-to-ranks
+verify settled on the record's arrays must report exactly what the span and block paths report
+(verdict, figures, rows), and anything it cannot settle — a difference, a checksum that does not
+match, a layout it does not cover — must reach the other paths' findings unchanged."""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardctl.io.safetensors_header import read_header
+from shardctl.layout.types import Mesh
+from shardctl.verify.api import verify
+from shardctl.verify.bitwise import columnar
+from tests._verify_fixtures import Checkpoints
+
+FIGURES = ("tensors", "shards", "padded_shards", "src_bytes", "dst_bytes", "hash")
+
+
+@pytest.fixture(scope="module")
+def cks(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
+    return Checkpoints(tmp_path_factory.mktemp("verify-columnar"))
+
+
+def _run(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> Any:
+    """(ok, findings, figures, rows, whether the columnar path settled it)."""
+    settled: list[bool] = []
+    real = columnar.check
+
+    def spy(*args: Any) -> Any:
+        got = real(*args)
+        settled.append(got is not None)
+        return got
+
+    monkeypatch.setattr(columnar, "ENABLED", on)
+    monkeypatch.setattr(columnar, "check", spy)
+    result = verify(src, dst, level="bitwise")
+    bw = result.level_result("bitwise")
+    findings = sorted((f.message, f.fqn or "", f.rank or 0, f.file or "") for f in bw.findings)
+    figures = {k: bw.figures.get(k) for k in FIGURES}
+    return result.ok, findings, figures, list(bw.rows), settled == [True]
+
+
+def _flip(path: Path, fqn: str, byte: int, bit: int) -> None:
+    header = read_header(path)
+    entry = next(e for e in header.tensors if e.name == fqn)
+    at = header.data_offset + entry.begin + byte % entry.nbytes
+    with open(path, "r+b") as f:
+        f.seek(at)
+        b = f.read(1)[0]
+        f.seek(at)
+        f.write(bytes([b ^ (1 << bit)]))
+
+
+CLEAN = [
+    ("mixtral", Mesh(ep=2, tp=2)),  # experts whole per ep rank, halves by rows (w1/w3) or
+    ("llama", Mesh(tp=4)),  # columns (w2: strided in SRC); vocab rows split, norms replicated
+    ("qwen3_moe", Mesh(pp=2, ep=2)),
+    ("qwen2", Mesh(tp=2)),  # q/k/v biases split with their heads
+]
+
+
+@pytest.mark.parametrize("window", ["default", "tiny"])
+@pytest.mark.parametrize("name,mesh", CLEAN, ids=[f"{n}-{m}" for n, m in CLEAN])
+def test_clean_layouts_are_settled_with_the_same_report(
+    cks: Checkpoints,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    mesh: Mesh,
+    window: str,
+) -> None:
+    if window == "tiny":
+        # windows of a few shards and every shard "large": the window cuts, the checksum fed
+        # range by range, and the slab-by-slab path of large shards (runs and strided boxes)
+        monkeypatch.setattr(columnar, "WINDOW", 300)
+        monkeypatch.setattr(columnar, "LARGE", 64)
+    src, dst = cks.ckpt(name), cks.resharded(name, mesh)
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, settled0 = _run(src, dst, monkeypatch, on=False)
+    assert ok and ok0 and not findings and not findings0
+    assert settled and not settled0
+    assert figures == figures0 and rows == rows0
+    assert figures["hash"] == "xxh3-128"
+
+
+def test_a_flipped_bit_anywhere_is_handed_over_and_named(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src, dst = cks.ckpt("mixtral"), cks.resharded("mixtral", Mesh(ep=2, tp=2))
+    rng = random.Random(11)
+    files = sorted(dst.glob("rank-*.safetensors"))
+    for path in files:
+        names = [e.name for e in read_header(path).tensors]
+        # a whole-expert half by rows, a strided half by columns, a replicated norm
+        for pick in ("w1.weight", "w2.weight", "input_layernorm.weight"):
+            fqn = rng.choice([n for n in names if n.endswith(pick)])
+            _flip(path, fqn, rng.randrange(1 << 16), rng.randrange(8))
+    for window in (columnar.WINDOW, 300):
+        monkeypatch.setattr(columnar, "WINDOW", window)
+        ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+        ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+        assert not ok and not ok0 and not settled
+        assert findings == findings0 and len([f for f in findings if f[1]]) == 3 * len(files)
+        assert figures == figures0 and rows == rows0
+
+
+def test_a_checksum_that_does_not_match_is_handed_over(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # every shard equal but a recorded checksum wrong: the record, not the data, differs; the
+    # other path words it ("the file is not what reshard wrote"), exactly as before
+    src, dst = cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2))
+    path = dst / "shardctl.layout.json"
+    doc = json.loads(path.read_text())
+    doc["files"][0]["digest"] = "0" * len(doc["files"][0]["digest"])
+    path.write_text(json.dumps(doc))
+    ok, findings, _, _, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, _, _, _ = _run(src, dst, monkeypatch, on=False)
+    assert not ok and not ok0 and not settled and findings == findings0
+    assert any("differs from the record" in f[0] for f in findings)
+
+
+@pytest.mark.parametrize("fault", ["drop-expert", "swap-gate-up", "fused"])
+def test_layouts_it_does_not_cover_are_left_to_the_other_paths(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, fault: str
+) -> None:
+    # a record whose structure is wrong (an expert missing), shards of two pieces (each rank's
+    # [up; gate] of phi3 swapped; GPT-2's fused c_attn, its q, k and v thirds cut per rank):
+    # nothing compared here, the same report either way
+    if fault == "fused":
+        name, dst = "gpt2", cks.resharded("gpt2", Mesh(tp=2))
+    else:
+        name, mesh = ("mixtral", Mesh(ep=2)) if fault == "drop-expert" else ("phi3", Mesh(tp=2))
+        dst = cks.hand_split(name, mesh, fault)
+    got = _run(cks.ckpt(name), dst, monkeypatch, on=True)
+    want = _run(cks.ckpt(name), dst, monkeypatch, on=False)
+    assert not got[4] and got[:4] == want[:4]
+
+
+def test_sharded_sources_are_left_to_the_span_path(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    from shardctl.reshard.api import reshard
+
+    src = cks.resharded("mixtral", Mesh(ep=2, tp=2))
+    dst = tmp_path / "ep4"
+    reshard(src, dst, mesh=Mesh(ep=4))
+    ok, findings, _, _, settled = _run(src, dst, monkeypatch, on=True)
+    assert ok and not findings and not settled
+
+
+def test_a_many_file_source_of_ten_thousand_tensors(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # HF SRC in dozens of files (each window gathers per SRC file and kind of box), 10,000+
+    # tensors: settled, with the span path's figures and rows
+    from shardctl.reshard.api import reshard
+    from tests._models import make_checkpoint
+
+    src = make_checkpoint(
+        "qwen3_moe",
+        tmp_path / "src",
+        max_shard_size="200KB",
+        num_hidden_layers=14,
+        num_experts=256,
+        moe_intermediate_size=16,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    assert len(list(src.glob("*.safetensors"))) > 20
+    dst = tmp_path / "dst"
+    reshard(src, dst, mesh=Mesh(ep=2, tp=2))
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert ok and ok0 and settled and not findings and not findings0
+    assert figures == figures0 and rows == rows0
+    assert figures["tensors"] > 10_000
