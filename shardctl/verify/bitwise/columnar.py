@@ -11,19 +11,20 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
   repeated along a few outer dims at fixed byte strides (``_kind``: trailing whole dims folded
   into the run): one *kind* per (item size, ``G``'s byte strides, box sizes) — a few dozen in a
   90,000-tensor MoE;
-- each DST file is read through a read-only map in windows of ``WINDOW`` bytes cut at shard
-  boundaries; in a window the shards of one kind from one SRC file are gathered from SRC with
-  one numpy indexing of a strided view (a row per possible start byte, as ``spans._fill_batch``
-  does) and from DST the same way, and compared 8 bytes at a time in one numpy call; a shard
-  over ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
+- each DST file is read through a read-only map in windows cut at shard boundaries, each
+  mapping about ``WINDOW`` bytes of DST and of SRC (a column cut's box spans whole SRC rows);
+  in a window the shards of one kind from one SRC file are gathered from SRC with one numpy
+  indexing of a strided view (a row per possible start byte, as ``spans._fill_batch`` does)
+  and from DST the same way, and compared 8 bytes at a time in one numpy call; a shard over
+  ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
 - the window's bytes then feed the file's checksum (the record's hash is of the whole file);
   mapped pages are given back after each window and slab, so memory stays flat;
 - DST files are compared on ``THREADS`` threads, one file each (numpy's copies and compares
   and the checksum release the GIL).
 
-At 90,000 tensors (tmpfs, 2 cores) the level took 1.1-1.3 s here against 2.0-2.2 s on the
-span path (Mixtral-shaped, tp 2 x ep 2), and 1.3-1.5 s against 3.2-4.0 s (DeepSeek-V3's FP8
-shape in 176 files, ep 8).
+At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2 s against 3.1-3.4 s on the span
+path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and 3.2-3.4 s
+against 4.1-4.3 s for DeepSeek-V3's FP8 shape in 176 files (ep 8).
 
 Anything this path does not cover — a non-HF SRC, a shard of several pieces or with padding, a
 sub-byte dtype, a tensor SRC lacks or holds differently, a row the structure level found wrong
@@ -56,9 +57,10 @@ from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, RecordDstShards
 
 ENABLED = True  # off: the span / block paths decide every shard (tests compare the two)
-# DST bytes compared per window (each side's gathered copy is at most this much too): 4 MiB
-# was as fast as 16 at 90,000 tensors and ~110 MiB lighter with two threads.
-WINDOW = 4 * 2**20
+# Bytes a window maps, DST and SRC each (each side's gathered copy is at most this much too):
+# 2 MiB was as fast as 16 at 90,000 tensors, and kept a tp-8 split of them (720,000 shards)
+# under 256 MiB with two threads (16 MiB: 340 MiB at tp 2 x ep 2).
+WINDOW = 2 * 2**20
 # Threads at most (one DST file each): each holds a window's maps and copies (~20 MiB); the
 # compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where four did not.
 THREADS = 2
@@ -99,7 +101,8 @@ def check(
     ]
     jobs = [(f, path, digest) for f, path, digest in jobs if f in held or digest is not None]
     # the biggest files first, one file a thread (its checksum is fed in order)
-    jobs.sort(key=lambda j: -int(plan.nbytes[plan.file == j[0]].sum()))
+    per_file = np.bincount(plan.file, weights=plan.nbytes, minlength=len(paths))
+    jobs.sort(key=lambda j: -float(per_file[j[0]]))
     stop = threading.Event()
 
     def one(job: tuple[int, Path, str | None]) -> bool:
@@ -193,7 +196,11 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
         acc = acc * shape[:, d]
     tensor_bytes = acc  # item × numel
 
-    cols: dict[str, list[np.ndarray]] = {k: [] for k in ("t", "f", "b", "o", "s")}
+    # Rank by rank, keeping only what the compare reads (~36 B a shard: 720,000 shards at tp 8
+    # are ~26 MB); the boxes and their byte geometry live only while their rank is worked out.
+    out: dict[str, list[np.ndarray]] = {k: [] for k in ("t", "f", "b", "n", "sf", "ss", "k")}
+    global_kind: dict[tuple[int, ...], int] = {}
+    kinds: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
     for i, r in enumerate(ranks):
         if len(r) == 0:
             continue
@@ -204,39 +211,51 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
         offsets, sizes = r.offsets[p], r.sizes[p]
         if (r.local_offsets[p] != 0).any() or not np.array_equal(sizes, r.local_shape):
             return None  # padding or a box that does not fill its local tensor
-        cols["t"].append(r.tensor)
-        cols["f"].append(r.file)
-        cols["b"].append(np.frombuffer(shards.begins(i), dtype=np.int64))
-        cols["o"].append(offsets)
-        cols["s"].append(sizes)
-    tensor = np.concatenate(cols["t"]).astype(np.int64)
-    file = np.concatenate(cols["f"]).astype(np.int64)
-    begin = np.concatenate(cols["b"])
-    offsets = np.concatenate(cols["o"]).reshape(-1, width)
-    sizes = np.concatenate(cols["s"]).reshape(-1, width)
-    del cols
-    g = shape[tensor]
-    if (offsets < 0).any() or (sizes <= 0).any() or (offsets + sizes > g).any():
+        tensor = np.asarray(r.tensor, dtype=np.int64)
+        begin = np.frombuffer(shards.begins(i), dtype=np.int64)
+        if (offsets < 0).any() or (sizes <= 0).any() or (offsets + sizes > shape[tensor]).any():
+            return None
+        if (begin < 0).any():
+            return None
+        st = stride[tensor]
+        its = item[tensor]
+        # kinds of box: (item, strides, sizes) rows, each turned once into outer dims and a run
+        local, uniq = _row_kinds(np.concatenate([its[:, None], st, sizes], axis=1))
+        ids = []
+        for row in uniq.tolist():
+            key = tuple(row)
+            k = global_kind.get(key)
+            if k is None:
+                k = global_kind[key] = len(kinds)
+                kinds.append(_kind(row, width))
+            ids.append(k)
+        out["t"].append(tensor.astype(np.int32))
+        out["f"].append(np.asarray(r.file, dtype=np.int32))
+        out["b"].append(begin)
+        out["n"].append(its * sizes.prod(axis=1))
+        out["sf"].append(src_file[tensor].astype(np.int32))
+        out["ss"].append(src_begin[tensor] + (offsets * st).sum(axis=1))
+        out["k"].append(np.asarray(ids, dtype=np.int32)[local])
+        del offsets, sizes, st, its, local
+    if not out["t"]:
         return None
-    if (begin < 0).any():
-        return None
-    st = stride[tensor]
-    src_start = src_begin[tensor] + (offsets * st).sum(axis=1)
-    nbytes = item[tensor] * sizes.prod(axis=1)
-    # kinds of box: (item, strides, sizes) rows, each turned once into outer dims and a run
-    kind, uniq = _row_kinds(np.concatenate([item[tensor][:, None], st, sizes], axis=1))
-    kinds = [_kind(row, width) for row in uniq.tolist()]
+    cat = {k: np.concatenate(v) for k, v in out.items()}
     return _Plan(
-        tensor=tensor,
-        file=file,
-        begin=begin,
-        nbytes=nbytes,
-        src_file=src_file[tensor],
-        src_start=src_start,
-        kind=kind,
+        tensor=cat["t"],
+        file=cat["f"],
+        begin=cat["b"],
+        nbytes=cat["n"],
+        src_file=cat["sf"],
+        src_start=cat["ss"],
+        kind=cat["k"],
         kinds=kinds,
         tensor_bytes=tensor_bytes,
     )
+
+
+def _span(outer: tuple[int, ...], strides: tuple[int, ...], run: int) -> int:
+    """Bytes from a box's first byte to its last, in SRC."""
+    return sum((z - 1) * s for z, s in zip(outer, strides, strict=True)) + run
 
 
 def _row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -350,6 +369,7 @@ def _compare_file(
     rows = rows[np.argsort(plan.begin[rows], kind="stable")]
     begin, nbytes = plan.begin[rows], plan.nbytes[rows]
     end = begin + nbytes
+    spans = np.array([_span(*k) for k in plan.kinds] or [0], dtype=np.int64)
     if (begin[1:] < end[:-1]).any():
         return False  # overlapping shards: the other path reports them
     hasher = None
@@ -364,7 +384,13 @@ def _compare_file(
             return False
         # windows cut at shard starts, about WINDOW bytes each; the first one starts at byte 0
         # and the last ends at the end of the file, so their ranges feed the whole checksum
-        cut = np.searchsorted(np.cumsum(nbytes), np.arange(WINDOW, int(nbytes.sum()), WINDOW))
+        # A shard weighs what it maps: its bytes in DST and the SRC stretch its box spans (a
+        # tp-8 column cut of a row-major tensor uses 1/8 of each row, but touches every page of
+        # the rows): a window maps about 2 x WINDOW whatever the cut.
+        weight = np.cumsum(nbytes + spans[plan.kind[rows]])
+        cut = np.searchsorted(
+            weight, np.arange(WINDOW, int(weight[-1]) if rows.size else 0, WINDOW)
+        )
         bounds = [0, *[c for c in np.unique(cut).tolist() if 0 < c < rows.size], rows.size]
         at = 0
         for w in range(len(bounds) - 1):
@@ -407,7 +433,7 @@ def _compare_window(
     rows, kinds, src_files = rows[~big], kinds[~big], src_files[~big]
     if not rows.size:
         return True
-    group = kinds * (int(src_files.max()) + 1) + src_files
+    group = kinds.astype(np.int64) * (int(src_files.max()) + 1) + src_files
     order = np.argsort(group, kind="stable")
     group = group[order]
     edges = np.flatnonzero(np.diff(group)) + 1
@@ -416,7 +442,7 @@ def _compare_window(
         k, sf = int(plan.kind[members[0]]), int(plan.src_file[members[0]])
         outer, strides, run = plan.kinds[k]
         n = math.prod(outer) * run
-        span = sum((z - 1) * s for z, s in zip(outer, strides, strict=True)) + run
+        span = _span(outer, strides, run)
         view = maps.views.get((sf, k))
         if view is None:
             src = maps.get(sf, src_paths[sf])[1]
@@ -481,8 +507,9 @@ def _compare_large(
             _dontneed(dst_mm, d0 + a, d0 + b)
         return True
     inner = math.prod(outer[1:]) * run  # DST bytes per outermost index
-    span = sum((z - 1) * s for z, s in zip(outer[1:], strides[1:], strict=True)) + run
-    step = max(1, LARGE // inner)
+    span = _span(outer[1:], strides[1:], run)
+    # a slab maps about LARGE bytes on each side: a column cut maps whole SRC rows
+    step = max(1, LARGE // max(inner, strides[0]))
     for i in range(0, outer[0], step):
         j = min(outer[0], i + step)
         a = s0 + i * strides[0]
