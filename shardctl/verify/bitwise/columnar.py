@@ -8,9 +8,9 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
 - every DST shard is a row: its tensor, DST file and first byte, its one piece's box in the
   tensor (offsets, sizes), and from the HF header the SRC file and first byte of its tensor;
 - a box of a tensor of shape ``G`` is, in SRC's bytes, a contiguous run of ``r`` bytes
-  repeated along a few outer dims at fixed byte strides (``_kind``: trailing whole dims folded
-  into the run): one *kind* per (item size, ``G``'s byte strides, box sizes) — a few dozen in a
-  90,000-tensor MoE;
+  repeated along a few outer dims at fixed byte strides (``io.mapped.box_kind``: trailing
+  whole dims folded into the run): one *kind* per (item size, ``G``'s byte strides, box
+  sizes) — a few dozen in a 90,000-tensor MoE;
 - each DST file is read through a read-only map in windows cut at shard boundaries, each
   mapping about ``WINDOW`` bytes of DST and of SRC (a column cut's box spans whole SRC rows);
   in a window the shards of one kind from one SRC file are gathered from SRC with one numpy
@@ -26,6 +26,10 @@ At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2 s against 3.1-3.4 s
 path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and 3.2-3.4 s
 against 4.1-4.3 s for DeepSeek-V3's FP8 shape in 176 files (ep 8).
 
+Every file's size is checked before each window and slab: one that shrank (another process
+cut it) hands the run over as a difference does, where touching its map could have been a
+``SIGBUS`` (``io.mapped``).
+
 Anything this path does not cover — a non-HF SRC, a shard of several pieces or with padding, a
 sub-byte dtype, a tensor SRC lacks or holds differently, a row the structure level found wrong
 — returns ``None`` before reading a byte, and the per-span/per-block path decides. So does any
@@ -37,7 +41,6 @@ from __future__ import annotations
 
 import math
 import mmap
-import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -51,6 +54,16 @@ import numpy as np
 from shardctl.checkpoint.record_table import pad_rows
 from shardctl.checkpoint.source import HfShards, Source
 from shardctl.dtypes import DTYPE_BITS
+from shardctl.io.mapped import (
+    SrcMaps,
+    box_kind,
+    box_span,
+    close_map,
+    dontneed,
+    intact,
+    map_file,
+    rows_view,
+)
 from shardctl.verify.bitwise.pipeline import threads
 from shardctl.verify.bitwise.walk import Walk
 from shardctl.verify.boxes import uint_of
@@ -66,7 +79,6 @@ WINDOW = 2 * 2**20
 THREADS = 2
 # A shard of more bytes is compared by itself, in slabs of about this many bytes.
 LARGE = 4 * 2**20
-_PAGE = mmap.PAGESIZE
 
 
 @dataclass(frozen=True)
@@ -107,7 +119,7 @@ def check(
 
     def one(job: tuple[int, Path, str | None]) -> bool:
         f, path, digest = job
-        maps = _Maps()
+        maps = SrcMaps()
         try:
             ok = _compare_file(plan, f, path, src_paths, maps, hash_name, digest, stop)
         except (OSError, ValueError):
@@ -227,7 +239,7 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
             k = global_kind.get(key)
             if k is None:
                 k = global_kind[key] = len(kinds)
-                kinds.append(_kind(row, width))
+                kinds.append(box_kind(row[0], row[1 : 1 + width], row[1 + width :]))
             ids.append(k)
         out["t"].append(tensor.astype(np.int32))
         out["f"].append(np.asarray(r.file, dtype=np.int32))
@@ -253,11 +265,6 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
     )
 
 
-def _span(outer: tuple[int, ...], strides: tuple[int, ...], run: int) -> int:
-    """Bytes from a box's first byte to its last, in SRC."""
-    return sum((z - 1) * s for z, s in zip(outer, strides, strict=True)) + run
-
-
 def _row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's kind (equal rows, equal kinds) and one row per kind. Column by column: each
     column's values as their rank among its distinct values, the ranks combined in mixed radix
@@ -275,90 +282,12 @@ def _row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return kind.reshape(-1).astype(np.int64), rows[first]
 
 
-def _kind(row: list[int], width: int) -> tuple[tuple[int, ...], tuple[int, ...], int]:
-    """A box as (outer sizes, their byte strides, contiguous run bytes): the trailing dims it
-    spans whole fold into the run, then its innermost partial dim; outer dims of size 1 drop."""
-    item, st, sz = row[0], row[1 : 1 + width], row[1 + width :]
-    # the tensor's own sizes: dim d spans st[d - 1] / st[d] (the first's does not matter)
-    full = [st[d - 1] // st[d] if d else None for d in range(width)]
-    run = item
-    d = width - 1
-    while d > 0 and sz[d] == full[d]:
-        run = st[d - 1]
-        d -= 1
-    if d >= 0:
-        run = sz[d] * st[d]
-        d -= 1
-    outer = [(sz[k], st[k]) for k in range(d + 1) if sz[k] > 1]
-    return tuple(x for x, _ in outer), tuple(s for _, s in outer), run
-
-
-class _Maps:
-    """Read-only maps of SRC files, opened once each; the ranges a window touched are given
-    back after it (pages stay in the page cache)."""
-
-    def __init__(self) -> None:
-        self.src: dict[int, tuple[mmap.mmap, np.ndarray]] = {}
-        self.views: dict[tuple[int, int], np.ndarray] = {}  # (SRC file, kind) -> rows view
-        self.touched: dict[int, list[int]] = {}  # SRC file -> [first byte, end]
-
-    def get(self, k: int, path: Path) -> tuple[mmap.mmap, np.ndarray]:
-        got = self.src.get(k)
-        if got is None:
-            got = self.src[k] = _map(path)
-        return got
-
-    def touch(self, k: int, a: int, b: int) -> None:
-        got = self.touched.get(k)
-        if got is None:
-            self.touched[k] = [a, b]
-        else:
-            got[0], got[1] = min(got[0], a), max(got[1], b)
-
-    def drop(self) -> None:
-        for k, (a, b) in self.touched.items():
-            _dontneed(self.src[k][0], a, b)
-        self.touched.clear()
-
-    def close(self) -> None:
-        self.views.clear()
-        while self.src:
-            _, (mm, arr) = self.src.popitem()
-            del arr  # the array exports the map's buffer: gone before the map closes
-            _close(mm)
-
-
-def _map(path: Path) -> tuple[mmap.mmap, np.ndarray]:
-    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    try:
-        mm = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
-    finally:
-        os.close(fd)
-    return mm, np.frombuffer(mm, dtype=np.uint8)
-
-
-def _close(mm: mmap.mmap) -> None:
-    """Close a map; one still exported (an exception's traceback holds a view of it) is left
-    to the garbage collector rather than masking that exception."""
-    try:
-        mm.close()
-    except BufferError:
-        pass
-
-
-def _dontneed(mm: mmap.mmap, a: int, b: int) -> None:
-    """Give back the mapped pages of ``[a, b)`` (they stay in the page cache)."""
-    a -= a % _PAGE
-    if b > a:
-        mm.madvise(mmap.MADV_DONTNEED, a, min(b, len(mm)) - a)
-
-
 def _compare_file(
     plan: _Plan,
     f: int,
     path: Path,
     src_paths: list[Path],
-    maps: _Maps,
+    maps: SrcMaps,
     hash_name: str | None,
     digest: str | None,
     stop: threading.Event,
@@ -369,7 +298,7 @@ def _compare_file(
     rows = rows[np.argsort(plan.begin[rows], kind="stable")]
     begin, nbytes = plan.begin[rows], plan.nbytes[rows]
     end = begin + nbytes
-    spans = np.array([_span(*k) for k in plan.kinds] or [0], dtype=np.int64)
+    spans = np.array([box_span(*k) for k in plan.kinds] or [0], dtype=np.int64)
     if (begin[1:] < end[:-1]).any():
         return False  # overlapping shards: the other path reports them
     hasher = None
@@ -377,7 +306,7 @@ def _compare_file(
         from shardctl.io.checksum import new_hash
 
         hasher = new_hash(hash_name or "")
-    mm, dst = _map(path)
+    mm, dst = map_file(path)
     try:
         size = len(mm)
         if rows.size and end[-1] > size:
@@ -394,8 +323,8 @@ def _compare_file(
         bounds = [0, *[c for c in np.unique(cut).tolist() if 0 < c < rows.size], rows.size]
         at = 0
         for w in range(len(bounds) - 1):
-            if stop.is_set():
-                return False
+            if stop.is_set() or not intact(mm, path):
+                return False  # another file differed, or this one shrank: the pread paths
             lo, hi = bounds[w], bounds[w + 1]
             until = size if hi == rows.size else int(begin[hi])
             if until < at:
@@ -408,13 +337,13 @@ def _compare_file(
                 b = min(until, a + WINDOW)
                 if hasher is not None:
                     hasher.update(memoryview(mm)[a:b])
-                _dontneed(mm, a, b)
+                dontneed(mm, a, b)
             maps.drop()
             at = until
         return hasher is None or hasher.hexdigest() == digest
     finally:
         del dst
-        _close(mm)
+        close_map(mm)
 
 
 def _compare_window(
@@ -422,7 +351,7 @@ def _compare_window(
     rows: np.ndarray,
     dst_map: tuple[mmap.mmap, np.ndarray],
     src_paths: list[Path],
-    maps: _Maps,
+    maps: SrcMaps,
 ) -> bool:
     dst = dst_map[1]
     kinds, src_files = plan.kind[rows], plan.src_file[rows]
@@ -442,13 +371,11 @@ def _compare_window(
         k, sf = int(plan.kind[members[0]]), int(plan.src_file[members[0]])
         outer, strides, run = plan.kinds[k]
         n = math.prod(outer) * run
-        span = _span(outer, strides, run)
-        view = maps.views.get((sf, k))
-        if view is None:
-            src = maps.get(sf, src_paths[sf])[1]
-            if span > src.size:
-                return False
-            view = maps.views[sf, k] = _rows(src, (*outer, run), strides, span)
+        span = box_span(outer, strides, run)
+        mm, src = maps.get(sf, src_paths[sf])
+        if span > src.size or not intact(mm, src_paths[sf]):
+            return False
+        view = maps.view(sf, k, src, (*outer, run), strides, span)
         starts = plan.src_start[members]
         first, last = int(starts.min()), int(starts.max())
         if last >= view.shape[0]:
@@ -456,7 +383,7 @@ def _compare_window(
         maps.touch(sf, first, last + span)
         into = dst_rows.get(n)
         if into is None:
-            into = dst_rows[n] = _rows(dst, (n,), (), n)
+            into = dst_rows[n] = rows_view(dst, (n,), (), n)
         want = view[starts].reshape(len(members), n)
         if not _equal(want, into[plan.begin[members]]):
             return False
@@ -473,23 +400,12 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
     return bool((a == b).all())
 
 
-def _rows(
-    buf: np.ndarray, shape: tuple[int, ...], strides: tuple[int, ...], span: int
-) -> np.ndarray:
-    """A view of ``buf`` with a row per possible start byte, each row the box ``shape`` (its
-    last dim bytes at stride 1, the others at ``strides``): indexing it by start bytes gathers
-    one box per start in one numpy call. No copy."""
-    return np.lib.stride_tricks.as_strided(
-        buf, shape=(buf.size - span + 1, *shape), strides=(1, *strides, 1), writeable=False
-    )
-
-
 def _compare_large(
     plan: _Plan,
     r: int,
     dst_map: tuple[mmap.mmap, np.ndarray],
     src_paths: list[Path],
-    maps: _Maps,
+    maps: SrcMaps,
 ) -> bool:
     """One large shard, a slab of its outermost dim at a time (a run, when it has no outer
     dims, in pieces of ``LARGE`` bytes)."""
@@ -501,19 +417,23 @@ def _compare_large(
     if not outer:
         for a in range(0, run, LARGE):
             b = min(run, a + LARGE)
-            if s0 + b > src.size or not _equal(src[s0 + a : s0 + b], dst[d0 + a : d0 + b]):
+            if not intact(mm, src_paths[sf]) or s0 + b > src.size:
                 return False
-            _dontneed(mm, s0 + a, s0 + b)
-            _dontneed(dst_mm, d0 + a, d0 + b)
+            if not _equal(src[s0 + a : s0 + b], dst[d0 + a : d0 + b]):
+                return False
+            dontneed(mm, s0 + a, s0 + b)
+            dontneed(dst_mm, d0 + a, d0 + b)
         return True
     inner = math.prod(outer[1:]) * run  # DST bytes per outermost index
-    span = _span(outer[1:], strides[1:], run)
+    if inner > 4 * LARGE:
+        return False  # one outer row would be a slab of its own, too large: the block path
+    span = box_span(outer[1:], strides[1:], run)
     # a slab maps about LARGE bytes on each side: a column cut maps whole SRC rows
     step = max(1, LARGE // max(inner, strides[0]))
     for i in range(0, outer[0], step):
         j = min(outer[0], i + step)
         a = s0 + i * strides[0]
-        if a + (j - i - 1) * strides[0] + span > src.size:
+        if not intact(mm, src_paths[sf]) or a + (j - i - 1) * strides[0] + span > src.size:
             return False
         want = np.lib.stride_tricks.as_strided(
             src[a:],
@@ -524,6 +444,6 @@ def _compare_large(
         got = dst[d0 + i * inner : d0 + j * inner]
         if not _equal(want.reshape(-1), got):
             return False
-        _dontneed(mm, a, a + (j - i) * strides[0] + span)
-        _dontneed(dst_mm, d0 + i * inner, d0 + j * inner)
+        dontneed(mm, a, a + (j - i) * strides[0] + span)
+        dontneed(dst_mm, d0 + i * inner, d0 + j * inner)
     return True
