@@ -14,7 +14,7 @@ real checkpoints come (DeepSeek-V3: 163 files).
 widths, every decoder linear then quantized as the release stores it (``F8_E4M3`` weight and an
 ``F32`` ``weight_scale_inv`` per 128x128 block, ``quantization_config`` fp8 e4m3 block
 [128, 128]), in ``MAX_SHARD_SIZE`` files (default ``30MB``: 176 files) with their index:
-90,366 tensors, 1.6 GB. Widths keep whole blocks on every rank of ``--ep 8`` (16 heads: also
+90,427 tensors, 1.6 GB. Widths keep whole blocks on every rank of ``--ep 8`` (16 heads: also
 ``--tp 2`` for attention and the dense layers; the 128-wide experts do not split ``tp``).
 """
 
@@ -29,8 +29,7 @@ def main() -> None:
     if sys.argv[1] == "--deepseek-v3-fp8":
         deepseek_v3_fp8(Path(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else "30MB")
         return
-    import torch
-    from transformers import AutoModelForCausalLM, MixtralConfig
+    from transformers import MixtralConfig
 
     out = Path(sys.argv[1])
     experts, layers, hidden, inter = map(int, sys.argv[2:6])
@@ -46,16 +45,26 @@ def main() -> None:
         vocab_size=32000,
         tie_word_embeddings=False,
     )
+    model = random_model(cfg)
+    tmp = out.with_name(out.name + ".tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(tmp, max_shard_size=max_shard_size)
+    tmp.rename(out)
+
+
+def random_model(cfg: object) -> object:
+    """``cfg``'s model with random bf16 weights: built on the meta device, then filled (no
+    initializer runs over 90,000 tensors)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
     model.to_empty(device="cpu")
     with torch.no_grad():
         for p in model.parameters():
             p.uniform_(-0.02, 0.02)
-    tmp = out.with_name(out.name + ".tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(tmp, max_shard_size=max_shard_size)
-    tmp.rename(out)
+    return model
 
 
 def deepseek_v3_fp8(out: Path, max_shard_size: str, block: int = 128) -> None:
@@ -63,7 +72,7 @@ def deepseek_v3_fp8(out: Path, max_shard_size: str, block: int = 128) -> None:
 
     import torch
     from safetensors.torch import load_file, save_file
-    from transformers import AutoModelForCausalLM, DeepseekV3Config
+    from transformers import DeepseekV3Config
 
     cfg = DeepseekV3Config(
         hidden_size=256,
@@ -89,12 +98,7 @@ def deepseek_v3_fp8(out: Path, max_shard_size: str, block: int = 128) -> None:
         tie_word_embeddings=False,
         max_position_embeddings=4096,
     )
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for p in model.parameters():
-            p.uniform_(-0.02, 0.02)
+    model = random_model(cfg)
     bf16 = out.with_name(out.name + ".bf16")
     tmp = out.with_name(out.name + ".tmp")
     for d in (bf16, tmp):
@@ -118,8 +122,10 @@ def deepseek_v3_fp8(out: Path, max_shard_size: str, block: int = 128) -> None:
     for name in sorted(set(index["weight_map"].values())):
         tensors = {}
         for k, t in load_file(bf16 / name).items():
-            # the release quantizes every decoder linear but the router (mlp.gate.weight)
-            if k.startswith("model.layers.") and k.endswith("proj.weight") and t.dim() == 2:
+            # the release quantizes every decoder linear (kv_a_proj_with_mqa too) but the
+            # router (mlp.gate.weight)
+            linear = k.endswith(("proj.weight", "proj_with_mqa.weight"))
+            if k.startswith("model.layers.") and linear and t.dim() == 2:
                 tensors[k], tensors[k[: -len("weight")] + "weight_scale_inv"] = quantize(t)
             else:
                 tensors[k] = t

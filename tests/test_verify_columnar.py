@@ -17,6 +17,7 @@ from shardctl.layout.types import Mesh
 from shardctl.verify.api import verify
 from shardctl.verify.bitwise import columnar
 from tests._verify_fixtures import Checkpoints
+from tests.test_verify_spans import _flip
 
 FIGURES = ("tensors", "shards", "padded_shards", "src_bytes", "dst_bytes", "hash")
 
@@ -43,17 +44,6 @@ def _run(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> 
     findings = sorted((f.message, f.fqn or "", f.rank or 0, f.file or "") for f in bw.findings)
     figures = {k: bw.figures.get(k) for k in FIGURES}
     return result.ok, findings, figures, list(bw.rows), settled == [True]
-
-
-def _flip(path: Path, fqn: str, byte: int, bit: int) -> None:
-    header = read_header(path)
-    entry = next(e for e in header.tensors if e.name == fqn)
-    at = header.data_offset + entry.begin + byte % entry.nbytes
-    with open(path, "r+b") as f:
-        f.seek(at)
-        b = f.read(1)[0]
-        f.seek(at)
-        f.write(bytes([b ^ (1 << bit)]))
 
 
 CLEAN = [
