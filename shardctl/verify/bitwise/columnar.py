@@ -22,9 +22,9 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
 - DST files are compared on ``THREADS`` threads, one file each (numpy's copies and compares
   and the checksum release the GIL).
 
-At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2 s against 3.1-3.4 s on the span
-path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and 3.2-3.4 s
-against 4.1-4.3 s for DeepSeek-V3's FP8 shape in 176 files (ep 8).
+At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2-2.5 s against 3.4-3.9 s on the
+span path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and
+3.0-3.4 s against 4.1-4.7 s for DeepSeek-V3's FP8 shape in 176 files (ep 8).
 
 Every file's size is checked before each window and slab: one that shrank (another process
 cut it) hands the run over as a difference does, where touching its map could have been a
@@ -72,7 +72,7 @@ from shardctl.verify.dst import Destination, RecordDstShards
 ENABLED = True  # off: the span / block paths decide every shard (tests compare the two)
 # Bytes a window maps, DST and SRC each (each side's gathered copy is at most this much too):
 # 2 MiB was as fast as 16 at 90,000 tensors, and kept a tp-8 split of them (720,000 shards)
-# under 256 MiB with two threads (16 MiB: 340 MiB at tp 2 x ep 2).
+# under 256 MiB with two threads (246 MiB; 16 MiB windows: 331 MiB at tp 2 x ep 2).
 WINDOW = 2 * 2**20
 # Threads at most (one DST file each): each holds a window's maps and copies (~20 MiB); the
 # compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where four did not.
