@@ -7,7 +7,6 @@ import itertools
 import math
 import time
 from collections.abc import Iterable, Iterator
-from pathlib import Path
 from typing import Any
 
 from shardctl.blocks import scalar_piece, scalar_shape
@@ -30,16 +29,11 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     tour = walk(src, dst)  # the shards, tensor by tensor, built as the tasks reach them
     give_back_heap()  # the walk's sort, done
     hash_name = dst.record.hash if dst.record and hashes else None
-    feeds: dict[Path, Feed] = {}
+    digests: dict[str, str] = {}
     if hash_name and dst.record is not None:
         digests = {f.name: f.digest for f in dst.record.files if f.digest}
-        feeds = {p: Feed(p, hash_name) for p in dst.files if p.name in digests}
-
-    if hash_name and dst.record is not None:
-        recorded = {f.name: f.digest for f in dst.record.files if f.digest}
-    else:
-        recorded = {}
-    fast = columnar.check(src, dst, tour, hash_name, recorded)
+    # the columnar path first (columnar.py): a clean HF-to-ranks layout ends here
+    fast = columnar.check(src, dst, tour, hash_name, digests)
     if fast is not None:  # every shard equal, every checksum too: nothing else to read
         seconds = time.perf_counter() - t0
         moved = fast.src_bytes + fast.dst_bytes
@@ -58,6 +52,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
         level.rows = tour.rows
         level.seconds = seconds
         return level.close()
+    feeds = {p: Feed(p, hash_name) for p in dst.files if p.name in digests} if hash_name else {}
     shapes = {t.fqn: t.shape for t in src.model.tensors}
     workers, results = run_tasks(_tasks(src, tour.triples(), shapes), src, feeds)
     for w in workers:
@@ -69,8 +64,7 @@ def check_bitwise(src: Source, dst: Destination, *, hashes: bool = True) -> Leve
     for message, where in _findings(results, compared):
         level.fail(message, **where)
         tour.rows.fail(where["fqn"])
-    if feeds and dst.record is not None:
-        digests = {f.name: f.digest for f in dst.record.files}
+    if feeds:
         for path, feed in feeds.items():
             if feed.hexdigest(workers[0]) != digests[path.name]:
                 level.fail(
