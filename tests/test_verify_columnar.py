@@ -212,3 +212,41 @@ def test_a_file_that_shrinks_mid_run_is_handed_over_not_a_crash(
     else:
         assert not result.ok
     assert len(calls) >= 2 and settled  # the columnar path ran, and handed over
+
+
+def test_real_vocabulary_and_heads_are_settled_and_flips_handed_over(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Llama-3's 128,256-entry vocabulary and 32 / 8 heads (widths shrunk), tp 4: each rank's
+    # embedding and head rows are 16 MiB, over LARGE, so they go slab by slab; the attention
+    # and MLP shards are real head-count cuts (rows for q/k/v/gate/up, columns for o/down).
+    from shardctl.reshard.api import reshard
+    from tests._models import make_checkpoint
+
+    src = make_checkpoint(
+        "llama",
+        tmp_path / "src",
+        vocab_size=128_256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=2,
+    )
+    dst = tmp_path / "tp4"
+    reshard(src, dst, mesh=Mesh(tp=4))
+    big = [e for p in dst.glob("rank-*.safetensors") for e in read_header(p).tensors]
+    assert max(e.nbytes for e in big) > columnar.LARGE  # the slab path runs
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert ok and ok0 and settled and not findings and not findings0
+    assert figures == figures0 and rows == rows0
+    # a bit deep in a rank's embedding slab, and one in a column-cut o_proj
+    path = sorted(dst.glob("rank-*.safetensors"))[2]
+    _flip(path, "model.embed_tokens.weight", 12 * 2**20 + 5, 3)
+    _flip(path, "model.layers.1.self_attn.o_proj.weight", 777, 6)
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert not ok and not ok0 and not settled
+    assert findings == findings0 and len([f for f in findings if f[1]]) == 2
+    assert figures == figures0 and rows == rows0

@@ -55,6 +55,7 @@ from shardctl.checkpoint.record_table import pad_rows
 from shardctl.checkpoint.source import HfShards, Source
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.io.mapped import (
+    Kind,
     SrcMaps,
     box_kind,
     box_span,
@@ -161,7 +162,7 @@ class _Plan:
     src_file: np.ndarray  # SRC file index
     src_start: np.ndarray  # first byte of the box's first run in the SRC file
     kind: np.ndarray  # index into ``kinds``
-    kinds: list[tuple[tuple[int, ...], tuple[int, ...], int]]  # outer sizes, strides, run
+    kinds: list[Kind]  # outer sizes, their byte strides, run (io.mapped.box_kind)
     tensor_bytes: np.ndarray  # per record tensor: its bytes (SRC's figure)
     threads: int = 1
 
@@ -212,7 +213,7 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
     # are ~26 MB); the boxes and their byte geometry live only while their rank is worked out.
     out: dict[str, list[np.ndarray]] = {k: [] for k in ("t", "f", "b", "n", "sf", "ss", "k")}
     global_kind: dict[tuple[int, ...], int] = {}
-    kinds: list[tuple[tuple[int, ...], tuple[int, ...], int]] = []
+    kinds: list[Kind] = []
     for i, r in enumerate(ranks):
         if len(r) == 0:
             continue
