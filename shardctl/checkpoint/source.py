@@ -10,8 +10,9 @@ from __future__ import annotations
 import array
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -139,6 +140,10 @@ def _from_hf(root: Path, ck: CheckpointFiles, record: rec.LayoutRecord | None = 
     return Source(root, "hf", model, HfShards(ck), files, tuple(ck.extra_files))
 
 
+_ENTRY, _FILE, _FILE_OFFSET = attrgetter("entry"), attrgetter("file"), attrgetter("file_offset")
+_DTYPE, _SHAPE = attrgetter("dtype"), attrgetter("shape")
+
+
 class HfShards(rt.PerAccess[tuple[SourceShard, ...]]):
     """``fqn -> (its one whole-tensor SourceShard,)`` of an HF checkpoint, built per access
     from the header entries the reader holds anyway (~300 B a tensor less at 90,000)."""
@@ -177,6 +182,23 @@ class HfShards(rt.PerAccess[tuple[SourceShard, ...]]):
 
     def __contains__(self, fqn: object) -> bool:
         return fqn in self._loc
+
+    def wholes(
+        self, fqns: Iterable[str]
+    ) -> tuple[list[int], list[int], list[str], list[tuple[int, ...]]] | None:
+        """What :meth:`whole` gives, for many tensors at once as four lists (file indexes,
+        begins, dtypes, shapes) by C-level maps (the columnar paths ask for 90,000: ~1.5 µs a
+        tensor one by one); None when any is absent."""
+        locs = list(map(self._loc.get, fqns))
+        if None in locs:
+            return None
+        entries = list(map(_ENTRY, locs))
+        return (
+            list(map(self._file.__getitem__, map(id, map(_FILE, locs)))),
+            list(map(_FILE_OFFSET, locs)),
+            list(map(_DTYPE, entries)),
+            list(map(_SHAPE, entries)),
+        )
 
     def whole(self, fqn: str) -> tuple[int, int, str, tuple[int, ...]] | None:
         """``(file index, begin, dtype, shape)`` of ``fqn``'s one whole shard without building

@@ -67,6 +67,23 @@ def rows_view(
     )
 
 
+def row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's kind (equal rows, equal kinds) and one row per kind. Column by column: each
+    column's values as their rank among its distinct values, the ranks combined in mixed radix
+    into one integer (``unique`` over whole rows sorts them as bytes: ~0.25 s at 180,000)."""
+    code = np.zeros(rows.shape[0], dtype=np.int64)
+    radix = 1
+    for c in range(rows.shape[1]):
+        values, rank = np.unique(rows[:, c], return_inverse=True)
+        radix *= len(values)
+        if radix >= 2**62:
+            _, first, kind = np.unique(rows, axis=0, return_index=True, return_inverse=True)
+            return kind.reshape(-1), rows[first]
+        code = code * len(values) + rank.reshape(-1)
+    _, first, kind = np.unique(code, return_index=True, return_inverse=True)
+    return kind.reshape(-1).astype(np.int64), rows[first]
+
+
 def map_file(path: Path) -> tuple[mmap.mmap, np.ndarray]:
     """A read-only map of ``path`` and a byte array over it."""
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -41,6 +41,7 @@ from shardctl.checkpoint.plan_files import FileTensors, OutputFile
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.layout.types import LocalTensor
+from shardctl.reshard import columnar
 from shardctl.reshard.batching import Batching, Fields
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import MAX_INPUT_FDS
@@ -192,47 +193,86 @@ class Executor(Batching):
         # Every file's tensors follow the global order: merging the files' lists walks each
         # fqn's targets together without a table of all targets (180,000 at 90k tensors).
         rank = self.order or {}
+        merged = self._merged(outs, rank)
+        if merged is None:
+            self._groups(self._walk(outs, rank))
+        else:
+            planned, key, js, at, lens, order = merged
+            cols = columnar.plan(planned, key, order, self.sources)
+            del key
+            if cols is None:
+                self._groups(self._planned(outs, planned, js, at, lens, order))
+            else:
+                # stretches of the merged walk: the columnar path's chunks, or the old way
+                chunks = columnar.Chunks(self, cols)
+                edges = np.flatnonzero(np.diff(cols.ok)) + 1
+                bounds = [0, *edges.tolist(), len(order)]
+                for a, b in itertools.pairwise(bounds):
+                    if cols.ok[a]:
+                        for x, y in columnar.chunks(cols, a, b):
+                            chunks.write(outs, x, y)
+                    else:
+                        self._groups(self._planned(outs, planned, js, at, lens, order[a:b]))
+        self._check()
+
+    def _groups(self, walk: Iterator[tuple[OutFile, Fields, bool]]) -> None:
+        """Write ``walk``'s targets, an fqn's together (``_group``)."""
         group: list[tuple[OutFile, Fields, bool]] = []
-        for out, fields, last in self._walk(outs, rank):
+        for out, fields, last in walk:
             if group and fields[0] != group[0][1][0]:
                 self._group(group)
                 group = []
             group.append((out, fields, last))
         if group:
             self._group(group)
-        self._check()
+
+    def _merged(
+        self, outs: list[OutFile], rank: dict[str, int]
+    ) -> tuple[list[FileTensors], np.ndarray, np.ndarray, np.ndarray, list[int], np.ndarray] | None:
+        """Planned files (``FileTensors`` whose ranks strictly increase, the common case) as
+        ``(their tensors, key, file, position, lengths, order)``: every target's global rank,
+        file and position in it, the files' targets back to back, and the merged walk over them
+        (by rank, file, position: one ``np.lexsort``); None for anything else."""
+        lists = [o.file.tensors for o in outs]
+        if not all(isinstance(x, FileTensors) for x in lists):
+            return None
+        planned = cast(list[FileTensors], lists)
+        keys = [np.fromiter((rank.get(f, -1) for f in x.fqns()), np.int64, len(x)) for x in planned]
+        if not all(bool(np.all(k[1:] > k[:-1])) for k in keys):
+            return None
+        lens = [len(k) for k in keys]
+        key = np.concatenate([np.zeros(0, np.int64), *keys])
+        del keys
+        js = np.repeat(np.arange(len(outs), dtype=np.int32), lens)
+        at = np.concatenate([np.zeros(0, np.int32), *(np.arange(n, dtype=np.int32) for n in lens)])
+        order = np.lexsort((at, js, key)).astype(np.int32)
+        return planned, key, js, at, lens, order
+
+    def _planned(
+        self,
+        outs: list[OutFile],
+        planned: list[FileTensors],
+        js: np.ndarray,
+        at: np.ndarray,
+        lens: list[int],
+        order: np.ndarray | None,
+    ) -> Iterator[tuple[OutFile, Fields, bool]]:
+        """The targets ``(js, at)[order]`` (all of them when ``order`` is None) as ``(file,
+        fields, last in its file)``, read from the planned files (no ``LocalTensor`` made)."""
+        n = len(order) if order is not None else len(js)
+        # a slice at a time: 360,000 targets as two lists of ints would be ~25 MB
+        for c in range(0, n, WALK_CHUNK):
+            part = order[c : c + WALK_CHUNK] if order is not None else slice(c, c + WALK_CHUNK)
+            for j, i in zip(js[part].tolist(), at[part].tolist(), strict=True):
+                yield outs[j], planned[j].fields(i), i == lens[j] - 1
 
     def _walk(
         self, outs: list[OutFile], rank: dict[str, int]
     ) -> Iterator[tuple[OutFile, Fields, bool]]:
         """Every target of ``outs`` as ``(file, fields, last in its file)``, merged by
-        ``(rank of its fqn, file, position)``.
-
-        Planned files (``FileTensors`` whose ranks strictly increase, the common case) are
-        merged with one ``np.lexsort`` and read as fields, no ``LocalTensor`` made; anything
-        else goes through ``heapq.merge`` (the same order: each file's keys are sorted)."""
-        lists = [o.file.tensors for o in outs]
-        if all(isinstance(x, FileTensors) for x in lists):
-            planned = cast(list[FileTensors], lists)
-            keys = [
-                np.fromiter((rank.get(f, -1) for f in x.fqns()), np.int64, len(x)) for x in planned
-            ]
-            if all(bool(np.all(k[1:] > k[:-1])) for k in keys):
-                lens = [len(k) for k in keys]
-                key = np.concatenate([np.zeros(0, np.int64), *keys])
-                del keys
-                js = np.repeat(np.arange(len(outs), dtype=np.int32), lens)
-                at = np.concatenate(
-                    [np.zeros(0, np.int32), *(np.arange(n, dtype=np.int32) for n in lens)]
-                )
-                order = np.lexsort((at, js, key)).astype(np.int32)
-                del key
-                # a slice at a time: 360,000 targets as two lists of ints would be ~25 MB
-                for c in range(0, len(order), WALK_CHUNK):
-                    part = order[c : c + WALK_CHUNK]
-                    for j, i in zip(js[part].tolist(), at[part].tolist(), strict=True):
-                        yield outs[j], planned[j].fields(i), i == lens[j] - 1
-                return
+        ``(rank of its fqn, file, position)`` through ``heapq.merge`` (files that are not
+        planned ``FileTensors``, or whose ranks do not strictly increase; ``_merged`` takes the
+        rest, in the same order: each file's keys are sorted)."""
 
         def keyed(j: int, out: OutFile) -> Iterator[tuple[int, int, int, OutFile, LocalTensor]]:
             for i, t in enumerate(out.file.tensors):

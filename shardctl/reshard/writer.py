@@ -39,6 +39,22 @@ class OutFile:
         self.started = False  # its header handed to the writer (``Batching._started``)
 
 
+class Lease:
+    """A buffer several queued writes share (``reshard.columnar``'s chunk: a stretch for each
+    of its files): back to ``home`` once the last of them is done (``home`` None: dropped)."""
+
+    def __init__(self, home: queue.Queue[Any] | None, buf: Any, writes: int) -> None:
+        self.home, self.buf, self.left = home, buf, writes
+        self.lock = threading.Lock()
+
+    def release(self) -> None:
+        with self.lock:
+            self.left -= 1
+            done = self.left == 0
+        if done and self.home is not None:
+            self.home.put(self.buf)
+
+
 class Writer(threading.Thread):
     """Hashes and writes buffers in queue order; fsyncs and closes finished files.
 
@@ -72,7 +88,10 @@ class Writer(threading.Thread):
                 self.error = exc
             finally:
                 if item[0] == "data" and item[4] is not None:
-                    self.pool.put(item[4])
+                    if isinstance(item[4], Lease):
+                        item[4].release()
+                    else:
+                        self.pool.put(item[4])
 
     def _do(self, item: tuple[Any, ...]) -> None:
         if item[0] == "data":

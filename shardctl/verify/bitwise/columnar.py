@@ -45,9 +45,8 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from itertools import chain
-from operator import attrgetter, itemgetter
+from operator import attrgetter
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 
@@ -63,6 +62,7 @@ from shardctl.io.mapped import (
     dontneed,
     intact,
     map_file,
+    row_kinds,
     rows_view,
 )
 from shardctl.verify.bitwise.pipeline import threads
@@ -182,10 +182,10 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
     fqns = list(map(attrgetter("fqn"), tensors))
     dtypes = list(map(attrgetter("dtype"), tensors))
     shapes = list(map(attrgetter("shape"), tensors))
-    got: list[Any] = list(map(hf.whole, fqns))
-    if None in got:
+    got = hf.wholes(fqns)
+    if got is None:
         return None
-    if list(map(itemgetter(2), got)) != dtypes or list(map(itemgetter(3), got)) != shapes:
+    if got[2] != dtypes or got[3] != shapes:
         return None
     sizes_of: dict[str, int] = {}
     for dtype in set(dtypes):
@@ -193,8 +193,8 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
             return None  # sub-byte: compared as whole-tensor bytes by the other path
         sizes_of[dtype] = DTYPE_BITS[dtype] // 8
     item = np.fromiter(map(sizes_of.__getitem__, dtypes), dtype=np.int64, count=n_t)
-    src_file = np.fromiter(map(itemgetter(0), got), dtype=np.int64, count=n_t)
-    src_begin = np.fromiter(map(itemgetter(1), got), dtype=np.int64, count=n_t)
+    src_file = np.array(got[0], dtype=np.int64)
+    src_begin = np.array(got[1], dtype=np.int64)
     del got
     # each tensor's shape padded at the end with 1s, as the record pads its boxes
     flat = np.fromiter(chain.from_iterable(shapes), dtype=np.int64)
@@ -233,7 +233,7 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
         st = stride[tensor]
         its = item[tensor]
         # kinds of box: (item, strides, sizes) rows, each turned once into outer dims and a run
-        local, uniq = _row_kinds(np.concatenate([its[:, None], st, sizes], axis=1))
+        local, uniq = row_kinds(np.concatenate([its[:, None], st, sizes], axis=1))
         ids = []
         for row in uniq.tolist():
             key = tuple(row)
@@ -264,23 +264,6 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
         kinds=kinds,
         tensor_bytes=tensor_bytes,
     )
-
-
-def _row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Each row's kind (equal rows, equal kinds) and one row per kind. Column by column: each
-    column's values as their rank among its distinct values, the ranks combined in mixed radix
-    into one integer (``unique`` over whole rows sorts them as bytes: ~0.25 s at 180,000)."""
-    code = np.zeros(rows.shape[0], dtype=np.int64)
-    radix = 1
-    for c in range(rows.shape[1]):
-        values, rank = np.unique(rows[:, c], return_inverse=True)
-        radix *= len(values)
-        if radix >= 2**62:
-            _, first, kind = np.unique(rows, axis=0, return_index=True, return_inverse=True)
-            return kind.reshape(-1), rows[first]
-        code = code * len(values) + rank.reshape(-1)
-    _, first, kind = np.unique(code, return_index=True, return_inverse=True)
-    return kind.reshape(-1).astype(np.int64), rows[first]
 
 
 def _compare_file(

@@ -1,0 +1,369 @@
+"""Reshard's columnar path: a Hugging Face source's small tensors cut into rank files with no
+Python step per target.
+
+At 90,000 tensors split four ways the short path (``batching``) still spent ~4 µs of Python
+per target (its kind, runs, windows, groups): ~1.6 s of a 3.6 s reshard that ``cp -r`` does in
+0.8 s. Here every target the short path would take is a row of arrays, worked out once for the
+whole run:
+
+- its output file, position and first byte there, its byte count;
+- from the HF header, the SRC file and first byte of its box, and its *kind*
+  (``io.mapped.box_kind``: a contiguous run repeated along a few outer dims at fixed byte
+  strides, one kind per (item size, tensor strides, box sizes), a few dozen in a 90k MoE).
+
+The copy engine walks targets in the global tensor order (every output file's order), so the
+run is cut into *chunks* of about ``CHUNK`` output bytes, at tensor boundaries. A chunk:
+
+1. reads the SRC stretches its boxes span with ``pread``, stretches less than ``GAP`` apart
+   read as one, into a scratch buffer (every read goes through the engine's ``_read``: the
+   input checksum feed and the short-read error "input changed during run" are the same);
+2. gathers the targets of one kind with one numpy indexing of a strided view of the scratch
+   (a row per possible first byte, as ``verify``'s columnar path does) and puts them into the
+   chunk's buffer with one more, each output file's targets back to back;
+3. hands each output file its stretch of the buffer (its next bytes: a file's targets tile
+   it), to the same writer threads, which hash and ``pwrite`` them in order; the buffer is
+   reused once every writer is done with it (:class:`~shardctl.reshard.writer.Lease`).
+
+Reads use ``pread``, not a map: a source cut by another process mid-run is the engine's one
+clear error, not a ``SIGBUS``.
+
+A tensor goes the old way (``copy.Executor._group``) when any of its targets is not one box
+filling its local tensor, is sub-byte, or spans more than ``SPAN_MAX`` bytes of SRC (large
+tensors: the block path is a ``pread`` per block already); its bytes are interleaved in file
+order with the chunks'. A source that is not an HF checkpoint (a merge, an engine format's
+relabelled shards) goes the old way entirely.
+
+Memory: ``BUFFERS`` chunk buffers of ``CHUNK + SPAN_MAX`` bytes, a scratch of about as much,
+and ~60 bytes per target for the arrays (11 MB at 180,000 targets).
+"""
+
+from __future__ import annotations
+
+import math
+import queue
+from collections.abc import Sequence
+from dataclasses import dataclass
+from itertools import chain, pairwise
+from operator import attrgetter, eq
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from shardctl.checkpoint.plan_files import FileTensors
+from shardctl.checkpoint.record_table import pad_rows
+from shardctl.checkpoint.source import HfShards
+from shardctl.dtypes import DTYPE_BITS
+from shardctl.io.mapped import Kind, box_kind, box_span, row_kinds, rows_view
+from shardctl.layout.types import Shard
+from shardctl.reshard.writer import Lease, OutFile
+
+if TYPE_CHECKING:
+    from shardctl.reshard.copy import Executor
+
+ENABLED = True  # off: every target goes the short/block paths (tests compare the two)
+# Output bytes a chunk holds (about: it is cut at tensor boundaries).
+CHUNK = 4 * 2**20
+# A target whose box spans more SRC bytes goes the block path (a pread per block).
+SPAN_MAX = 2 * 2**20
+# SRC holes at most this large are read through: one pread instead of two.
+GAP = 64 * 2**10
+# Chunk buffers: one being filled, the others with the writers.
+BUFFERS = 4
+
+
+@dataclass
+class Columns:
+    """Every target of a batch of output files, in the engine's merged order (arrays)."""
+
+    file: np.ndarray  # index into the batch's ``outs``
+    last: np.ndarray  # bool: the last target of its file
+    begin: np.ndarray  # first byte in its output file
+    nbytes: np.ndarray
+    src_file: np.ndarray  # SRC file index
+    src_start: np.ndarray  # SRC byte of its box's first run
+    kind: np.ndarray  # index into ``kinds``
+    kinds: list[Kind]
+    spans: np.ndarray  # per kind: bytes from a box's first byte to its last
+    ok: np.ndarray  # bool: its tensor goes this way
+    fqn_start: np.ndarray  # bool: the first target of its tensor
+    pos: int  # SRC file index x this + byte offset: one sortable int64 key per SRC byte
+
+
+def plan(
+    planned: Sequence[FileTensors],
+    key: np.ndarray,
+    order: np.ndarray,
+    sources: object,
+) -> Columns | None:
+    """The batch's targets as columns, or None when nothing in it can go this way.
+
+    ``planned``: the batch's files' tensors; ``key``: each target's tensor position in the
+    global order, the files' targets back to back (file-major); ``order``: the merged walk
+    over those (``copy.Executor._merged``); ``sources``: the engine's source shards."""
+    if not ENABLED or not isinstance(sources, HfShards) or not len(order):
+        return None
+    objs: list[Any] = list(chain.from_iterable(p.objs for p in planned))
+    if set(map(type, objs)) != {Shard} or (key < 0).any():
+        return None
+    n = len(objs)
+    pieces = list(
+        chain.from_iterable(
+            p.pieces if p.pieces is not None else map(attrgetter("pieces"), p.objs) for p in planned
+        )
+    )
+    local = list(map(attrgetter("local_shape"), objs))
+    # ---- tensors (per distinct key): item size, shape, byte strides, SRC file and begin ----
+    _, first, tinv = np.unique(key, return_index=True, return_inverse=True)
+    tinv = tinv.reshape(-1)
+    got = sources.wholes(map(attrgetter("fqn"), map(objs.__getitem__, first.tolist())))
+    if got is None:
+        return None
+    s_files, s_begins, dtypes, shapes = got
+    code = {d: i for i, d in enumerate(sorted(set(dtypes)))}
+    items = np.array([DTYPE_BITS[d] // 8 if DTYPE_BITS[d] % 8 == 0 else 0 for d in code])
+    t_code = np.fromiter(map(code.__getitem__, dtypes), np.int64, len(dtypes))
+    item = items[t_code]
+    nd = np.fromiter(map(len, shapes), np.int64, len(shapes))
+    width = max(1, int(nd.max()))
+    shape = pad_rows(np.fromiter(chain.from_iterable(shapes), np.int64), nd, width, 1)
+    stride = np.empty((len(shapes), width), dtype=np.int64)
+    acc = item.copy()
+    for d in range(width - 1, -1, -1):
+        stride[:, d] = acc
+        acc = acc * shape[:, d]
+    src_file = np.array(s_files, dtype=np.int64)
+    src_begin = np.array(s_begins, dtype=np.int64)
+    del got, shapes, s_files, s_begins
+    # ---- targets: their one piece (by the identity of the shared pieces objects) ----
+    p_ids = np.fromiter(map(id, pieces), np.int64, n)
+    l_ids = np.fromiter(map(id, local), np.int64, n)
+    _, p_inv = np.unique(p_ids, return_inverse=True)
+    _, l_first, l_inv = np.unique(l_ids, return_index=True, return_inverse=True)
+    pair = p_inv.reshape(-1).astype(np.int64) * len(l_first) + l_inv.reshape(-1)
+    _, pair_first, pair_inv = np.unique(pair, return_index=True, return_inverse=True)
+    off_rows, size_rows, good, ranks = [], [], [], []
+    for i in pair_first.tolist():
+        ps, ls = pieces[i], local[i]
+        p = ps[0] if len(ps) == 1 else None
+        fine = (
+            p is not None
+            and 0 < len(ls) <= width
+            and p.sizes == ls
+            and len(p.offsets) == len(ls)
+            and not any(p.local_offsets)
+        )
+        good.append(fine)
+        ranks.append(len(ls))
+        if fine and p is not None:
+            off_rows.append([*p.offsets, *[0] * (width - len(ls))])
+            size_rows.append([*ls, *[1] * (width - len(ls))])
+        else:
+            off_rows.append([0] * width)
+            size_rows.append([1] * width)
+    pair_inv = pair_inv.reshape(-1)
+    ok = np.asarray(good, dtype=bool)[pair_inv]
+    offsets = np.asarray(off_rows, dtype=np.int64).reshape(-1, width)[pair_inv]
+    sizes = np.asarray(size_rows, dtype=np.int64).reshape(-1, width)[pair_inv]
+    del pieces, local, p_ids, l_ids, pair
+    # the target's dtype and rank are its tensor's; its box lies inside the tensor
+    t_dtypes = map(dtypes.__getitem__, tinv.tolist())
+    ok &= np.fromiter(map(eq, map(attrgetter("dtype"), objs), t_dtypes), bool, n)
+    ok &= np.asarray(ranks, dtype=np.int64)[pair_inv] == nd[tinv]
+    t_item = item[tinv]
+    ok &= t_item > 0
+    ok &= ((offsets >= 0) & (offsets + sizes <= shape[tinv])).all(axis=1)
+    t_stride = stride[tinv]
+    nbytes = t_item * sizes.prod(axis=1)
+    begin = np.concatenate([np.frombuffer(p.begins, dtype=np.int64) for p in planned])
+    # a file's targets tile it: each begins where the one before ends (the chunk hands each
+    # file one stretch of bytes); otherwise nothing here
+    lens = np.array([len(p) for p in planned], dtype=np.int64)
+    heads = np.concatenate([[0], np.cumsum(lens)[:-1]])
+    follows = (begin[1:] == begin[:-1] + nbytes[:-1]) | ~ok[:-1]  # (others: not sized here)
+    follows[heads[1:] - 1] = True
+    if not follows.all():
+        return None
+    local_kind, uniq = row_kinds(np.concatenate([t_item[:, None], t_stride, sizes], axis=1))
+    kinds = [box_kind(r[0], r[1 : 1 + width], r[1 + width :]) for r in uniq.tolist()]
+    spans = np.array([box_span(*k) for k in kinds], dtype=np.int64)
+    ok &= (spans[local_kind] <= SPAN_MAX) & (nbytes > 0)
+    src_start = src_begin[tinv] + (offsets * t_stride).sum(axis=1)
+    del offsets, sizes, t_stride, t_item
+    files = np.repeat(np.arange(len(planned), dtype=np.int32), lens)
+    last = np.zeros(n, dtype=bool)
+    last[np.cumsum(lens)[lens > 0] - 1] = True
+    # ---- merged order; a tensor goes this way when all its targets can ----
+    o = order
+    keys = key[o]
+    fqn_start = np.ones(n, dtype=bool)
+    fqn_start[1:] = keys[1:] != keys[:-1]
+    starts = np.flatnonzero(fqn_start)
+    ok_o = ok[o]
+    whole = np.logical_and.reduceat(ok_o, starts)
+    ok_o = np.repeat(whole, np.diff(np.append(starts, n)))
+    if not ok_o.any():
+        return None
+    # a power of two past every SRC byte read; 10,000 files of up to 256 TiB fit an int64 key
+    pos = 1 << int((src_start + spans[local_kind]).max()).bit_length()
+    if (int(src_file.max()) + 1) * pos >= 2**62:
+        return None
+    return Columns(
+        file=files[o],
+        last=last[o],
+        begin=begin[o],
+        nbytes=nbytes[o],
+        src_file=src_file[tinv][o],
+        src_start=src_start[o],
+        kind=local_kind[o].astype(np.int32),
+        kinds=kinds,
+        spans=spans,
+        ok=ok_o,
+        fqn_start=fqn_start,
+        pos=pos,
+    )
+
+
+def chunks(cols: Columns, a: int, b: int) -> list[tuple[int, int]]:
+    """Targets ``[a, b)`` (all this path's) cut into chunks of about ``CHUNK`` output bytes at
+    tensor boundaries (a tensor's targets share its SRC reads): at the first tensor past each
+    multiple of ``CHUNK``."""
+    weight = np.cumsum(cols.nbytes[a:b])
+    starts = np.flatnonzero(cols.fqn_start[a:b])
+    if starts.size < 2:
+        return [(a, b)]
+    band = weight[starts[1:] - 1] // CHUNK  # bytes before each tensor, in chunks
+    cuts = starts[1:][np.flatnonzero(np.diff(band, prepend=0))].tolist()
+    return [(a + x, a + y) for x, y in pairwise([0, *cuts, b - a])]
+
+
+class Chunks:
+    """Writes chunks of targets for :class:`~shardctl.reshard.copy.Executor`: one scratch,
+    ``BUFFERS`` leased chunk buffers."""
+
+    def __init__(self, ex: Executor, cols: Columns) -> None:
+        self.ex = ex
+        self.cols = cols
+        self.free: queue.Queue[np.ndarray] = queue.Queue()
+        self.made = 0
+        self.scratch = np.empty(0, dtype=np.uint8)
+        self.views: dict[tuple[int, int], np.ndarray] = {}  # (kind, word) -> scratch rows
+        # per kind, the widest word (8, 4, 2 or 1 bytes) its run and strides are made of
+        self.words = [_word(math.gcd(run, *strides)) for _, strides, run in cols.kinds]
+
+    def _buffer(self, need: int) -> tuple[np.ndarray, queue.Queue[np.ndarray] | None]:
+        """A free chunk buffer (made up to ``BUFFERS``, then waited for) and where it goes
+        back; a chunk over the usual size (a small tensor replicated on many ranks) gets a
+        buffer of its own, dropped after its writes."""
+        if need > CHUNK + SPAN_MAX:
+            return np.empty(need, dtype=np.uint8), None
+        while True:
+            self.ex._check()
+            try:
+                return self.free.get_nowait(), self.free
+            except queue.Empty:
+                pass
+            if self.made < BUFFERS:
+                self.made += 1
+                return np.empty(CHUNK + SPAN_MAX, dtype=np.uint8), self.free
+            try:
+                return self.free.get(timeout=0.2), self.free
+            except queue.Empty:
+                continue
+
+    def _scratch(self, n: int) -> np.ndarray:
+        if self.scratch.size < n:
+            self.scratch = np.empty(-(-max(n, CHUNK + SPAN_MAX) // 8) * 8, dtype=np.uint8)
+            self.views.clear()
+        return self.scratch
+
+    def write(self, outs: list[OutFile], a: int, b: int) -> None:
+        """Targets ``[a, b)`` (one chunk) into their files' writers."""
+        ex, c = self.ex, self.cols
+        self.ex._check()
+        sl = slice(a, b)
+        kind, sf, ss, nb = c.kind[sl], c.src_file[sl], c.src_start[sl], c.nbytes[sl]
+        span = c.spans[kind]
+        # 1. SRC stretches, in file and byte order, holes under GAP read through
+        key_lo = sf.astype(np.int64) * c.pos + ss
+        key_hi = key_lo + span
+        o = np.argsort(key_lo, kind="stable")
+        lo_s, hi_s = key_lo[o], np.maximum.accumulate(key_hi[o])
+        brk = np.ones(o.size, dtype=bool)
+        brk[1:] = lo_s[1:] > hi_s[:-1] + GAP
+        brk[1:] |= lo_s[1:] // c.pos != lo_s[:-1] // c.pos  # never a read across two files
+        heads = np.flatnonzero(brk)
+        g_lo = lo_s[heads]
+        g_hi = np.append(hi_s[heads[1:] - 1], hi_s[-1])
+        g_len = g_hi - g_lo
+        g_at = np.concatenate([[0], np.cumsum(g_len)[:-1]])
+        gid = np.cumsum(brk) - 1
+        at_sorted = g_at[gid] + (lo_s - g_lo[gid])
+        at = np.empty_like(at_sorted)
+        at[o] = at_sorted
+        scratch = self._scratch(int(g_len.sum()))
+        mv = memoryview(scratch.data)
+        for f_lo, n, at0 in zip(g_lo.tolist(), g_len.tolist(), g_at.tolist(), strict=True):
+            ex._read(f_lo // c.pos, f_lo % c.pos, mv[at0 : at0 + n])
+        # 2. each file's targets back to back in the chunk buffer
+        fj = c.file[sl]
+        files, first, inv = np.unique(fj, return_index=True, return_inverse=True)
+        inv = inv.reshape(-1)
+        per_file = np.bincount(inv, weights=nb, minlength=files.size).astype(np.int64)
+        base = np.concatenate([[0], np.cumsum(per_file)[:-1]])
+        lo = c.begin[sl][first]
+        put = base[inv] + c.begin[sl] - lo[inv]
+        buf, home = self._buffer(int(per_file.sum()))
+        o = np.argsort(kind, kind="stable")
+        edges = np.flatnonzero(np.diff(kind[o])) + 1
+        for members in np.split(o, edges):
+            k = int(kind[members[0]])
+            src_at, dst_at = at[members], put[members]
+            # moved in the widest words every offset and length allows: numpy copies a fancy
+            # index's rows element by element, and bytes one at a time are ~8x slower
+            word = self.words[k]
+            while word > 1 and ((src_at | dst_at) & (word - 1)).any():
+                word //= 2
+            outer, strides, run = c.kinds[k]
+            size = int(nb[members[0]])
+            view = self.views.get((k, word))
+            if view is None:
+                view = self.views[k, word] = _rows(
+                    scratch, word, (*outer, run), strides, int(c.spans[k])
+                )
+            into = _rows(buf, word, (size,), (), size)
+            into[dst_at // word] = view[src_at // word].reshape(members.size, size // word)
+        # 3. hand each file its stretch
+        lease = Lease(home, buf, files.size)
+        done = memoryview(buf.data)
+        for x, j in enumerate(files.tolist()):
+            out = outs[j]
+            if out.pend is not None:
+                ex._flush(out)  # the block path's pending bytes of this file go first
+            ex._started(out)
+            n0, n = int(base[x]), int(per_file[x])
+            out.writer.q.put(("data", out, int(lo[x]), done[n0 : n0 + n], lease))
+        if ex.progress is not None:
+            ex.progress(int(nb.sum()))
+        for j in fj[c.last[sl]].tolist():
+            ex._close(outs[j])
+
+
+def _word(n: int) -> int:
+    """The widest of 8, 4, 2, 1 that divides ``n``."""
+    return next(w for w in (8, 4, 2, 1) if n % w == 0)
+
+
+def _rows(
+    buf: np.ndarray, word: int, shape: tuple[int, ...], strides: tuple[int, ...], span: int
+) -> np.ndarray:
+    """:func:`~shardctl.io.mapped.rows_view` of byte array ``buf`` in ``word``-byte words: a
+    row per possible first word (shape, strides and span in bytes, multiples of ``word``)."""
+    if word == 1:
+        return rows_view(buf, shape, strides, span)
+    words = buf[: buf.size - buf.size % word].view(f"u{word}")
+    return np.lib.stride_tricks.as_strided(
+        words,
+        shape=(words.size - span // word + 1, *shape[:-1], shape[-1] // word),
+        strides=(word, *strides, word),
+        writeable=buf.flags.writeable,
+    )

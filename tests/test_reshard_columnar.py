@@ -1,0 +1,241 @@
+"""reshard, columnar (``shardctl/reshard/columnar.py``): an HF source cut into rank files by
+kind of box, a chunk of targets per numpy call, must write exactly the bytes of the per-target
+paths (short path and block path), interleave with the block path inside one file where a
+tensor is too large for it, and keep the run's safety: the input checksum fed from its reads,
+a source cut mid-run reported (never a crash), nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from shardctl.checkpoint.record import RECORD_NAME
+from shardctl.errors import EnvironmentFailure, InvalidInputError
+from shardctl.io import faults
+from shardctl.io.safetensors_header import read_header
+from shardctl.layout.types import Mesh
+from shardctl.reshard import columnar, copy
+from shardctl.reshard.api import reshard
+from shardctl.verify.api import verify
+from tests._models import make_checkpoint
+from tests.test_reliability_input_hash import copy_dir, flip
+from tests.test_reshard_roundtrip import same_checkpoint
+
+CASES = [
+    ("mixtral", Mesh(tp=2, ep=2)),  # experts whole per ep rank, w1/w3 rows, w2 columns
+    ("llama", Mesh(tp=4)),  # q/k/v/gate/up rows, o/down columns, vocab rows, norms replicated
+    ("qwen3_moe", Mesh(pp=2, ep=2)),  # stages: a file holds a run of layers
+    ("qwen2", Mesh(tp=2)),  # q/k/v biases split with their heads
+    ("gpt2", Mesh(tp=2)),  # Conv1D [in, out]: fused c_attn is several pieces (the old way)
+    ("phi3", Mesh(tp=2)),  # fused qkv / gate_up: the old way, inside the same files
+    ("gpt_oss", Mesh(tp=2, ep=2)),  # packed experts [E, H, 2I]: E/ep x H strided rows
+    ("deepseek_v3", Mesh(tp=2, ep=2)),  # MLA projections, shared and routed experts
+]
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("columnar-src")
+    return {name: make_checkpoint(name, root / name) for name, _ in CASES}
+
+
+def _files(d: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in sorted(d.glob("*.safetensors"))}
+
+
+def _recorded(d: Path) -> dict[str, Any]:
+    """The record's file list (names, sizes, digests): the same bytes, the same record."""
+    rec = json.loads((d / RECORD_NAME).read_text())
+    return {f["name"]: (f["size"], f["digest"]) for f in rec["files"]}
+
+
+def _run(
+    src: Path, dst: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch, *, on: bool
+) -> tuple[int, int]:
+    """Reshard; (targets the columnar path wrote, tensors the per-target paths wrote)."""
+    wrote: list[int] = []
+    old: list[int] = []
+    write, group = columnar.Chunks.write, copy.Executor._group
+
+    def spy_write(self: columnar.Chunks, outs: Any, a: int, b: int) -> None:
+        wrote.append(b - a)
+        write(self, outs, a, b)
+
+    def spy_group(self: copy.Executor, targets: Any) -> None:
+        old.append(1)
+        group(self, targets)
+
+    monkeypatch.setattr(columnar, "ENABLED", on)
+    monkeypatch.setattr(columnar.Chunks, "write", spy_write)
+    monkeypatch.setattr(copy.Executor, "_group", spy_group)
+    reshard(src, dst, mesh=mesh)
+    return sum(wrote), len(old)
+
+
+@pytest.mark.parametrize("size", ["default", "tiny"])
+@pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
+def test_the_same_bytes_as_the_per_target_paths(
+    sources: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    mesh: Mesh,
+    size: str,
+) -> None:
+    if size == "tiny":
+        # chunks of a few targets, every tensor over 4 KiB of SRC the block path's, reads never
+        # merged across a hole and one chunk buffer: cuts, interleaving and waiting for writers
+        monkeypatch.setattr(columnar, "CHUNK", 700)
+        monkeypatch.setattr(columnar, "SPAN_MAX", 4096)
+        monkeypatch.setattr(columnar, "GAP", 0)
+        monkeypatch.setattr(columnar, "BUFFERS", 1)
+    src = sources[name]
+    on, off = tmp_path / "on", tmp_path / "off"
+    took, old = _run(src, on, mesh, monkeypatch, on=True)
+    took0, _ = _run(src, off, mesh, monkeypatch, on=False)
+    assert took > 0 and took0 == 0
+    if name in ("gpt2", "phi3") or size == "tiny":
+        assert old > 0  # fused parts / large tensors went the old way in the same run
+    a, b = _files(on), _files(off)
+    assert a.keys() == b.keys()
+    for file in a:
+        assert a[file] == b[file], file
+    assert _recorded(on) == _recorded(off)
+    assert verify(src, on, level="bitwise").ok
+
+
+def test_ten_thousand_tensors_from_dozens_of_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # 10,000+ tensors in 20+ SRC files: the chunks' reads span file boundaries, every target but
+    # the vocabulary's goes this way, the round trip is bit-exact
+    src = make_checkpoint(
+        "qwen3_moe",
+        tmp_path / "src",
+        max_shard_size="200KB",
+        num_hidden_layers=14,
+        num_experts=256,
+        moe_intermediate_size=16,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        intermediate_size=64,
+    )
+    assert len(list(src.glob("*.safetensors"))) > 20
+    mesh = Mesh(tp=2, ep=2)
+    took, _ = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
+    _run(src, tmp_path / "off", mesh, monkeypatch, on=False)
+    tensors = sum(len(read_header(p).tensors) for p in src.glob("*.safetensors"))
+    assert tensors > 10_000 and took > tensors  # tp halves and ep-replicated norms
+    assert _files(tmp_path / "on") == _files(tmp_path / "off")
+    reshard(tmp_path / "on", tmp_path / "back", fmt="hf")
+    same_checkpoint(src, tmp_path / "back")
+
+
+def test_real_vocabulary_and_heads_interleave_with_the_block_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Llama-3's 128,256-entry vocabulary and 32 / 8 heads (widths shrunk), tp 4: each rank's
+    # 16 MiB embedding and head go the block path, the head-count cuts of attention and MLP
+    # this one, inside the same rank files
+    src = make_checkpoint(
+        "llama",
+        tmp_path / "src",
+        vocab_size=128_256,
+        hidden_size=256,
+        intermediate_size=512,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=2,
+    )
+    mesh = Mesh(tp=4)
+    took, old = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
+    _run(src, tmp_path / "off", mesh, monkeypatch, on=False)
+    assert took > 0 and old >= 2  # embed_tokens and lm_head
+    assert _files(tmp_path / "on") == _files(tmp_path / "off")
+    assert verify(src, tmp_path / "on", level="bitwise").ok
+
+
+def test_a_source_cut_mid_run_is_the_clear_error_and_leaves_nothing(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # reads are pread, not a map: a source another process cuts between chunks is the engine's
+    # "input changed during run" (exit 5), never a SIGBUS
+    src = copy_dir(sources["mixtral"], tmp_path / "src")
+    monkeypatch.setattr(columnar, "CHUNK", 2048)
+    write = columnar.Chunks.write
+    calls: list[int] = []
+
+    def cut(self: columnar.Chunks, outs: Any, a: int, b: int) -> None:
+        calls.append(1)
+        if len(calls) == 3:
+            os.truncate(src / "model.safetensors", os.path.getsize(src / "model.safetensors") // 2)
+        write(self, outs, a, b)
+
+    monkeypatch.setattr(columnar.Chunks, "write", cut)
+    dst = tmp_path / "out"
+    with pytest.raises(EnvironmentFailure, match="input changed during run"):
+        reshard(src, dst, mesh=Mesh(tp=2, ep=2))
+    assert len(calls) >= 3 and not dst.exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".out")]
+
+
+def test_a_writer_failure_stops_the_chunks(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # a failing write (disk full) while the main thread waits for a chunk buffer: the run stops
+    # with that error, not a hang, and leaves nothing
+    monkeypatch.setattr(columnar, "CHUNK", 2048)
+    monkeypatch.setattr(columnar, "BUFFERS", 1)
+    faults.reset()
+    monkeypatch.setenv("SHARDCTL_FAULT", "shard_started:2:raise:ENOSPC")
+    dst = tmp_path / "out"
+    with pytest.raises(EnvironmentFailure, match="no space left"):
+        reshard(sources["mixtral"], dst, mesh=Mesh(tp=2, ep=2))
+    faults.reset()
+    assert not dst.exists()
+
+
+def test_the_input_checksum_is_fed_from_the_chunks_reads(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # an HF checkpoint with shardctl's record (xxh3-128 digests, hashed on the reading thread):
+    # the checksum is fed from the columnar path's reads, with no second read of the file, and
+    # a flipped bit never commits
+    from shardctl.checkpoint import input_check
+
+    hf = tmp_path / "hf"
+    reshard(sources["mixtral"], hf, fmt="hf")
+    whole: list[Path] = []
+    real = input_check.hash_file
+    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    mesh = Mesh(tp=2, ep=2)
+    took, _ = _run(hf, tmp_path / "ok", mesh, monkeypatch, on=True)
+    assert took > 0 and whole == []
+    src = copy_dir(hf, tmp_path / "src")
+    victim = src / "model.safetensors"
+    flip(victim, victim.stat().st_size - 1)  # the last byte: the last read of the file
+    with pytest.raises(InvalidInputError, match="input hash mismatch"):
+        reshard(src, tmp_path / "bad", mesh=mesh)
+    assert whole == [] and not (tmp_path / "bad").exists()
+
+
+def test_one_tensor_per_file_never_reads_across_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # files of a few hundred bytes: the next file's first byte is nearer than GAP in the sort
+    # key (file x a power of two + byte), yet a read must stop at its file's end
+    from tests.test_reliability_limits import write_many_files
+
+    src = tmp_path / "src"
+    files = write_many_files(src, layers=4)
+    assert files > 30
+    took, _ = _run(src, tmp_path / "on", Mesh(tp=2), monkeypatch, on=True)
+    _run(src, tmp_path / "off", Mesh(tp=2), monkeypatch, on=False)
+    assert took > files
+    assert _files(tmp_path / "on") == _files(tmp_path / "off")
