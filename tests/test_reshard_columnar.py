@@ -239,3 +239,17 @@ def test_one_tensor_per_file_never_reads_across_files(
     _run(src, tmp_path / "off", Mesh(tp=2), monkeypatch, on=False)
     assert took > files
     assert _files(tmp_path / "on") == _files(tmp_path / "off")
+
+
+def test_a_batch_over_the_target_limit_goes_the_per_target_way(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the columns' working memory grows with the targets: past MAX_TARGETS (a tp-8 split of
+    # 90,000 tensors) the per-target paths write the same bytes in less memory
+    src, mesh = sources["mixtral"], Mesh(tp=2, ep=2)
+    monkeypatch.setattr(columnar, "MAX_TARGETS", 10)
+    took, old = _run(src, tmp_path / "capped", mesh, monkeypatch, on=True)
+    monkeypatch.setattr(columnar, "MAX_TARGETS", 10**9)
+    took1, _ = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
+    assert took == 0 and old > 0 and took1 > 10
+    assert _files(tmp_path / "capped") == _files(tmp_path / "on")

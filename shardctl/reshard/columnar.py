@@ -34,7 +34,8 @@ order with the chunks'. A source that is not an HF checkpoint (a merge, an engin
 relabelled shards) goes the old way entirely.
 
 Memory: ``BUFFERS`` chunk buffers of ``CHUNK + SPAN_MAX`` bytes, a scratch of about as much,
-and ~60 bytes per target for the arrays (11 MB at 180,000 targets).
+~30 bytes a target for the columns and ~70 for a moment while they are worked out; a batch of
+more than ``MAX_TARGETS`` targets goes the per-target way (see there).
 """
 
 from __future__ import annotations
@@ -43,8 +44,8 @@ import math
 import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
-from itertools import chain, pairwise
-from operator import attrgetter, eq
+from itertools import chain, pairwise, repeat
+from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -56,6 +57,8 @@ from shardctl.dtypes import DTYPE_BITS
 from shardctl.io.mapped import Kind, box_kind, box_span, row_kinds, rows_view
 from shardctl.layout.types import Shard
 from shardctl.reshard.writer import Lease, OutFile
+
+_PIECES, _LOCAL = attrgetter("pieces"), attrgetter("local_shape")
 
 if TYPE_CHECKING:
     from shardctl.reshard.copy import Executor
@@ -69,6 +72,11 @@ SPAN_MAX = 2 * 2**20
 GAP = 64 * 2**10
 # Chunk buffers: one being filled, the others with the writers.
 BUFFERS = 4
+# Targets at most in one batch of output files: working out the columns holds ~70 bytes a
+# target for a moment (50 MB at 720,000, a tp-8 split of 90,000 tensors, which then peaked at
+# 281 MiB against the per-target path's 221); above this the per-target paths run, under the
+# 256 MiB the scale issue asks for.
+MAX_TARGETS = 400_000
 
 
 @dataclass
@@ -78,7 +86,7 @@ class Columns:
     file: np.ndarray  # index into the batch's ``outs``
     last: np.ndarray  # bool: the last target of its file
     begin: np.ndarray  # first byte in its output file
-    nbytes: np.ndarray
+    kind_bytes: np.ndarray  # per kind: a box's bytes
     src_file: np.ndarray  # SRC file index
     src_start: np.ndarray  # SRC byte of its box's first run
     kind: np.ndarray  # index into ``kinds``
@@ -100,21 +108,17 @@ def plan(
     ``planned``: the batch's files' tensors; ``key``: each target's tensor position in the
     global order, the files' targets back to back (file-major); ``order``: the merged walk
     over those (``copy.Executor._merged``); ``sources``: the engine's source shards."""
-    if not ENABLED or not isinstance(sources, HfShards) or not len(order):
+    if not ENABLED or not isinstance(sources, HfShards) or not 0 < len(order) <= MAX_TARGETS:
         return None
     objs: list[Any] = list(chain.from_iterable(p.objs for p in planned))
     if set(map(type, objs)) != {Shard} or (key < 0).any():
         return None
     n = len(objs)
-    pieces = list(
-        chain.from_iterable(
-            p.pieces if p.pieces is not None else map(attrgetter("pieces"), p.objs) for p in planned
-        )
-    )
-    local = list(map(attrgetter("local_shape"), objs))
-    # ---- tensors (per distinct key): item size, shape, byte strides, SRC file and begin ----
+    if any(p.pieces is not None for p in planned):
+        return None  # pieces given apart from the shards (not a rank layout's files)
+    # ---- tensors (per distinct key): dtype, shape, SRC file and begin ----
     _, first, tinv = np.unique(key, return_index=True, return_inverse=True)
-    tinv = tinv.reshape(-1)
+    tinv = tinv.reshape(-1).astype(np.int32)
     got = sources.wholes(map(attrgetter("fqn"), map(objs.__getitem__, first.tolist())))
     if got is None:
         return None
@@ -122,58 +126,81 @@ def plan(
     code = {d: i for i, d in enumerate(sorted(set(dtypes)))}
     items = np.array([DTYPE_BITS[d] // 8 if DTYPE_BITS[d] % 8 == 0 else 0 for d in code])
     t_code = np.fromiter(map(code.__getitem__, dtypes), np.int64, len(dtypes))
-    item = items[t_code]
     nd = np.fromiter(map(len, shapes), np.int64, len(shapes))
     width = max(1, int(nd.max()))
     shape = pad_rows(np.fromiter(chain.from_iterable(shapes), np.int64), nd, width, 1)
-    stride = np.empty((len(shapes), width), dtype=np.int64)
-    acc = item.copy()
-    for d in range(width - 1, -1, -1):
-        stride[:, d] = acc
-        acc = acc * shape[:, d]
     src_file = np.array(s_files, dtype=np.int64)
     src_begin = np.array(s_begins, dtype=np.int64)
     del got, shapes, s_files, s_begins
     # ---- targets: their one piece (by the identity of the shared pieces objects) ----
-    p_ids = np.fromiter(map(id, pieces), np.int64, n)
-    l_ids = np.fromiter(map(id, local), np.int64, n)
-    _, p_inv = np.unique(p_ids, return_inverse=True)
-    _, l_first, l_inv = np.unique(l_ids, return_index=True, return_inverse=True)
+    _, p_inv = np.unique(np.fromiter(map(id, map(_PIECES, objs)), np.int64, n), return_inverse=True)
+    _, l_first, l_inv = np.unique(
+        np.fromiter(map(id, map(_LOCAL, objs)), np.int64, n), return_index=True, return_inverse=True
+    )
     pair = p_inv.reshape(-1).astype(np.int64) * len(l_first) + l_inv.reshape(-1)
+    del p_inv, l_inv, l_first
     _, pair_first, pair_inv = np.unique(pair, return_index=True, return_inverse=True)
-    off_rows, size_rows, good, ranks = [], [], [], []
+    pair_inv = pair_inv.reshape(-1).astype(np.int32)
+    del pair
+    boxes: list[tuple[int, ...] | None] = []  # per pair: offsets then sizes, or None
     for i in pair_first.tolist():
-        ps, ls = pieces[i], local[i]
-        p = ps[0] if len(ps) == 1 else None
+        ps, ls = objs[i].pieces, objs[i].local_shape
+        q = ps[0] if len(ps) == 1 else None
         fine = (
-            p is not None
-            and 0 < len(ls) <= width
-            and p.sizes == ls
-            and len(p.offsets) == len(ls)
-            and not any(p.local_offsets)
+            q is not None
+            and len(ls) > 0
+            and q.sizes == ls
+            and len(q.offsets) == len(ls)
+            and not any(q.local_offsets)
         )
-        good.append(fine)
-        ranks.append(len(ls))
-        if fine and p is not None:
-            off_rows.append([*p.offsets, *[0] * (width - len(ls))])
-            size_rows.append([*ls, *[1] * (width - len(ls))])
-        else:
-            off_rows.append([0] * width)
-            size_rows.append([1] * width)
-    pair_inv = pair_inv.reshape(-1)
-    ok = np.asarray(good, dtype=bool)[pair_inv]
-    offsets = np.asarray(off_rows, dtype=np.int64).reshape(-1, width)[pair_inv]
-    sizes = np.asarray(size_rows, dtype=np.int64).reshape(-1, width)[pair_inv]
-    del pieces, local, p_ids, l_ids, pair
-    # the target's dtype and rank are its tensor's; its box lies inside the tensor
-    t_dtypes = map(dtypes.__getitem__, tinv.tolist())
-    ok &= np.fromiter(map(eq, map(attrgetter("dtype"), objs), t_dtypes), bool, n)
-    ok &= np.asarray(ranks, dtype=np.int64)[pair_inv] == nd[tinv]
-    t_item = item[tinv]
-    ok &= t_item > 0
-    ok &= ((offsets >= 0) & (offsets + sizes <= shape[tinv])).all(axis=1)
-    t_stride = stride[tinv]
-    nbytes = t_item * sizes.prod(axis=1)
+        boxes.append((*q.offsets, *ls) if fine and q is not None else None)
+    # ---- a target's geometry depends only on (its tensor's dtype and shape, its box): one
+    # Python step per such combination (a few dozen), arrays of indexes per target ----
+    t_class, class_rows = row_kinds(np.concatenate([t_code[:, None], nd[:, None], shape], axis=1))
+    combo = t_class[tinv].astype(np.int64) * len(boxes) + pair_inv
+    del pair_inv
+    _, c_first, c_inv = np.unique(combo, return_index=True, return_inverse=True)
+    c_inv = c_inv.reshape(-1).astype(np.int32)
+    kinds: list[Kind] = []
+    kind_of: dict[tuple[int, ...], int] = {}
+    c_ok, c_nbytes, c_kind, c_off = [], [], [], []
+    for u in combo[c_first].tolist():
+        row = class_rows[u // len(boxes)].tolist()
+        box = boxes[u % len(boxes)]
+        size, rank, dims = int(items[row[0]]), row[1], row[2 : 2 + row[1]]
+        fine = box is not None and size > 0 and len(box) == 2 * rank
+        offs, sizes = (box[:rank], box[rank:]) if box is not None and fine else ((), ())
+        fine = fine and all(
+            0 <= o and o + z <= d for o, z, d in zip(offs, sizes, dims, strict=True)
+        )
+        if not fine:
+            c_ok.append(False)
+            c_nbytes.append(0)
+            c_kind.append(0)
+            c_off.append(0)
+            continue
+        strides = [size] * rank
+        for d in range(rank - 2, -1, -1):
+            strides[d] = strides[d + 1] * dims[d + 1]
+        geometry = (size, *strides, *sizes)
+        k = kind_of.get(geometry)
+        if k is None:
+            k = kind_of[geometry] = len(kinds)
+            kinds.append(box_kind(size, strides, sizes))
+        nb = size * math.prod(sizes)
+        c_ok.append(0 < nb and box_span(*kinds[k]) <= SPAN_MAX)
+        c_nbytes.append(nb)
+        c_kind.append(k)
+        c_off.append(sum(o * t for o, t in zip(offs, strides, strict=True)))
+    del combo
+    if not kinds:
+        return None
+    ok = np.asarray(c_ok, dtype=bool)[c_inv]
+    # the target's dtype is its tensor's (a dtype cast is not this path's)
+    own = np.fromiter(map(code.get, map(attrgetter("dtype"), objs), repeat(-1)), np.int64, n)
+    ok &= own == t_code[tinv]
+    del objs, own
+    nbytes = np.asarray(c_nbytes, dtype=np.int64)[c_inv]
     begin = np.concatenate([np.frombuffer(p.begins, dtype=np.int64) for p in planned])
     # a file's targets tile it: each begins where the one before ends (the chunk hands each
     # file one stretch of bytes); otherwise nothing here
@@ -183,38 +210,41 @@ def plan(
     follows[heads[1:] - 1] = True
     if not follows.all():
         return None
-    local_kind, uniq = row_kinds(np.concatenate([t_item[:, None], t_stride, sizes], axis=1))
-    kinds = [box_kind(r[0], r[1 : 1 + width], r[1 + width :]) for r in uniq.tolist()]
+    del follows, nbytes
     spans = np.array([box_span(*k) for k in kinds], dtype=np.int64)
-    ok &= (spans[local_kind] <= SPAN_MAX) & (nbytes > 0)
-    src_start = src_begin[tinv] + (offsets * t_stride).sum(axis=1)
-    del offsets, sizes, t_stride, t_item
-    files = np.repeat(np.arange(len(planned), dtype=np.int32), lens)
+    kind_bytes = np.array([math.prod(k[0]) * k[2] for k in kinds], dtype=np.int64)
+    # ---- merged order (file-major arrays dropped as soon as they are reordered); a tensor
+    # goes this way when all its targets can ----
+    o = order
+    begin = begin[o]
     last = np.zeros(n, dtype=bool)
     last[np.cumsum(lens)[lens > 0] - 1] = True
-    # ---- merged order; a tensor goes this way when all its targets can ----
-    o = order
+    last = last[o]
     keys = key[o]
     fqn_start = np.ones(n, dtype=bool)
     fqn_start[1:] = keys[1:] != keys[:-1]
+    del keys
     starts = np.flatnonzero(fqn_start)
-    ok_o = ok[o]
-    whole = np.logical_and.reduceat(ok_o, starts)
+    whole = np.logical_and.reduceat(ok[o], starts)
     ok_o = np.repeat(whole, np.diff(np.append(starts, n)))
+    del ok, starts, whole
     if not ok_o.any():
         return None
+    kind = np.asarray(c_kind, dtype=np.int32)[c_inv[o]]
+    t_o = tinv[o]
+    src_start = src_begin[t_o] + np.asarray(c_off, dtype=np.int64)[c_inv[o]]
     # a power of two past every SRC byte read; 10,000 files of up to 256 TiB fit an int64 key
-    pos = 1 << int((src_start + spans[local_kind]).max()).bit_length()
+    pos = 1 << int((src_start + spans[kind]).max()).bit_length()
     if (int(src_file.max()) + 1) * pos >= 2**62:
         return None
     return Columns(
-        file=files[o],
-        last=last[o],
-        begin=begin[o],
-        nbytes=nbytes[o],
-        src_file=src_file[tinv][o],
-        src_start=src_start[o],
-        kind=local_kind[o].astype(np.int32),
+        file=np.repeat(np.arange(len(planned), dtype=np.int32), lens)[o],
+        last=last,
+        begin=begin,
+        kind_bytes=kind_bytes,
+        src_file=src_file[t_o].astype(np.int32),
+        src_start=src_start,
+        kind=kind,
         kinds=kinds,
         spans=spans,
         ok=ok_o,
@@ -227,7 +257,7 @@ def chunks(cols: Columns, a: int, b: int) -> list[tuple[int, int]]:
     """Targets ``[a, b)`` (all this path's) cut into chunks of about ``CHUNK`` output bytes at
     tensor boundaries (a tensor's targets share its SRC reads): at the first tensor past each
     multiple of ``CHUNK``."""
-    weight = np.cumsum(cols.nbytes[a:b])
+    weight = np.cumsum(cols.kind_bytes[cols.kind[a:b]])
     starts = np.flatnonzero(cols.fqn_start[a:b])
     if starts.size < 2:
         return [(a, b)]
@@ -281,7 +311,8 @@ class Chunks:
         ex, c = self.ex, self.cols
         self.ex._check()
         sl = slice(a, b)
-        kind, sf, ss, nb = c.kind[sl], c.src_file[sl], c.src_start[sl], c.nbytes[sl]
+        kind, sf, ss = c.kind[sl], c.src_file[sl], c.src_start[sl]
+        nb = c.kind_bytes[kind]
         span = c.spans[kind]
         # 1. SRC stretches, in file and byte order, holes under GAP read through
         key_lo = sf.astype(np.int64) * c.pos + ss
