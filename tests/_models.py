@@ -412,6 +412,31 @@ CONFIGS["qwen3_vl_moe"] = {
 }
 
 
+# Real sizes where the logic depends on size, widths shrunk so they build in seconds:
+# Llama-3's 128,256-entry vocabulary with its 32 / 8 heads (``make_checkpoint("llama", out,
+# **LLAMA3_VOCAB)``), and a Qwen3-MoE of 10,000+ tensors in 20+ files of at most 200 KB
+# (``make_checkpoint("qwen3_moe", out, **MANY_QWEN3_MOE)``).
+LLAMA3_VOCAB: dict[str, Any] = dict(
+    vocab_size=128_256,
+    hidden_size=256,
+    intermediate_size=512,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    num_hidden_layers=2,
+)
+MANY_QWEN3_MOE: dict[str, Any] = dict(
+    max_shard_size="200KB",
+    num_hidden_layers=14,
+    num_experts=256,
+    moe_intermediate_size=16,
+    hidden_size=32,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    intermediate_size=64,
+)
+
+
 def make_config(name: str, **overrides: Any) -> Any:
     """A transformers ``PretrainedConfig`` for ``CONFIGS[name]`` (with overrides)."""
     from transformers import AutoConfig

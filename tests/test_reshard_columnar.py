@@ -21,7 +21,7 @@ from shardctl.layout.types import Mesh
 from shardctl.reshard import columnar, copy
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
-from tests._models import make_checkpoint
+from tests._models import LLAMA3_VOCAB, MANY_QWEN3_MOE, make_checkpoint
 from tests.test_reliability_input_hash import copy_dir, flip
 from tests.test_reshard_roundtrip import same_checkpoint
 
@@ -113,19 +113,7 @@ def test_ten_thousand_tensors_from_dozens_of_files(
 ) -> None:
     # 10,000+ tensors in 20+ SRC files: the chunks' reads span file boundaries, every target but
     # the vocabulary's goes this way, the round trip is bit-exact
-    src = make_checkpoint(
-        "qwen3_moe",
-        tmp_path / "src",
-        max_shard_size="200KB",
-        num_hidden_layers=14,
-        num_experts=256,
-        moe_intermediate_size=16,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-    )
+    src = make_checkpoint("qwen3_moe", tmp_path / "src", **MANY_QWEN3_MOE)
     assert len(list(src.glob("*.safetensors"))) > 20
     mesh = Mesh(tp=2, ep=2)
     took, _ = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
@@ -143,16 +131,7 @@ def test_real_vocabulary_and_heads_interleave_with_the_block_path(
     # Llama-3's 128,256-entry vocabulary and 32 / 8 heads (widths shrunk), tp 4: each rank's
     # 16 MiB embedding and head go the block path, the head-count cuts of attention and MLP
     # this one, inside the same rank files
-    src = make_checkpoint(
-        "llama",
-        tmp_path / "src",
-        vocab_size=128_256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=2,
-    )
+    src = make_checkpoint("llama", tmp_path / "src", **LLAMA3_VOCAB)
     mesh = Mesh(tp=4)
     took, old = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
     _run(src, tmp_path / "off", mesh, monkeypatch, on=False)

@@ -149,21 +149,9 @@ def test_a_many_file_source_of_ten_thousand_tensors(
     # HF SRC in dozens of files (each window gathers per SRC file and kind of box), 10,000+
     # tensors: settled, with the span path's figures and rows
     from shardctl.reshard.api import reshard
-    from tests._models import make_checkpoint
+    from tests._models import MANY_QWEN3_MOE, make_checkpoint
 
-    src = make_checkpoint(
-        "qwen3_moe",
-        tmp_path / "src",
-        max_shard_size="200KB",
-        num_hidden_layers=14,
-        num_experts=256,
-        moe_intermediate_size=16,
-        hidden_size=32,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=8,
-        intermediate_size=64,
-    )
+    src = make_checkpoint("qwen3_moe", tmp_path / "src", **MANY_QWEN3_MOE)
     assert len(list(src.glob("*.safetensors"))) > 20
     dst = tmp_path / "dst"
     reshard(src, dst, mesh=Mesh(ep=2, tp=2))
@@ -221,18 +209,9 @@ def test_real_vocabulary_and_heads_are_settled_and_flips_handed_over(
     # embedding and head rows are 16 MiB, over LARGE, so they go slab by slab; the attention
     # and MLP shards are real head-count cuts (rows for q/k/v/gate/up, columns for o/down).
     from shardctl.reshard.api import reshard
-    from tests._models import make_checkpoint
+    from tests._models import LLAMA3_VOCAB, make_checkpoint
 
-    src = make_checkpoint(
-        "llama",
-        tmp_path / "src",
-        vocab_size=128_256,
-        hidden_size=256,
-        intermediate_size=512,
-        num_attention_heads=32,
-        num_key_value_heads=8,
-        num_hidden_layers=2,
-    )
+    src = make_checkpoint("llama", tmp_path / "src", **LLAMA3_VOCAB)
     dst = tmp_path / "tp4"
     reshard(src, dst, mesh=Mesh(tp=4))
     big = [e for p in dst.glob("rank-*.safetensors") for e in read_header(p).tensors]

@@ -16,22 +16,12 @@ from pathlib import Path
 import pytest
 
 from tests._cli import run_cli as _cli
-from tests._models import make_checkpoint
+from tests._models import LLAMA3_VOCAB, make_checkpoint
 
 # (family, vocab, overrides): Llama-3's vocabulary and head counts; Qwen2's 151,936 vocabulary
 # with its 28/4 heads and biases.
 REAL = {
-    "llama3-128k": (
-        "llama",
-        dict(
-            vocab_size=128_256,
-            hidden_size=256,
-            intermediate_size=512,
-            num_attention_heads=32,
-            num_key_value_heads=8,
-            num_hidden_layers=2,
-        ),
-    ),
+    "llama3-128k": ("llama", LLAMA3_VOCAB),
     "qwen2-152k": (
         "qwen2",
         dict(
