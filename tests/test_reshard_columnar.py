@@ -61,9 +61,9 @@ def _run(
     old: list[int] = []
     write, group = columnar.Chunks.write, copy.Executor._group
 
-    def spy_write(self: columnar.Chunks, outs: Any, a: int, b: int) -> None:
+    def spy_write(self: columnar.Chunks, outs: Any, cols: Any, a: int, b: int) -> None:
         wrote.append(b - a)
-        write(self, outs, a, b)
+        write(self, outs, cols, a, b)
 
     def spy_group(self: copy.Executor, targets: Any) -> None:
         old.append(1)
@@ -150,11 +150,11 @@ def test_a_source_cut_mid_run_is_the_clear_error_and_leaves_nothing(
     write = columnar.Chunks.write
     calls: list[int] = []
 
-    def cut(self: columnar.Chunks, outs: Any, a: int, b: int) -> None:
+    def cut(self: columnar.Chunks, outs: Any, cols: Any, a: int, b: int) -> None:
         calls.append(1)
         if len(calls) == 3:
             os.truncate(src / "model.safetensors", os.path.getsize(src / "model.safetensors") // 2)
-        write(self, outs, a, b)
+        write(self, outs, cols, a, b)
 
     monkeypatch.setattr(columnar.Chunks, "write", cut)
     dst = tmp_path / "out"
@@ -220,15 +220,21 @@ def test_one_tensor_per_file_never_reads_across_files(
     assert _files(tmp_path / "on") == _files(tmp_path / "off")
 
 
-def test_a_batch_over_the_target_limit_goes_the_per_target_way(
+def test_segments_of_a_few_targets_write_the_same_bytes(
     sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the columns' working memory grows with the targets: past MAX_TARGETS (a tp-8 split of
-    # 90,000 tensors) the per-target paths write the same bytes in less memory
+    # the columns are worked out a segment of the walk at a time (memory flat in the target
+    # count): segments of a handful of targets, cut where a tensor starts, kinds of box shared
+    # between segments, give the bytes of one segment and of the per-target paths
     src, mesh = sources["mixtral"], Mesh(tp=2, ep=2)
-    monkeypatch.setattr(columnar, "MAX_TARGETS", 10)
-    took, old = _run(src, tmp_path / "capped", mesh, monkeypatch, on=True)
-    monkeypatch.setattr(columnar, "MAX_TARGETS", 10**9)
-    took1, _ = _run(src, tmp_path / "on", mesh, monkeypatch, on=True)
-    assert took == 0 and old > 0 and took1 > 10
-    assert _files(tmp_path / "capped") == _files(tmp_path / "on")
+    seen: list[int] = []
+    real = columnar.plan
+    monkeypatch.setattr(columnar, "plan", lambda b, g, *a: seen.append(g.size) or real(b, g, *a))
+    monkeypatch.setattr(columnar, "SEGMENT", 5)
+    took, _ = _run(src, tmp_path / "small", mesh, monkeypatch, on=True)
+    assert len(seen) > 10 and max(seen) < 20
+    monkeypatch.setattr(columnar, "SEGMENT", 10**9)
+    took1, _ = _run(src, tmp_path / "one", mesh, monkeypatch, on=True)
+    _run(src, tmp_path / "off", mesh, monkeypatch, on=False)
+    assert took == took1 > 0
+    assert _files(tmp_path / "small") == _files(tmp_path / "one") == _files(tmp_path / "off")

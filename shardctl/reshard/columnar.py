@@ -33,7 +33,7 @@ tensors: the block path is a ``pread`` per block already); its bytes are interle
 order with the chunks'. A source that is not an HF checkpoint (a merge, an engine format's
 relabelled shards) goes the old way entirely.
 
-Memory: ``BUFFERS`` chunk buffers of ``CHUNK + SPAN_MAX`` bytes, a scratch of about as much,
+Memory: ``BUFFERS`` chunk buffers of ``2 x CHUNK`` bytes, a scratch of about as much,
 ~30 bytes a target for the columns and ~70 for a moment while they are worked out; a batch of
 more than ``MAX_TARGETS`` targets goes the per-target way (see there).
 """
@@ -45,7 +45,7 @@ import queue
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise, repeat
-from operator import attrgetter
+from operator import attrgetter, itemgetter
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -59,72 +59,135 @@ from shardctl.layout.types import Shard
 from shardctl.reshard.writer import Lease, OutFile
 
 _PIECES, _LOCAL = attrgetter("pieces"), attrgetter("local_shape")
+_FQN, _DTYPE = attrgetter("fqn"), attrgetter("dtype")
 
 if TYPE_CHECKING:
     from shardctl.reshard.copy import Executor
 
 ENABLED = True  # off: every target goes the short/block paths (tests compare the two)
 # Output bytes a chunk holds (about: it is cut at tensor boundaries).
-CHUNK = 4 * 2**20
+CHUNK = 2 * 2**20
 # A target whose box spans more SRC bytes goes the block path (a pread per block).
-SPAN_MAX = 2 * 2**20
+SPAN_MAX = 2**20
 # SRC holes at most this large are read through: one pread instead of two.
 GAP = 64 * 2**10
 # Chunk buffers: one being filled, the others with the writers.
-BUFFERS = 4
-# Targets at most in one batch of output files: working out the columns holds ~70 bytes a
-# target for a moment (50 MB at 720,000, a tp-8 split of 90,000 tensors, which then peaked at
-# 281 MiB against the per-target path's 221); above this the per-target paths run, under the
-# 256 MiB the scale issue asks for.
-MAX_TARGETS = 400_000
+BUFFERS = 3
+# Targets worked out at a time (cut where a tensor starts): working out the columns of all of
+# a tp-8 split of 90,000 tensors (720,000 targets) at once took 50 MB for a moment and peaked
+# the run at 281 MiB, over the scale issue's 256 MiB.
+SEGMENT = 65_536
 
 
 @dataclass
 class Columns:
-    """Every target of a batch of output files, in the engine's merged order (arrays)."""
+    """A segment of the engine's merged walk (a few tensors' targets), as arrays."""
 
     file: np.ndarray  # index into the batch's ``outs``
     last: np.ndarray  # bool: the last target of its file
     begin: np.ndarray  # first byte in its output file
-    kind_bytes: np.ndarray  # per kind: a box's bytes
     src_file: np.ndarray  # SRC file index
     src_start: np.ndarray  # SRC byte of its box's first run
-    kind: np.ndarray  # index into ``kinds``
-    kinds: list[Kind]
+    kind: np.ndarray  # index into the run's ``Kinds``
+    nbytes: np.ndarray  # per kind (the run's so far): a box's bytes
     spans: np.ndarray  # per kind: bytes from a box's first byte to its last
     ok: np.ndarray  # bool: its tensor goes this way
     fqn_start: np.ndarray  # bool: the first target of its tensor
     pos: int  # SRC file index x this + byte offset: one sortable int64 key per SRC byte
 
 
-def plan(
-    planned: Sequence[FileTensors],
-    key: np.ndarray,
-    order: np.ndarray,
-    sources: object,
-) -> Columns | None:
-    """The batch's targets as columns, or None when nothing in it can go this way.
+class Kinds:
+    """The kinds of box a run has met (a few dozen), numbered once for all its segments."""
 
-    ``planned``: the batch's files' tensors; ``key``: each target's tensor position in the
-    global order, the files' targets back to back (file-major); ``order``: the merged walk
-    over those (``copy.Executor._merged``); ``sources``: the engine's source shards."""
-    if not ENABLED or not isinstance(sources, HfShards) or not 0 < len(order) <= MAX_TARGETS:
+    def __init__(self) -> None:
+        self.kinds: list[Kind] = []
+        self.index: dict[tuple[int, ...], int] = {}
+        self.spans: list[int] = []
+        self.nbytes: list[int] = []
+
+    def of(self, item: int, strides: list[int], sizes: tuple[int, ...]) -> int:
+        geometry = (item, *strides, *sizes)
+        k = self.index.get(geometry)
+        if k is None:
+            k = self.index[geometry] = len(self.kinds)
+            kind = box_kind(item, strides, sizes)
+            self.kinds.append(kind)
+            self.spans.append(box_span(*kind))
+            self.nbytes.append(math.prod(kind[0]) * kind[2])
+        return k
+
+
+@dataclass
+class Batch:
+    """What every segment of a batch reads: its files' targets (no copy of them)."""
+
+    objs: list[Sequence[Any]]  # per file: the layout's Shard objects
+    begins: list[np.ndarray]  # per file: each target's first byte (a view)
+    sources: HfShards
+    kinds: Kinds
+
+    def targets(self, file: np.ndarray, at: np.ndarray) -> tuple[list[Any], np.ndarray]:
+        """The ``Shard`` objects and first bytes of targets ``(file, at)``, in that order
+        (C-level gathers per file: a batch's targets are never copied whole)."""
+        objs = np.empty(file.size, dtype=object)
+        begin = np.empty(file.size, dtype=np.int64)
+        for j in np.unique(file).tolist():
+            sel = np.flatnonzero(file == j)
+            idx = at[sel]
+            got = itemgetter(*idx.tolist())(self.objs[j])
+            objs[sel] = [got] if sel.size == 1 else got
+            begin[sel] = self.begins[j][idx]
+        return objs.tolist(), begin
+
+
+def batch(planned: Sequence[FileTensors], sources: object) -> Batch | None:
+    """The batch of output files ``planned`` when its targets may go this way: rank-layout
+    files (``Shard`` objects with their own pieces) from an HF source; else None."""
+    if not ENABLED or not isinstance(sources, HfShards):
         return None
-    objs: list[Any] = list(chain.from_iterable(p.objs for p in planned))
-    if set(map(type, objs)) != {Shard} or (key < 0).any():
-        return None
-    n = len(objs)
     if any(p.pieces is not None for p in planned):
         return None  # pieces given apart from the shards (not a rank layout's files)
+    objs = [p.objs for p in planned]
+    if set(chain.from_iterable(map(type, o) for o in objs)) != {Shard}:
+        return None
+    begins = [np.frombuffer(p.begins, dtype=np.int64) for p in planned]
+    return Batch(objs, begins, sources, Kinds())
+
+
+def segments(keys: np.ndarray) -> list[tuple[int, int]]:
+    """The merged walk (each target's tensor position, ``keys``) in segments of about
+    ``SEGMENT`` targets, cut where a tensor starts (a tensor's targets stay together)."""
+    n = keys.size
+    if n <= SEGMENT:
+        return [(0, n)] if n else []
+    starts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
+    at = np.searchsorted(starts, np.arange(SEGMENT, n, SEGMENT))
+    cuts = np.unique(starts[at[at < starts.size]]).tolist()
+    return list(pairwise([0, *cuts, n]))
+
+
+def plan(
+    b: Batch, key: np.ndarray, file: np.ndarray, at: np.ndarray, last: np.ndarray
+) -> Columns | None:
+    """One segment as columns, or None when none of its tensors can go this way.
+
+    Its targets in walk order: ``key``, ``file``, ``at``, ``last``: each one's tensor position
+    in the global order, output file, position there and whether it ends the file. Working
+    memory is ~100 bytes a target: a segment at a time keeps a tp-8 split of 90,000 tensors
+    (720,000 targets) under the scale issue's 256 MiB."""
+    n = key.size
+    if (key < 0).any():
+        return None
+    objs, begin = b.targets(file, at)
     # ---- tensors (per distinct key): dtype, shape, SRC file and begin ----
     _, first, tinv = np.unique(key, return_index=True, return_inverse=True)
-    tinv = tinv.reshape(-1).astype(np.int32)
-    got = sources.wholes(map(attrgetter("fqn"), map(objs.__getitem__, first.tolist())))
+    tinv = tinv.reshape(-1)
+    got = b.sources.wholes(map(_FQN, map(objs.__getitem__, first.tolist())))
     if got is None:
         return None
     s_files, s_begins, dtypes, shapes = got
     code = {d: i for i, d in enumerate(sorted(set(dtypes)))}
-    items = np.array([DTYPE_BITS[d] // 8 if DTYPE_BITS[d] % 8 == 0 else 0 for d in code])
+    items = [DTYPE_BITS[d] // 8 if DTYPE_BITS[d] % 8 == 0 else 0 for d in code]
     t_code = np.fromiter(map(code.__getitem__, dtypes), np.int64, len(dtypes))
     nd = np.fromiter(map(len, shapes), np.int64, len(shapes))
     width = max(1, int(nd.max()))
@@ -138,10 +201,8 @@ def plan(
         np.fromiter(map(id, map(_LOCAL, objs)), np.int64, n), return_index=True, return_inverse=True
     )
     pair = p_inv.reshape(-1).astype(np.int64) * len(l_first) + l_inv.reshape(-1)
-    del p_inv, l_inv, l_first
     _, pair_first, pair_inv = np.unique(pair, return_index=True, return_inverse=True)
-    pair_inv = pair_inv.reshape(-1).astype(np.int32)
-    del pair
+    del p_inv, l_inv, l_first, pair
     boxes: list[tuple[int, ...] | None] = []  # per pair: offsets then sizes, or None
     for i in pair_first.tolist():
         ps, ls = objs[i].pieces, objs[i].local_shape
@@ -157,97 +218,64 @@ def plan(
     # ---- a target's geometry depends only on (its tensor's dtype and shape, its box): one
     # Python step per such combination (a few dozen), arrays of indexes per target ----
     t_class, class_rows = row_kinds(np.concatenate([t_code[:, None], nd[:, None], shape], axis=1))
-    combo = t_class[tinv].astype(np.int64) * len(boxes) + pair_inv
-    del pair_inv
+    combo = t_class[tinv] * len(boxes) + pair_inv.reshape(-1)
     _, c_first, c_inv = np.unique(combo, return_index=True, return_inverse=True)
-    c_inv = c_inv.reshape(-1).astype(np.int32)
-    kinds: list[Kind] = []
-    kind_of: dict[tuple[int, ...], int] = {}
-    c_ok, c_nbytes, c_kind, c_off = [], [], [], []
+    c_inv = c_inv.reshape(-1)
+    c_ok, c_kind, c_off = [], [], []
     for u in combo[c_first].tolist():
         row = class_rows[u // len(boxes)].tolist()
         box = boxes[u % len(boxes)]
-        size, rank, dims = int(items[row[0]]), row[1], row[2 : 2 + row[1]]
+        size, rank, dims = items[row[0]], row[1], row[2 : 2 + row[1]]
         fine = box is not None and size > 0 and len(box) == 2 * rank
         offs, sizes = (box[:rank], box[rank:]) if box is not None and fine else ((), ())
-        fine = fine and all(
-            0 <= o and o + z <= d for o, z, d in zip(offs, sizes, dims, strict=True)
-        )
-        if not fine:
+        inside = zip(offs, sizes, dims, strict=True)
+        if not (fine and all(0 <= o and o + z <= d for o, z, d in inside)):
             c_ok.append(False)
-            c_nbytes.append(0)
             c_kind.append(0)
             c_off.append(0)
             continue
         strides = [size] * rank
         for d in range(rank - 2, -1, -1):
             strides[d] = strides[d + 1] * dims[d + 1]
-        geometry = (size, *strides, *sizes)
-        k = kind_of.get(geometry)
-        if k is None:
-            k = kind_of[geometry] = len(kinds)
-            kinds.append(box_kind(size, strides, sizes))
-        nb = size * math.prod(sizes)
-        c_ok.append(0 < nb and box_span(*kinds[k]) <= SPAN_MAX)
-        c_nbytes.append(nb)
+        k = b.kinds.of(size, strides, sizes)
+        c_ok.append(0 < b.kinds.nbytes[k] and b.kinds.spans[k] <= SPAN_MAX)
         c_kind.append(k)
         c_off.append(sum(o * t for o, t in zip(offs, strides, strict=True)))
     del combo
-    if not kinds:
-        return None
+    c_kind_arr = np.asarray(c_kind, dtype=np.int32)
     ok = np.asarray(c_ok, dtype=bool)[c_inv]
     # the target's dtype is its tensor's (a dtype cast is not this path's)
-    own = np.fromiter(map(code.get, map(attrgetter("dtype"), objs), repeat(-1)), np.int64, n)
+    own = np.fromiter(map(code.get, map(_DTYPE, objs), repeat(-1)), np.int64, n)
     ok &= own == t_code[tinv]
     del objs, own
-    nbytes = np.asarray(c_nbytes, dtype=np.int64)[c_inv]
-    begin = np.concatenate([np.frombuffer(p.begins, dtype=np.int64) for p in planned])
-    # a file's targets tile it: each begins where the one before ends (the chunk hands each
-    # file one stretch of bytes); otherwise nothing here
-    lens = np.array([len(p) for p in planned], dtype=np.int64)
-    heads = np.concatenate([[0], np.cumsum(lens)[:-1]])
-    follows = (begin[1:] == begin[:-1] + nbytes[:-1]) | ~ok[:-1]  # (others: not sized here)
-    follows[heads[1:] - 1] = True
-    if not follows.all():
-        return None
-    del follows, nbytes
-    spans = np.array([box_span(*k) for k in kinds], dtype=np.int64)
-    kind_bytes = np.array([math.prod(k[0]) * k[2] for k in kinds], dtype=np.int64)
-    # ---- merged order (file-major arrays dropped as soon as they are reordered); a tensor
-    # goes this way when all its targets can ----
-    o = order
-    begin = begin[o]
-    last = np.zeros(n, dtype=bool)
-    last[np.cumsum(lens)[lens > 0] - 1] = True
-    last = last[o]
-    keys = key[o]
+    # ---- a tensor goes this way when all its targets can ----
     fqn_start = np.ones(n, dtype=bool)
-    fqn_start[1:] = keys[1:] != keys[:-1]
-    del keys
+    fqn_start[1:] = key[1:] != key[:-1]
     starts = np.flatnonzero(fqn_start)
-    whole = np.logical_and.reduceat(ok[o], starts)
-    ok_o = np.repeat(whole, np.diff(np.append(starts, n)))
-    del ok, starts, whole
-    if not ok_o.any():
+    # ... and they add up to at most CHUNK (a chunk is then at most 2 x CHUNK: a tensor
+    # replicated on 8 ranks would otherwise make one 8 x its size)
+    count = np.diff(np.append(starts, n))
+    total = np.add.reduceat(np.asarray(b.kinds.nbytes, dtype=np.int64)[c_kind_arr[c_inv]], starts)
+    ok = np.repeat(np.logical_and.reduceat(ok, starts) & (total <= CHUNK), count)
+    if not ok.any():
         return None
-    kind = np.asarray(c_kind, dtype=np.int32)[c_inv[o]]
-    t_o = tinv[o]
-    src_start = src_begin[t_o] + np.asarray(c_off, dtype=np.int64)[c_inv[o]]
+    kind = c_kind_arr[c_inv]
+    spans = np.asarray(b.kinds.spans, dtype=np.int64)
+    src_start = src_begin[tinv] + np.asarray(c_off, dtype=np.int64)[c_inv]
     # a power of two past every SRC byte read; 10,000 files of up to 256 TiB fit an int64 key
     pos = 1 << int((src_start + spans[kind]).max()).bit_length()
     if (int(src_file.max()) + 1) * pos >= 2**62:
         return None
     return Columns(
-        file=np.repeat(np.arange(len(planned), dtype=np.int32), lens)[o],
+        file=file,
         last=last,
         begin=begin,
-        kind_bytes=kind_bytes,
-        src_file=src_file[t_o].astype(np.int32),
+        src_file=src_file[tinv].astype(np.int32),
         src_start=src_start,
         kind=kind,
-        kinds=kinds,
+        nbytes=np.asarray(b.kinds.nbytes, dtype=np.int64),
         spans=spans,
-        ok=ok_o,
+        ok=ok,
         fqn_start=fqn_start,
         pos=pos,
     )
@@ -257,7 +285,7 @@ def chunks(cols: Columns, a: int, b: int) -> list[tuple[int, int]]:
     """Targets ``[a, b)`` (all this path's) cut into chunks of about ``CHUNK`` output bytes at
     tensor boundaries (a tensor's targets share its SRC reads): at the first tensor past each
     multiple of ``CHUNK``."""
-    weight = np.cumsum(cols.kind_bytes[cols.kind[a:b]])
+    weight = np.cumsum(cols.nbytes[cols.kind[a:b]])
     starts = np.flatnonzero(cols.fqn_start[a:b])
     if starts.size < 2:
         return [(a, b)]
@@ -270,21 +298,21 @@ class Chunks:
     """Writes chunks of targets for :class:`~shardctl.reshard.copy.Executor`: one scratch,
     ``BUFFERS`` leased chunk buffers."""
 
-    def __init__(self, ex: Executor, cols: Columns) -> None:
+    def __init__(self, ex: Executor, kinds: Kinds) -> None:
         self.ex = ex
-        self.cols = cols
+        self.kinds = kinds
         self.free: queue.Queue[np.ndarray] = queue.Queue()
         self.made = 0
         self.scratch = np.empty(0, dtype=np.uint8)
         self.views: dict[tuple[int, int], np.ndarray] = {}  # (kind, word) -> scratch rows
         # per kind, the widest word (8, 4, 2 or 1 bytes) its run and strides are made of
-        self.words = [_word(math.gcd(run, *strides)) for _, strides, run in cols.kinds]
+        self.words: list[int] = []
 
     def _buffer(self, need: int) -> tuple[np.ndarray, queue.Queue[np.ndarray] | None]:
         """A free chunk buffer (made up to ``BUFFERS``, then waited for) and where it goes
         back; a chunk over the usual size (a small tensor replicated on many ranks) gets a
         buffer of its own, dropped after its writes."""
-        if need > CHUNK + SPAN_MAX:
+        if need > 2 * CHUNK:  # (a tensor's targets are at most CHUNK: never, but kept safe)
             return np.empty(need, dtype=np.uint8), None
         while True:
             self.ex._check()
@@ -294,7 +322,7 @@ class Chunks:
                 pass
             if self.made < BUFFERS:
                 self.made += 1
-                return np.empty(CHUNK + SPAN_MAX, dtype=np.uint8), self.free
+                return np.empty(2 * CHUNK, dtype=np.uint8), self.free
             try:
                 return self.free.get(timeout=0.2), self.free
             except queue.Empty:
@@ -302,17 +330,17 @@ class Chunks:
 
     def _scratch(self, n: int) -> np.ndarray:
         if self.scratch.size < n:
-            self.scratch = np.empty(-(-max(n, CHUNK + SPAN_MAX) // 8) * 8, dtype=np.uint8)
+            self.scratch = np.empty(-(-max(n, 2 * CHUNK) // 8) * 8, dtype=np.uint8)
             self.views.clear()
         return self.scratch
 
-    def write(self, outs: list[OutFile], a: int, b: int) -> None:
-        """Targets ``[a, b)`` (one chunk) into their files' writers."""
-        ex, c = self.ex, self.cols
+    def write(self, outs: list[OutFile], c: Columns, a: int, b: int) -> None:
+        """Targets ``[a, b)`` of ``c`` (one chunk) into their files' writers."""
+        ex = self.ex
         self.ex._check()
         sl = slice(a, b)
         kind, sf, ss = c.kind[sl], c.src_file[sl], c.src_start[sl]
-        nb = c.kind_bytes[kind]
+        nb = c.nbytes[kind]
         span = c.spans[kind]
         # 1. SRC stretches, in file and byte order, holes under GAP read through
         key_lo = sf.astype(np.int64) * c.pos + ss
@@ -343,6 +371,9 @@ class Chunks:
         base = np.concatenate([[0], np.cumsum(per_file)[:-1]])
         lo = c.begin[sl][first]
         put = base[inv] + c.begin[sl] - lo[inv]
+        if (put + nb > base[inv] + per_file[inv]).any():
+            # a file's targets do not tile it (plan_files writes them back to back): a bug
+            raise AssertionError("reshard columnar: a chunk's targets leave a hole in a file")
         buf, home = self._buffer(int(per_file.sum()))
         o = np.argsort(kind, kind="stable")
         edges = np.flatnonzero(np.diff(kind[o])) + 1
@@ -351,10 +382,13 @@ class Chunks:
             src_at, dst_at = at[members], put[members]
             # moved in the widest words every offset and length allows: numpy copies a fancy
             # index's rows element by element, and bytes one at a time are ~8x slower
+            while len(self.words) <= k:
+                _, strides, run = self.kinds.kinds[len(self.words)]
+                self.words.append(_word(math.gcd(run, *strides)))
             word = self.words[k]
             while word > 1 and ((src_at | dst_at) & (word - 1)).any():
                 word //= 2
-            outer, strides, run = c.kinds[k]
+            outer, strides, run = self.kinds.kinds[k]
             size = int(nb[members[0]])
             view = self.views.get((k, word))
             if view is None:

@@ -198,21 +198,29 @@ class Executor(Batching):
             self._groups(self._walk(outs, rank))
         else:
             planned, key, js, at, lens, order = merged
-            cols = columnar.plan(planned, key, order, self.sources)
-            del key
-            if cols is None:
+            b = columnar.batch(planned, self.sources)
+            if b is None:
                 self._groups(self._planned(outs, planned, js, at, lens, order))
             else:
-                # stretches of the merged walk: the columnar path's chunks, or the old way
-                chunks = columnar.Chunks(self, cols)
-                edges = np.flatnonzero(np.diff(cols.ok)) + 1
-                bounds = [0, *edges.tolist(), len(order)]
-                for a, b in itertools.pairwise(bounds):
-                    if cols.ok[a]:
-                        for x, y in columnar.chunks(cols, a, b):
-                            chunks.write(outs, x, y)
-                    else:
-                        self._groups(self._planned(outs, planned, js, at, lens, order[a:b]))
+                chunks = columnar.Chunks(self, b.kinds)
+                ends = np.asarray(lens, dtype=np.int32) - 1
+                keys = key[order].astype(np.int32)
+                del key
+                for s0, s1 in columnar.segments(keys):
+                    g = order[s0:s1]
+                    file, pos = js[g], at[g]
+                    cols = columnar.plan(b, keys[s0:s1], file, pos, pos == ends[file])
+                    if cols is None:
+                        self._groups(self._planned(outs, planned, js, at, lens, g))
+                        continue
+                    # stretches of the segment: the columnar path's chunks, or the old way
+                    edges = np.flatnonzero(np.diff(cols.ok)) + 1
+                    for x, y in itertools.pairwise([0, *edges.tolist(), g.size]):
+                        if cols.ok[x]:
+                            for c0, c1 in columnar.chunks(cols, x, y):
+                                chunks.write(outs, cols, c0, c1)
+                        else:
+                            self._groups(self._planned(outs, planned, js, at, lens, g[x:y]))
         self._check()
 
     def _groups(self, walk: Iterator[tuple[OutFile, Fields, bool]]) -> None:
