@@ -338,20 +338,56 @@ class Chunks:
 
     def write(self, outs: list[OutFile], c: Columns, a: int, b: int) -> None:
         """Targets ``[a, b)`` of ``c`` (one chunk) into their files' writers."""
-        ex = self.ex
         self.ex._check()
         sl = slice(a, b)
-        kind, sf, ss = c.kind[sl], c.src_file[sl], c.src_start[sl]
+        kind = c.kind[sl]
         nb = c.nbytes[kind]
-        span = c.spans[kind]
-        # 1. SRC stretches, in file and byte order, holes under GAP read through
-        key_lo = sf.astype(np.int64) * c.pos + ss
+        scratch, at = self.read(c.src_file[sl], c.src_start[sl], c.spans[kind], c.pos)
+        fj, begin = c.file[sl], c.begin[sl]
+        files, lo, base, per_file, put = self.layout(fj, begin, nb)
+        buf, home = self._buffer(int(per_file.sum()))
+        o = np.argsort(kind, kind="stable")
+        edges = np.flatnonzero(np.diff(kind[o])) + 1
+        for members in np.split(o, edges):
+            k = int(kind[members[0]])
+            src_at, dst_at = at[members], put[members]
+            # moved in the widest words every offset and length allows: numpy copies a fancy
+            # index's rows element by element, and bytes one at a time are ~8x slower
+            word = self.word(k, src_at | dst_at)
+            outer, strides, run = self.kinds.kinds[k]
+            size = int(nb[members[0]])
+            view = self.views.get((k, word))
+            if view is None:
+                view = self.views[k, word] = _rows(
+                    scratch, word, (*outer, run), strides, int(c.spans[k])
+                )
+            into = _rows(buf, word, (size,), (), size)
+            into[dst_at // word] = view[src_at // word].reshape(members.size, size // word)
+        self.hand(outs, buf, home, files, lo, base, per_file, fj[c.last[sl]], int(nb.sum()))
+
+    def word(self, k: int, offsets: np.ndarray) -> int:
+        """The widest word kind ``k``'s run and strides and every one of ``offsets`` allow."""
+        while len(self.words) <= k:
+            _, strides, run = self.kinds.kinds[len(self.words)]
+            self.words.append(_word(math.gcd(run, *strides)))
+        word = self.words[k]
+        while word > 1 and (offsets & (word - 1)).any():
+            word //= 2
+        return word
+
+    def read(
+        self, sf: np.ndarray, ss: np.ndarray, span: np.ndarray, pos: int
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """SRC bytes ``[ss, ss + span)`` of files ``sf`` into the scratch, in file and byte
+        order, holes under ``GAP`` read through, never across two files; the scratch and where
+        each stretch starts in it."""
+        key_lo = sf.astype(np.int64) * pos + ss
         key_hi = key_lo + span
         o = np.argsort(key_lo, kind="stable")
         lo_s, hi_s = key_lo[o], np.maximum.accumulate(key_hi[o])
         brk = np.ones(o.size, dtype=bool)
         brk[1:] = lo_s[1:] > hi_s[:-1] + GAP
-        brk[1:] |= lo_s[1:] // c.pos != lo_s[:-1] // c.pos  # never a read across two files
+        brk[1:] |= lo_s[1:] // pos != lo_s[:-1] // pos  # never a read across two files
         heads = np.flatnonzero(brk)
         g_lo = lo_s[heads]
         g_hi = np.append(hi_s[heads[1:] - 1], hi_s[-1])
@@ -364,42 +400,41 @@ class Chunks:
         scratch = self._scratch(int(g_len.sum()))
         mv = memoryview(scratch.data)
         for f_lo, n, at0 in zip(g_lo.tolist(), g_len.tolist(), g_at.tolist(), strict=True):
-            ex._read(f_lo // c.pos, f_lo % c.pos, mv[at0 : at0 + n])
-        # 2. each file's targets back to back in the chunk buffer
-        fj = c.file[sl]
+            self.ex._read(f_lo // pos, f_lo % pos, mv[at0 : at0 + n])
+        return scratch, at
+
+    @staticmethod
+    def layout(
+        fj: np.ndarray, begin: np.ndarray, nb: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """Each output file's targets back to back in a chunk buffer: (files, each one's first
+        byte, its start in the buffer, its bytes, each target's start in the buffer)."""
         files, first, inv = np.unique(fj, return_index=True, return_inverse=True)
         inv = inv.reshape(-1)
         per_file = np.bincount(inv, weights=nb, minlength=files.size).astype(np.int64)
         base = np.concatenate([[0], np.cumsum(per_file)[:-1]])
-        lo = c.begin[sl][first]
-        put = base[inv] + c.begin[sl] - lo[inv]
+        lo = begin[first]
+        put = base[inv] + begin - lo[inv]
         if (put + nb > base[inv] + per_file[inv]).any():
             # a file's targets do not tile it (plan_files writes them back to back): a bug
             raise AssertionError("reshard columnar: a chunk's targets leave a hole in a file")
-        buf, home = self._buffer(int(per_file.sum()))
-        o = np.argsort(kind, kind="stable")
-        edges = np.flatnonzero(np.diff(kind[o])) + 1
-        for members in np.split(o, edges):
-            k = int(kind[members[0]])
-            src_at, dst_at = at[members], put[members]
-            # moved in the widest words every offset and length allows: numpy copies a fancy
-            # index's rows element by element, and bytes one at a time are ~8x slower
-            while len(self.words) <= k:
-                _, strides, run = self.kinds.kinds[len(self.words)]
-                self.words.append(_word(math.gcd(run, *strides)))
-            word = self.words[k]
-            while word > 1 and ((src_at | dst_at) & (word - 1)).any():
-                word //= 2
-            outer, strides, run = self.kinds.kinds[k]
-            size = int(nb[members[0]])
-            view = self.views.get((k, word))
-            if view is None:
-                view = self.views[k, word] = _rows(
-                    scratch, word, (*outer, run), strides, int(c.spans[k])
-                )
-            into = _rows(buf, word, (size,), (), size)
-            into[dst_at // word] = view[src_at // word].reshape(members.size, size // word)
-        # 3. hand each file its stretch
+        return files, lo, base, per_file, put
+
+    def hand(
+        self,
+        outs: list[OutFile],
+        buf: np.ndarray,
+        home: queue.Queue[np.ndarray] | None,
+        files: np.ndarray,
+        lo: np.ndarray,
+        base: np.ndarray,
+        per_file: np.ndarray,
+        ending: np.ndarray,
+        nbytes: int,
+    ) -> None:
+        """Hand each file its stretch of ``buf`` (its next bytes), then close the files whose
+        last target was in it (``ending``)."""
+        ex = self.ex
         lease = Lease(home, buf, files.size)
         done = memoryview(buf.data)
         for x, j in enumerate(files.tolist()):
@@ -410,8 +445,8 @@ class Chunks:
             n0, n = int(base[x]), int(per_file[x])
             out.writer.q.put(("data", out, int(lo[x]), done[n0 : n0 + n], lease))
         if ex.progress is not None:
-            ex.progress(int(nb.sum()))
-        for j in fj[c.last[sl]].tolist():
+            ex.progress(nbytes)
+        for j in ending.tolist():
             ex._close(outs[j])
 
 
