@@ -238,3 +238,98 @@ def test_segments_of_a_few_targets_write_the_same_bytes(
     _run(src, tmp_path / "off", mesh, monkeypatch, on=False)
     assert took == took1 > 0
     assert _files(tmp_path / "small") == _files(tmp_path / "one") == _files(tmp_path / "off")
+
+
+# ---- the merge back (columnar_merge): rank files to whole tensors ---------------------------
+
+MERGES = [
+    ("mixtral", Mesh(tp=2, ep=2)),  # expert halves by rows and by columns, norms replicated
+    ("llama", Mesh(tp=4)),  # column cuts put back into strided boxes
+    ("qwen3_moe", Mesh(pp=2, ep=2)),
+    ("gpt2", Mesh(tp=2)),  # fused c_attn: several pieces a shard, the per-target way
+    ("gpt_oss", Mesh(tp=2, ep=2)),  # packed experts: 3-D boxes
+    ("deepseek_v3", Mesh(tp=2, ep=2)),
+]
+
+
+def _merge(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> tuple[int, int]:
+    """Merge ``src`` to HF; (tensors the columnar merge wrote, tensors the old way wrote)."""
+    from shardctl.reshard import columnar_merge
+
+    wrote: list[int] = []
+    old: list[int] = []
+    write, group = columnar_merge.write, copy.Executor._group
+
+    def spy_write(ch: Any, outs: Any, cols: Any, a: int, b: int) -> None:
+        wrote.append(b - a)
+        write(ch, outs, cols, a, b)
+
+    def spy_group(self: copy.Executor, targets: Any) -> None:
+        old.append(1)
+        group(self, targets)
+
+    monkeypatch.setattr(columnar, "ENABLED", on)
+    monkeypatch.setattr(columnar_merge, "write", spy_write)
+    monkeypatch.setattr(copy.Executor, "_group", spy_group)
+    reshard(src, dst, fmt="hf")
+    return sum(wrote), len(old)
+
+
+@pytest.mark.parametrize("size", ["default", "tiny"])
+@pytest.mark.parametrize("name,mesh", MERGES, ids=[f"{n}-{m}" for n, m in MERGES])
+def test_the_merge_writes_the_same_bytes_as_the_per_target_paths(
+    sources: dict[str, Path],
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    name: str,
+    mesh: Mesh,
+    size: str,
+) -> None:
+    split = tmp_path / "split"
+    reshard(sources[name], split, mesh=mesh)
+    if size == "tiny":
+        # chunks of a tensor or two, segments of a few tensors, one buffer, no read-through
+        monkeypatch.setattr(columnar, "CHUNK", 4096)
+        monkeypatch.setattr(columnar, "SEGMENT", 7)
+        monkeypatch.setattr(columnar, "GAP", 0)
+        monkeypatch.setattr(columnar, "BUFFERS", 1)
+    took, old = _merge(split, tmp_path / "on", monkeypatch, on=True)
+    took0, _ = _merge(split, tmp_path / "off", monkeypatch, on=False)
+    assert took > 0 and took0 == 0
+    if name == "gpt2" or size == "tiny":
+        assert old > 0
+    assert _files(tmp_path / "on") == _files(tmp_path / "off")
+    same_checkpoint(sources[name], tmp_path / "on")
+
+
+def test_the_merge_of_ten_thousand_tensors_from_many_rank_files(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    src = make_checkpoint("qwen3_moe", tmp_path / "src", **MANY_QWEN3_MOE)
+    split = tmp_path / "split"
+    reshard(src, split, mesh=Mesh(tp=2, ep=2), max_shard_size=400_000)
+    assert len(list(split.glob("rank-*.safetensors"))) > 8
+    took, _ = _merge(split, tmp_path / "on", monkeypatch, on=True)
+    assert took > 10_000
+    same_checkpoint(src, tmp_path / "on")
+
+
+def test_boxes_that_do_not_tile_are_left_to_the_per_target_way(
+    sources: dict[str, Path], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the tiling check decides per pattern; a pattern it refuses goes the old way, which writes
+    # (or reports) exactly as before
+    from shardctl.reshard import columnar_merge
+
+    assert columnar_merge._exact([4, 6], [([0, 0], [2, 6]), ([2, 0], [2, 6])])
+    assert columnar_merge._exact([4, 6], [([0, 0], [4, 3]), ([0, 3], [4, 3])])
+    assert not columnar_merge._exact([4, 6], [([0, 0], [3, 6]), ([2, 0], [1, 6])])  # overlap
+    assert not columnar_merge._exact([4, 6], [([0, 0], [2, 6]), ([1, 0], [2, 6])])  # and hole
+    assert not columnar_merge._exact([4, 6], [([0, 0], [2, 6]), ([3, 0], [2, 6])])  # out
+    assert not columnar_merge._exact([4, 6], [])
+    split = tmp_path / "split"
+    reshard(sources["mixtral"], split, mesh=Mesh(tp=2, ep=2))
+    monkeypatch.setattr(columnar_merge, "_exact", lambda dims, boxes: False)
+    took, old = _merge(split, tmp_path / "refused", monkeypatch, on=True)
+    assert took == 0 and old > 0
+    same_checkpoint(sources["mixtral"], tmp_path / "refused")

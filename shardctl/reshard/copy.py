@@ -29,6 +29,7 @@ import math
 import os
 import queue
 import threading
+import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
@@ -41,7 +42,7 @@ from shardctl.checkpoint.plan_files import FileTensors, OutputFile
 from shardctl.checkpoint.source import SourceShard
 from shardctl.dtypes import itemsize
 from shardctl.layout.types import LocalTensor
-from shardctl.reshard import columnar
+from shardctl.reshard import columnar, columnar_merge
 from shardctl.reshard.batching import Batching, Fields
 from shardctl.reshard.boxes import Box, plan_boxes
 from shardctl.reshard.gather import MAX_INPUT_FDS
@@ -122,11 +123,21 @@ class Executor(Batching):
             w.start()
         try:
             for i in range(0, len(files), max_open):
+                if i:
+                    self._closed()  # the last batch's files: at most max_open open at once
                 self._batch(files[i : i + max_open])
             self._finish()
         finally:
             self.close()
         return {out.file.name: out.digest for out in self.outs}
+
+    def _closed(self) -> None:
+        """Wait until the writers have closed every file handed to them (each batch's files
+        are all closed once written: the columnar paths hand them over faster than the
+        writers close them, and the next batch's would push past the descriptor budget)."""
+        while any(out.fd >= 0 for out in self.outs):
+            self._check()
+            time.sleep(0.001)
 
     def cancel(self) -> None:
         self.cancelled.set()
@@ -199,28 +210,37 @@ class Executor(Batching):
         else:
             planned, key, js, at, lens, order = merged
             b = columnar.batch(planned, self.sources)
-            if b is None:
+            mb = None if b is not None else columnar_merge.batch(planned, self.sources)
+            if b is None and mb is None:
                 self._groups(self._planned(outs, planned, js, at, lens, order))
             else:
-                chunks = columnar.Chunks(self, b.kinds)
+                chunks = columnar.Chunks(self, b.kinds if b is not None else mb.kinds)  # type: ignore[union-attr]
                 ends = np.asarray(lens, dtype=np.int32) - 1
                 keys = key[order].astype(np.int32)
                 del key
                 for s0, s1 in columnar.segments(keys):
                     g = order[s0:s1]
                     file, pos = js[g], at[g]
-                    cols = columnar.plan(b, keys[s0:s1], file, pos, pos == ends[file])
+                    cols: columnar.Columns | columnar_merge.MergeColumns | None
+                    if b is not None:
+                        cols = columnar.plan(b, keys[s0:s1], file, pos, pos == ends[file])
+                    else:
+                        assert mb is not None
+                        cols = columnar_merge.plan(mb, keys[s0:s1], file, pos, pos == ends[file])
                     if cols is None:
                         self._groups(self._planned(outs, planned, js, at, lens, g))
                         continue
                     # stretches of the segment: the columnar path's chunks, or the old way
                     edges = np.flatnonzero(np.diff(cols.ok)) + 1
                     for x, y in itertools.pairwise([0, *edges.tolist(), g.size]):
-                        if cols.ok[x]:
+                        if not cols.ok[x]:
+                            self._groups(self._planned(outs, planned, js, at, lens, g[x:y]))
+                        elif isinstance(cols, columnar.Columns):
                             for c0, c1 in columnar.chunks(cols, x, y):
                                 chunks.write(outs, cols, c0, c1)
                         else:
-                            self._groups(self._planned(outs, planned, js, at, lens, g[x:y]))
+                            for c0, c1 in columnar_merge.chunks(cols, x, y):
+                                columnar_merge.write(chunks, outs, cols, c0, c1)
         self._check()
 
     def _groups(self, walk: Iterator[tuple[OutFile, Fields, bool]]) -> None:
