@@ -156,15 +156,17 @@ def batch(planned: Sequence[FileTensors], sources: object) -> Batch | None:
     return Batch(objs, begins, sources, Kinds())
 
 
-def segments(keys: np.ndarray) -> list[tuple[int, int]]:
+def segments(keys: np.ndarray, weight: np.ndarray | None = None) -> list[tuple[int, int]]:
     """The merged walk (each target's tensor position, ``keys``) in segments of about
-    ``SEGMENT`` targets, cut where a tensor starts (a tensor's targets stay together)."""
+    ``SEGMENT`` targets (or of ``weight``, per target: a merge's target is its parts), cut
+    where a tensor starts (a tensor's targets stay together)."""
     n = keys.size
-    if n <= SEGMENT:
+    total = np.cumsum(weight) if weight is not None else np.arange(1, n + 1)
+    if not n or total[-1] <= SEGMENT:
         return [(0, n)] if n else []
     starts = np.flatnonzero(keys[1:] != keys[:-1]) + 1
-    at = np.searchsorted(starts, np.arange(SEGMENT, n, SEGMENT))
-    cuts = np.unique(starts[at[at < starts.size]]).tolist()
+    band = total[starts - 1] // SEGMENT  # weight before each tensor, in segments
+    cuts = starts[np.flatnonzero(np.diff(band, prepend=0))].tolist()
     return list(pairwise([0, *cuts, n]))
 
 

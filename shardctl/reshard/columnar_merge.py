@@ -54,6 +54,12 @@ class MergeBatch:
     weights: tuple[np.ndarray, np.ndarray]  # per box id seen: the pattern sums' weights
     rng: np.random.Generator
 
+    def parts(self, keys: np.ndarray) -> np.ndarray:
+        """Each target's parts (its tensor's shards, replicas included)."""
+        start = np.frombuffer(self.shards._g.start, dtype=np.int64)
+        keys = np.clip(keys, 0, start.size - 2)  # (an unknown tensor: refused by plan)
+        return start[keys + 1] - start[keys]
+
 
 @dataclass
 class MergeColumns:

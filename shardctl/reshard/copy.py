@@ -218,7 +218,8 @@ class Executor(Batching):
                 ends = np.asarray(lens, dtype=np.int32) - 1
                 keys = key[order].astype(np.int32)
                 del key
-                for s0, s1 in columnar.segments(keys):
+                parts = None if mb is None else mb.parts(keys)
+                for s0, s1 in columnar.segments(keys, parts):
                     g = order[s0:s1]
                     file, pos = js[g], at[g]
                     cols: columnar.Columns | columnar_merge.MergeColumns | None
