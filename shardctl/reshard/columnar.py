@@ -31,7 +31,8 @@ A tensor goes the old way (``copy.Executor._group``) when any of its targets is 
 filling its local tensor, is sub-byte, or spans more than ``SPAN_MAX`` bytes of SRC, or when
 its targets add up to more than ``CHUNK`` (large tensors: the block path is a ``pread`` per
 block already); its bytes are interleaved in file
-order with the chunks'. A source that is not an HF checkpoint (a merge, an engine format's
+order with the chunks'. A merge back to HF files takes the same chunks the other way
+(:mod:`shardctl.reshard.columnar_merge`); any other source (ranks to ranks, an engine format's
 relabelled shards) goes the old way entirely.
 
 Memory: ``BUFFERS`` chunk buffers of ``2 x CHUNK`` bytes, a scratch of about as much, and
