@@ -9,6 +9,7 @@ import string
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,7 @@ from shardctl.errors import ManifestError
 from shardctl.layout.types import Mesh
 from shardctl.manifest import parse_manifest
 from shardctl.manifest.model_keys import PASS_THROUGH
-from shardctl.manifest.values import thaw
+from shardctl.manifest.values import ambiguous_spelling, thaw
 
 ROOT = Path(__file__).resolve().parent.parent
 SIZE_UNITS = {
@@ -100,10 +101,14 @@ def test_non_decimal_spellings_are_refused_for_every_value(n: int, form: str) ->
 # themselves — except strings YAML 1.1 writes plain but YAML 1.2 reads as numbers (`1e3`) or
 # that we refuse as ambiguous booleans (`y`, `n`).
 _WORDS = st.text(alphabet=string.ascii_letters + string.digits + "_-./", min_size=1, max_size=12)
+# Words PyYAML writes plain but a manifest refuses plain: YAML 1.1 booleans, exponent floats
+# without a dot, and numbers YAML 1.1 and 1.2 read differently (``08``: a string to PyYAML, 8
+# to a 1.2 reader; refused with a hint to quote it, test_plain_ambiguous_spelling_is_refused...).
 _SAFE_WORDS = _WORDS.filter(
     lambda s: (
         s.lower() not in {"y", "n", "yes", "no", "on", "off"}
         and not re.fullmatch(r"[-+]?(?:\.[0-9]+|[0-9]+(?:\.[0-9]*)?)[eE][-+]?[0-9]+", s)
+        and ambiguous_spelling(s) is None
     )
 )
 _SCALARS = (
@@ -137,6 +142,16 @@ def test_inline_config_round_trips_through_a_yaml_writer(fields: dict[str, Any])
     for value in got.values():
         if isinstance(value, float):
             assert math.isfinite(value)
+
+
+def test_plain_ambiguous_spelling_is_refused_and_quoted_round_trips() -> None:
+    # hypothesis found it: PyYAML writes the string "08" plain (not a YAML 1.1 int), which a
+    # YAML 1.2 reader takes for 8; the manifest refuses it in one line, and the quoted string
+    # (what a user writes once told) passes through unchanged
+    with pytest.raises(ManifestError, match=r"non-decimal number spelling '08'.*quote it"):
+        parse(yaml.safe_dump({"model": {"model_type": "llama", "architectures": "08"}}))
+    got = thaw(parse('model:\n  model_type: llama\n  architectures: "08"\n').model.inline_config)
+    assert got == {"model_type": "llama", "architectures": "08"}
 
 
 # ----------------------------------------------------------------------------- fuzzing
