@@ -18,7 +18,7 @@ from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import faults
 from shardctl.io.safetensors_header import read_header
 from shardctl.layout.types import Mesh
-from shardctl.reshard import columnar, copy
+from shardctl.reshard import columnar, columnar_merge, copy
 from shardctl.reshard.api import reshard
 from shardctl.verify.api import verify
 from tests._models import LLAMA3_VOCAB, MANY_QWEN3_MOE, make_checkpoint
@@ -53,27 +53,36 @@ def _recorded(d: Path) -> dict[str, Any]:
     return {f["name"]: (f["size"], f["digest"]) for f in rec["files"]}
 
 
-def _run(
-    src: Path, dst: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch, *, on: bool
+def _counted(
+    monkeypatch: pytest.MonkeyPatch, on: bool, owner: Any, name: str, run: Any
 ) -> tuple[int, int]:
-    """Reshard; (targets the columnar path wrote, tensors the per-target paths wrote)."""
+    """Call ``run()`` with the columnar paths ``on`` and spies on ``owner.name`` (a columnar
+    chunk writer: ``(…, a, b)`` writes targets ``[a, b)``) and the per-target ``_group``;
+    (targets the columnar path wrote, tensors the per-target paths wrote)."""
     wrote: list[int] = []
     old: list[int] = []
-    write, group = columnar.Chunks.write, copy.Executor._group
+    write, group = getattr(owner, name), copy.Executor._group
 
-    def spy_write(self: columnar.Chunks, outs: Any, cols: Any, a: int, b: int) -> None:
-        wrote.append(b - a)
-        write(self, outs, cols, a, b)
+    def spy_write(*args: Any) -> None:
+        wrote.append(args[-1] - args[-2])
+        write(*args)
 
     def spy_group(self: copy.Executor, targets: Any) -> None:
         old.append(1)
         group(self, targets)
 
     monkeypatch.setattr(columnar, "ENABLED", on)
-    monkeypatch.setattr(columnar.Chunks, "write", spy_write)
+    monkeypatch.setattr(owner, name, spy_write)
     monkeypatch.setattr(copy.Executor, "_group", spy_group)
-    reshard(src, dst, mesh=mesh)
+    run()
     return sum(wrote), len(old)
+
+
+def _run(
+    src: Path, dst: Path, mesh: Mesh, monkeypatch: pytest.MonkeyPatch, *, on: bool
+) -> tuple[int, int]:
+    """Reshard; (targets the columnar path wrote, tensors the per-target paths wrote)."""
+    return _counted(monkeypatch, on, columnar.Chunks, "write", lambda: reshard(src, dst, mesh=mesh))
 
 
 @pytest.mark.parametrize("size", ["default", "tiny"])
@@ -138,6 +147,12 @@ def test_real_vocabulary_and_heads_interleave_with_the_block_path(
     assert took > 0 and old >= 2  # embed_tokens and lm_head
     assert _files(tmp_path / "on") == _files(tmp_path / "off")
     assert verify(src, tmp_path / "on", level="bitwise").ok
+    # and back: column cuts of 32 heads put into strided boxes, the vocabulary the old way
+    took, old = _merge(tmp_path / "on", tmp_path / "back", monkeypatch, on=True)
+    _merge(tmp_path / "on", tmp_path / "back0", monkeypatch, on=False)
+    assert took > 0 and old >= 2
+    assert _files(tmp_path / "back") == _files(tmp_path / "back0")
+    same_checkpoint(src, tmp_path / "back")
 
 
 def test_a_source_cut_mid_run_is_the_clear_error_and_leaves_nothing(
@@ -254,25 +269,7 @@ MERGES = [
 
 def _merge(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> tuple[int, int]:
     """Merge ``src`` to HF; (tensors the columnar merge wrote, tensors the old way wrote)."""
-    from shardctl.reshard import columnar_merge
-
-    wrote: list[int] = []
-    old: list[int] = []
-    write, group = columnar_merge.write, copy.Executor._group
-
-    def spy_write(ch: Any, outs: Any, cols: Any, a: int, b: int) -> None:
-        wrote.append(b - a)
-        write(ch, outs, cols, a, b)
-
-    def spy_group(self: copy.Executor, targets: Any) -> None:
-        old.append(1)
-        group(self, targets)
-
-    monkeypatch.setattr(columnar, "ENABLED", on)
-    monkeypatch.setattr(columnar_merge, "write", spy_write)
-    monkeypatch.setattr(copy.Executor, "_group", spy_group)
-    reshard(src, dst, fmt="hf")
-    return sum(wrote), len(old)
+    return _counted(monkeypatch, on, columnar_merge, "write", lambda: reshard(src, dst, fmt="hf"))
 
 
 @pytest.mark.parametrize("size", ["default", "tiny"])
@@ -319,8 +316,6 @@ def test_boxes_that_do_not_tile_are_left_to_the_per_target_way(
 ) -> None:
     # the tiling check decides per pattern; a pattern it refuses goes the old way, which writes
     # (or reports) exactly as before
-    from shardctl.reshard import columnar_merge
-
     assert columnar_merge._exact([4, 6], [([0, 0], [2, 6]), ([2, 0], [2, 6])])
     assert columnar_merge._exact([4, 6], [([0, 0], [4, 3]), ([0, 3], [4, 3])])
     assert not columnar_merge._exact([4, 6], [([0, 0], [3, 6]), ([2, 0], [1, 6])])  # overlap

@@ -129,18 +129,22 @@ class Batch:
     sources: HfShards
     kinds: Kinds
 
-    def targets(self, file: np.ndarray, at: np.ndarray) -> tuple[list[Any], np.ndarray]:
-        """The ``Shard`` objects and first bytes of targets ``(file, at)``, in that order
-        (C-level gathers per file: a batch's targets are never copied whole)."""
-        objs = np.empty(file.size, dtype=object)
-        begin = np.empty(file.size, dtype=np.int64)
-        for j in np.unique(file).tolist():
-            sel = np.flatnonzero(file == j)
-            idx = at[sel]
-            got = itemgetter(*idx.tolist())(self.objs[j])
-            objs[sel] = [got] if sel.size == 1 else got
-            begin[sel] = self.begins[j][idx]
-        return objs.tolist(), begin
+
+def gather(
+    objs: Sequence[Sequence[Any]], begins: Sequence[np.ndarray], file: np.ndarray, at: np.ndarray
+) -> tuple[list[Any], np.ndarray]:
+    """The objects and first bytes of targets ``(file, at)`` of per-file ``objs`` and
+    ``begins``, in that order (C-level gathers per file: a batch's targets are never copied
+    whole)."""
+    out = np.empty(file.size, dtype=object)
+    begin = np.empty(file.size, dtype=np.int64)
+    for j in np.unique(file).tolist():
+        sel = np.flatnonzero(file == j)
+        idx = at[sel]
+        got = itemgetter(*idx.tolist())(objs[j])
+        out[sel] = [got] if sel.size == 1 else got
+        begin[sel] = begins[j][idx]
+    return out.tolist(), begin
 
 
 def batch(planned: Sequence[FileTensors], sources: object) -> Batch | None:
@@ -183,7 +187,7 @@ def plan(
     n = key.size
     if (key < 0).any():
         return None
-    objs, begin = b.targets(file, at)
+    objs, begin = gather(b.objs, b.begins, file, at)
     # ---- tensors (per distinct key): dtype, shape, SRC file and begin ----
     _, first, tinv = np.unique(key, return_index=True, return_inverse=True)
     tinv = tinv.reshape(-1)

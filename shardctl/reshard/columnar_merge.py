@@ -25,7 +25,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain, pairwise
-from operator import attrgetter, eq, itemgetter
+from operator import attrgetter, eq
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -51,12 +51,11 @@ class MergeBatch:
     begins: list[np.ndarray]  # per output file: each tensor's first byte (a view)
     shards: RecordShards
     kinds: Kinds
-    weights: tuple[np.ndarray, np.ndarray]  # per box id seen: the pattern sums' weights
-    rng: np.random.Generator
+    rng: np.random.Generator  # the pattern sums' weights (``_tiles``)
 
     def parts(self, keys: np.ndarray) -> np.ndarray:
         """Each target's parts (its tensor's shards, replicas included)."""
-        start = np.frombuffer(self.shards._g.start, dtype=np.int64)
+        start = np.frombuffer(self.shards.groups.start, dtype=np.int64)
         keys = np.clip(keys, 0, start.size - 2)  # (an unknown tensor: refused by plan)
         return start[keys + 1] - start[keys]
 
@@ -90,9 +89,7 @@ def batch(planned: Sequence[FileTensors], sources: object) -> MergeBatch | None:
     if set(chain.from_iterable(map(type, o) for o in objs)) != {TensorInfo}:
         return None
     begins = [np.frombuffer(p.begins, dtype=np.int64) for p in planned]
-    rng = np.random.default_rng()
-    empty = np.zeros(0, dtype=np.uint64)
-    return MergeBatch(objs, begins, sources, Kinds(), (empty, empty), rng)
+    return MergeBatch(objs, begins, sources, Kinds(), np.random.default_rng())
 
 
 def plan(
@@ -102,19 +99,10 @@ def plan(
     file) as columns; None when none of its tensors can go this way."""
     n = key.size
     shards = b.shards
-    table, groups = shards._t, shards._g
+    table, groups = shards.table, shards.groups
     if (key < 0).any() or int(key.max()) >= len(table.tensors):
         return None
-    objs = np.empty(n, dtype=object)
-    begin = np.empty(n, dtype=np.int64)
-    for j in np.unique(file).tolist():
-        sel = np.flatnonzero(file == j)
-        idx = at[sel]
-        got = itemgetter(*idx.tolist())(b.objs[j])
-        objs[sel] = [got] if sel.size == 1 else got
-        begin[sel] = b.begins[j][idx]
-    targets: list[Any] = objs.tolist()
-    del objs
+    targets, begin = columnar.gather(b.objs, b.begins, file, at)
     infos = list(map(table.tensors.__getitem__, key.tolist()))
     # the target is the record's tensor, whole, in its own dtype
     ok = np.fromiter(map(eq, map(_FQN, targets), map(_FQN, infos)), bool, n)
@@ -168,12 +156,7 @@ def plan(
             & (r.local_offsets[p] == 0).all(axis=1)
             & (r.sizes[p] == r.local_shape[rows]).all(axis=1)
         )
-        src_start[sel] = np.frombuffer(shards._begins[i], dtype=np.int64)[rows]
-        f = shards._file[i]
-        if isinstance(f, np.ndarray) or hasattr(f, "typecode"):
-            src_file[sel] = np.frombuffer(f, dtype=np.int32)[rows]
-        else:
-            src_file[sel] = f[0]
+        src_file[sel], src_start[sel] = shards.rows(i, rows)
     del rank, row
     fine &= ((off >= 0) & (off + siz <= shape[owner])).all(axis=1) & (src_file >= 0)
     # replicas: the first holder of each box (ranks ascending within a tensor)
@@ -186,10 +169,10 @@ def plan(
     ok &= ~bad
     owner, off, siz, box_code = owner[keep], off[keep], siz[keep], box_code[keep]
     src_file, src_start = src_file[keep], src_start[keep]
-    ok &= _tiles(b, owner, box_code, box_rows, item, shape, nd, n, width)
+    t_class, class_rows = row_kinds(np.concatenate([item[:, None], nd[:, None], shape], axis=1))
+    ok &= _tiles(b.rng, owner, box_code, box_rows, t_class, shape, nd, width)
     ok &= nbytes <= columnar.CHUNK
     # ---- part geometry per (tensor class, box): the box's kind and first byte ----
-    t_class, class_rows = row_kinds(np.concatenate([item[:, None], nd[:, None], shape], axis=1))
     combo = t_class[owner] * len(box_rows) + box_code
     _, c_first, c_inv = np.unique(combo, return_index=True, return_inverse=True)
     c_kind, c_at = [], []
@@ -233,35 +216,28 @@ def plan(
 
 
 def _tiles(
-    b: MergeBatch,
+    rng: np.random.Generator,
     owner: np.ndarray,
     box_code: np.ndarray,
     box_rows: np.ndarray,
-    item: np.ndarray,
+    t_class: np.ndarray,
     shape: np.ndarray,
     nd: np.ndarray,
-    n: int,
     width: int,
 ) -> np.ndarray:
-    """Per target: whether its distinct boxes tile it exactly (in bounds, disjoint, adding up
-    to it), checked once per pattern (tensor class and set of boxes)."""
-    w1, w2 = b.weights
-    if w1.size < len(box_rows):  # weights for box ids not seen before (drawn per run)
-        more = len(box_rows) - w1.size
-        w1 = np.concatenate([w1, b.rng.integers(0, 2**62, more, dtype=np.uint64)])
-        w2 = np.concatenate([w2, b.rng.integers(0, 2**62, more, dtype=np.uint64)])
-        b.weights = (w1, w2)
+    """Per target (``owner`` names each box's): whether its distinct boxes tile it exactly (in
+    bounds, disjoint, adding up to it), checked once per pattern (tensor class and set of
+    boxes; weights for the sums drawn afresh for each segment's box ids)."""
+    n = t_class.size
+    w1 = rng.integers(0, 2**62, len(box_rows), dtype=np.uint64)
+    w2 = rng.integers(0, 2**62, len(box_rows), dtype=np.uint64)
     h1 = np.zeros(n, dtype=np.uint64)
     h2 = np.zeros(n, dtype=np.uint64)
     np.add.at(h1, owner, w1[box_code])
     np.add.at(h2, owner, w2[box_code])
     parts = np.bincount(owner, minlength=n)
-    t_class, _ = row_kinds(np.concatenate([item[:, None], nd[:, None], shape], axis=1))
-    pattern = np.stack([t_class.astype(np.uint64), h1, h2, parts.astype(np.uint64)], axis=1).view(
-        np.uint64
-    )
+    pattern = np.stack([t_class.astype(np.uint64), h1, h2, parts.astype(np.uint64)], axis=1)
     _, p_first, p_inv = np.unique(pattern, axis=0, return_index=True, return_inverse=True)
-    order = np.argsort(owner, kind="stable")
     first_part = np.concatenate([[0], np.cumsum(parts)])
     verdict = []
     for t in p_first.tolist():
@@ -269,7 +245,7 @@ def _tiles(
         dims = shape[t, :rk].tolist()
         boxes = [
             (box_rows[c, :rk].tolist(), box_rows[c, width : width + rk].tolist())
-            for c in box_code[order[first_part[t] : first_part[t + 1]]].tolist()
+            for c in box_code[first_part[t] : first_part[t + 1]].tolist()  # owner is sorted
         ]
         verdict.append(_exact(dims, boxes))
     return np.asarray(verdict, dtype=bool)[p_inv.reshape(-1)]

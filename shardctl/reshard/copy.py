@@ -214,7 +214,8 @@ class Executor(Batching):
             if b is None and mb is None:
                 self._groups(self._planned(outs, planned, js, at, lens, order))
             else:
-                chunks = columnar.Chunks(self, b.kinds if b is not None else mb.kinds)  # type: ignore[union-attr]
+                kinds = b.kinds if b is not None else cast(columnar_merge.MergeBatch, mb).kinds
+                chunks = columnar.Chunks(self, kinds)
                 ends = np.asarray(lens, dtype=np.int32) - 1
                 keys = key[order].astype(np.int32)
                 del key
