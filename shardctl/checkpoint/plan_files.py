@@ -17,7 +17,8 @@ import operator
 import zlib
 from array import array
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from itertools import accumulate, repeat
 from operator import attrgetter
 from typing import overload
@@ -136,16 +137,29 @@ _FQN = attrgetter("fqn")
 
 
 def _sizes(objs: Sequence[Shard | TensorInfo]) -> list[int]:
-    """Each object's local tensor bytes, computed once per distinct ``(dtype, shape)``."""
-    size_of: dict[tuple[str, tuple[int, ...]], int] = {}
-    sizes: list[int] = []
-    for o in objs:
-        key = (o.dtype, o.local_shape if isinstance(o, Shard) else o.shape)
-        n = size_of.get(key)
-        if n is None:
-            n = size_of[key] = nbytes(key[0], math.prod(key[1]))
-        sizes.append(n)
-    return sizes
+    """Each object's local tensor bytes, computed once per distinct ``(dtype, shape)`` (one
+    C-level map over the columns: 90,000 experts share a handful)."""
+    return list(map(_Bytes().__getitem__, zip(map(_DTYPE, objs), _shapes(objs), strict=True)))
+
+
+def _shapes(objs: Sequence[Shard | TensorInfo]) -> list[tuple[int, ...]]:
+    """Each object's local shape: a shard's ``local_shape``, a whole tensor's ``shape``."""
+    if all(map(isinstance, objs, repeat(Shard))):
+        return list(map(_LOCAL, objs))
+    if all(map(isinstance, objs, repeat(TensorInfo))):
+        return list(map(_SHAPE, objs))
+    return [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
+
+
+class _Bytes(dict[tuple[str, tuple[int, ...]], int]):
+    """``(dtype, shape) -> bytes``, each computed on its first lookup."""
+
+    def __missing__(self, key: tuple[str, tuple[int, ...]]) -> int:
+        n = self[key] = nbytes(key[0], math.prod(key[1]))
+        return n
+
+
+_DTYPE, _LOCAL, _SHAPE = attrgetter("dtype"), attrgetter("local_shape"), attrgetter("shape")
 
 
 def _file_of(
@@ -155,26 +169,54 @@ def _file_of(
     rank: int | None,
     pieces: Sequence[tuple[Piece, ...]] | None = None,
     sizes: list[int] | None = None,
+    deflate: Callable[[bytes], bytes] = lambda header: zlib.compress(header, 1),
 ) -> OutputFile:
     """A file of ``objs``: shards with their own pieces, whole tensors, or ``pieces``;
-    ``sizes``: their byte sizes when the caller has them already.
+    ``sizes``: their byte sizes when the caller has them already; ``deflate``: the header's
+    ``header_z`` (see :class:`Deflater`).
 
     One pass, little per-object Python: a tensor's byte size is computed once per distinct
     ``(dtype, shape)`` (90,000 experts share a handful), and the header is built as text
     (:func:`~shardctl.checkpoint.plan_header.header_text`, the bytes ``header_bytes`` makes)."""
     meta = metadata if callable(metadata) else (lambda: metadata)
-    shapes = [o.local_shape if isinstance(o, Shard) else o.shape for o in objs]
+    shapes = _shapes(objs)
     if sizes is None:
         sizes = _sizes(objs)
     ends = list(accumulate(sizes))
-    header = header_text(list(map(_FQN, objs)), [o.dtype for o in objs], shapes, ends, meta())
+    header = header_text(list(map(_FQN, objs)), list(map(_DTYPE, objs)), shapes, ends, meta())
     base = len(header)
     # tensor i begins where tensor i-1 ends, the first right after the header
     begins = array("q", accumulate(sizes[:-1], initial=base) if sizes else ())
     end = base + (ends[-1] if ends else 0)
-    return OutputFile(
-        name, base, FileTensors(objs, begins, pieces), end, rank, zlib.compress(header, 1)
-    )
+    return OutputFile(name, base, FileTensors(objs, begins, pieces), end, rank, deflate(header))
+
+
+class Deflater:
+    """Headers deflated on a second thread while the planner builds the next file's in Python
+    (``zlib.compress`` releases the GIL): 0.1 s of a 90,000-tensor split's planning moved off
+    its critical path. Pass the object as ``deflate`` (each header's ``header_z`` is left
+    empty), then :meth:`files` fills them in::
+
+        with Deflater() as deflate:
+            files = [_file_of(..., deflate=deflate) for ...]
+        files = deflate.files(files)
+    """
+
+    def __enter__(self) -> Deflater:
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="shardctl-deflate")
+        self.pending: list[Future[bytes]] = []
+        return self
+
+    def __call__(self, header: bytes) -> bytes:
+        self.pending.append(self.pool.submit(zlib.compress, header, 1))
+        return b""  # filled in by files()
+
+    def __exit__(self, *exc: object) -> None:
+        self.pool.shutdown(cancel_futures=True)
+
+    def files(self, files: list[OutputFile]) -> list[OutputFile]:
+        """``files`` (made with this object as ``deflate``, in order) with their headers."""
+        return [replace(f, header_z=z.result()) for f, z in zip(files, self.pending, strict=True)]
 
 
 def _parts(sizes: Sequence[int], limit: int) -> list[tuple[int, int]]:
@@ -227,16 +269,14 @@ def _rank_meta(
 
 def _all_rectangular(part: Sequence[Shard]) -> bool:
     """``all(s.is_rectangular for s in part)``, decided once per distinct ``(local_shape,
-    pieces)``: the layout shares one pieces tuple among every shard of a split."""
-    seen: dict[tuple[int, int], tuple[tuple[int, ...], tuple[Piece, ...]]] = {}
-    for s in part:
-        key = (id(s.local_shape), id(s.pieces))
-        if key in seen:
-            continue
-        if not s.is_rectangular:
-            return False
-        seen[key] = (s.local_shape, s.pieces)  # held: an id stays unique while its object lives
-    return True
+    pieces)``: the layout shares one pieces tuple among every shard of a split. The distinct
+    ones are found by identity in one C-level pass (the objects stay alive in ``part``, so an
+    id stays theirs)."""
+    ids = zip(map(id, map(_LOCAL, part)), map(id, map(_PIECES, part)), strict=True)
+    return all(s.is_rectangular for s in dict(zip(ids, part, strict=True)).values())
+
+
+_PIECES = attrgetter("pieces")
 
 
 def rank_files(
@@ -245,29 +285,44 @@ def rank_files(
     """Per-rank files; also ``(rank, fqn) -> file name`` for the record."""
     files: list[OutputFile] = []
     placed: list[tuple[list[int], list[int], list[str]]] = []  # per rank: PlannedFiles' input
-    world = len(layout.ranks)
-    for i, rl in enumerate(layout.ranks):
-        keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
-        if all(map(operator.lt, keys, keys[1:])):
-            shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
-        else:
-            shards = sorted(rl.shards, key=lambda s: order[s.fqn])
-            keys = sorted(keys)
-        sizes = _sizes(shards)
-        runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
-        base = f"rank-{i:05d}-of-{world:05d}"
-        names: list[str] = []
-        for k, (a, b) in enumerate(runs):
-            name = f"{base}.safetensors"
-            if len(runs) > 1:
-                name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
-            names.append(name)
-            part = shards[a:b]
-            meta = _rank_meta(layout, i, name, part)
-            files.append(_file_of(name, part, meta, i, sizes=sizes[a:b]))
-        placed.append((keys, [a for a, _ in runs], names))
+    with Deflater() as deflate:
+        for i in range(len(layout.ranks)):
+            placed.append(_rank_files(layout, i, order, max_shard_size, deflate, files))
+        files = deflate.files(files)
     # (rank, fqn) -> name as a dict was ~110 B a shard (40 MB at 360,000): see PlannedFiles
     return files, PlannedFiles(order, placed)
+
+
+def _rank_files(
+    layout: Layout,
+    i: int,
+    order: dict[str, int],
+    max_shard_size: int,
+    deflate: Callable[[bytes], bytes],
+    files: list[OutputFile],
+) -> tuple[list[int], list[int], list[str]]:
+    """Rank ``i``'s files, appended to ``files``; its entry of ``PlannedFiles``: its shards'
+    positions in ``order``, each file's first shard and the files' names."""
+    rl = layout.ranks[i]
+    keys = list(map(order.__getitem__, map(_FQN, rl.shards)))
+    if all(map(operator.lt, keys, keys[1:])):
+        shards = list(rl.shards)  # build_layout appends in model order: nothing to sort
+    else:
+        shards = sorted(rl.shards, key=lambda s: order[s.fqn])
+        keys = sorted(keys)
+    sizes = _sizes(shards)
+    runs = _parts(sizes, max_shard_size) if shards else [(0, 0)]
+    base = f"rank-{i:05d}-of-{len(layout.ranks):05d}"
+    names: list[str] = []
+    for k, (a, b) in enumerate(runs):
+        name = f"{base}.safetensors"
+        if len(runs) > 1:
+            name = f"{base}.part-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+        names.append(name)
+        part = shards[a:b]
+        meta = _rank_meta(layout, i, name, part)
+        files.append(_file_of(name, part, meta, i, sizes=sizes[a:b], deflate=deflate))
+    return keys, [a for a, _ in runs], names
 
 
 def hf_files(
@@ -278,14 +333,18 @@ def hf_files(
     runs = _parts(sizes, max_shard_size)
     files: list[OutputFile] = []
     weight_map: dict[str, str] = {}
-    for k, (a, b) in enumerate(runs):
-        name = (
-            "model.safetensors"
-            if len(runs) == 1
-            else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
-        )
-        files.append(_file_of(name, tensors[a:b], {"format": "pt"}, None, sizes=sizes[a:b]))
-        weight_map.update(zip(map(_FQN, tensors[a:b]), repeat(name)))
+    with Deflater() as deflate:
+        for k, (a, b) in enumerate(runs):
+            name = (
+                "model.safetensors"
+                if len(runs) == 1
+                else f"model-{k + 1:05d}-of-{len(runs):05d}.safetensors"
+            )
+            part = tensors[a:b]
+            meta = {"format": "pt"}
+            files.append(_file_of(name, part, meta, None, sizes=sizes[a:b], deflate=deflate))
+            weight_map.update(zip(map(_FQN, part), repeat(name)))
+        files = deflate.files(files)
     if len(files) == 1:
         return files, None
     index = {"metadata": {"total_size": sum(sizes)}, "weight_map": weight_map}

@@ -15,17 +15,21 @@ spend seconds and gigabytes before the first divisibility error (RELIABILITY K).
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.errors import LayoutError
 from shardctl.layout.types import Mesh
 from shardctl.model.types import ModelInfo
 
+_SHAPE, _DTYPE = attrgetter("shape"), attrgetter("dtype")
 _EMBED = ("embed_tokens.weight", ".wte.weight", "word_embeddings.weight")
 
 
 def check_mesh(model: ModelInfo, mesh: Mesh) -> None:
     """Refuse degrees that could never produce a layout of ``model`` (exit 3)."""
-    largest = max((max(t.shape) for t in model.tensors if t.shape), default=1)
+    # per distinct shape (90,000 experts share a handful)
+    largest = max((max(s) for s in set(map(_SHAPE, model.tensors)) if s), default=1)
     if mesh.tp > 1 and mesh.tp > largest:
         raise LayoutError(
             f"tp={mesh.tp} is larger than every tensor dim of the model (largest {largest})",
@@ -58,6 +62,12 @@ def check_mesh(model: ModelInfo, mesh: Mesh) -> None:
 # A multimodal model's own encoders (Llama-4's vision_model.*) have their own config section:
 # the decoder's heads and hidden size say nothing about their tensors.
 _ENCODERS = ("vision_model.", "vision_tower.", "visual.", "audio_tower.")
+_CHECKED = (
+    *_EMBED,
+    "self_attn.q_proj.weight",
+    "self_attn.k_proj.weight",
+    "self_attn.v_proj.weight",
+)
 
 
 def check_config(model: ModelInfo) -> None:
@@ -65,7 +75,8 @@ def check_config(model: ModelInfo) -> None:
     dims = model.dims
     if dims is None:
         return
-    for t in model.tensors:
+    # only the names checked below: one endswith per name picks them
+    for t in [t for t in model.tensors if t.fqn.endswith(_CHECKED)]:
         if len(t.shape) != 2 or t.fqn.startswith(_ENCODERS):
             continue
         rows, cols = t.shape
@@ -87,6 +98,8 @@ def check_config(model: ModelInfo) -> None:
 def check_dtypes(model: ModelInfo) -> None:
     """Sub-byte dtypes (F4, F6_*) pack several elements per byte: shardctl slices whole bytes,
     so it cannot cut or even copy them element-wise (exit 3 naming the tensor)."""
+    if all(DTYPE_BITS.get(d, 8) % 8 == 0 for d in set(map(_DTYPE, model.tensors))):
+        return  # no sub-byte dtype (the usual case: decided per distinct dtype)
     for t in model.tensors:
         if DTYPE_BITS.get(t.dtype, 8) % 8:
             raise LayoutError(

@@ -18,9 +18,8 @@ holds the most bytes.
 from __future__ import annotations
 
 import math
-from collections import deque
 from collections.abc import Mapping
-from itertools import chain, repeat
+from itertools import chain
 from operator import attrgetter
 from pathlib import Path
 from types import MappingProxyType
@@ -33,6 +32,7 @@ from shardctl.errors import InvalidInputError
 from shardctl.gcpause import gc_paused
 from shardctl.model.archs import SUPPORTED, dims_from_config, tensors_from_config
 from shardctl.model.types import ModelInfo, TensorInfo, bytes_by_dtype, numel_by_dtype
+from shardctl.slotted import from_columns
 
 DEFAULT_DTYPE = "BF16"
 MAX_CONFIG_BYTES = 10 * 2**20
@@ -132,14 +132,18 @@ def tensor_infos(ck: CheckpointFiles) -> tuple[TensorInfo, ...]:
     """Every tensor of an opened HF checkpoint, in ``ck.locations`` order (file, then offset;
     the headers' entries in file order are that order, and ``ck.locations`` is not built).
 
-    Built column by column without the frozen ``__init__`` (its slot descriptors set by
-    ``map``, in C): at 90,000 tensors the per-tensor loop was ~0.1 s."""
+    Built by :func:`~shardctl.slotted.from_columns`: at 90,000 tensors the per-tensor loop
+    was ~0.1 s."""
     entries = list(chain.from_iterable(h.tensors for h in ck.files))
-    out = list(map(object.__new__, repeat(TensorInfo, len(entries))))
-    for field, source in (("fqn", "name"), ("shape", "shape"), ("dtype", "dtype")):
-        slot = getattr(TensorInfo, field)
-        deque(map(slot.__set__, out, map(attrgetter(source), entries)), maxlen=0)
-    return tuple(out)
+    return tuple(
+        from_columns(
+            TensorInfo,
+            len(entries),
+            fqn=map(attrgetter("name"), entries),
+            shape=map(attrgetter("shape"), entries),
+            dtype=map(attrgetter("dtype"), entries),
+        )
+    )
 
 
 def from_tensors(

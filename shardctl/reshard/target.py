@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 
 from shardctl.checkpoint import plan_files, record_table
 from shardctl.checkpoint.source import Source, SourceShard
@@ -89,7 +90,8 @@ def _order(source: Source) -> dict[str, int]:
     table = source.record.table if source.record is not None else None
     if table is not None and table.tensors is source.model.tensors:
         return record_table.index_of(table)
-    return {t.fqn: i for i, t in enumerate(source.model.tensors)}
+    tensors = source.model.tensors
+    return dict(zip(map(attrgetter("fqn"), tensors), range(len(tensors)), strict=True))
 
 
 def space_needed(source: Source, the_plan: Plan) -> int:
