@@ -84,42 +84,7 @@ def build_layout(
     res = resolve(model, mesh, rules=rules, options=options)
     tp, ep = mesh.tp, mesh.ep
     plans = res.tensors
-    n = len(plans)
-    # Built column by column (shardctl.slotted): one Shard per tensor and tp rank, shared by
-    # every stage and ep rank that holds it, as before; at 90,000 tensors the per-tensor loop
-    # with the frozen __init__ was ~0.5 s of a split's planning.
-    # Tensors of one class share one SplitSpec object (resolve): split it once, not per tensor
-    # (hashing a spec for split's cache cost more than the Shards themselves at 90,000).
-    specs = list(map(_SPLIT, plans))
-    cut_of = {id(spec): split(spec, tp) for spec in {id(spec): spec for spec in specs}.values()}
-    cuts = list(map(cut_of.__getitem__, map(id, specs)))
-    infos = list(map(_INFO, plans))
-    fqns, dtypes = list(map(_FQN, infos)), list(map(_DTYPE, infos))
-    shapes, labels = list(map(_SHAPE, infos)), list(map(_PLACEMENT, plans))
-    by_tp = [
-        from_columns(
-            Shard,
-            n,
-            fqn=fqns,
-            dtype=dtypes,
-            global_shape=shapes,
-            local_shape=[cut[r][1] for cut in cuts],
-            pieces=[cut[r][0] for cut in cuts],
-            placement=labels,
-        )
-        for r in range(tp)
-    ]
-    # Which tensors each (stage, ep rank) holds, in model order: each distinct (stages,
-    # ep rank) worked out once.
-    held: list[list[int]] = [[] for _ in range(mesh.pp * ep)]
-    adders: dict[tuple[tuple[int, ...], int | None], list[Callable[[int], None]]] = {}
-    for i, key in enumerate(zip(map(_STAGES, plans), map(_EP_RANK, plans), strict=True)):
-        add = adders.get(key)
-        if add is None:
-            eps = range(ep) if key[1] is None else (key[1],)
-            add = adders[key] = [held[p * ep + e].append for p in key[0] for e in eps]
-        for a in add:
-            a(i)
+    by_tp, held = _tp_shards(plans, tp), _held(plans, mesh)
     packed = [i for i, t in enumerate(plans) if t.packed] if ep > 1 else []
     ranks: list[RankLayout] = []
     for p in range(mesh.pp):
@@ -140,6 +105,49 @@ def build_layout(
         ranks=tuple(ranks),
         padded_shapes=res.padded_shapes,
     )
+
+
+def _tp_shards(plans: Sequence[TensorPlan], tp: int) -> list[list[Shard]]:
+    """Each tensor's shard on each tp rank (``[r][i]``), shared by every stage and ep rank
+    that holds it. Built column by column (:mod:`shardctl.slotted`): at 90,000 tensors the
+    loop with the frozen ``__init__`` was ~0.5 s of a split's planning. Tensors of one class
+    share one SplitSpec object (resolve): it is split once, not per tensor (hashing a spec for
+    split's cache cost more than the Shards themselves at 90,000)."""
+    specs = list(map(_SPLIT, plans))
+    cut_of = {id(spec): split(spec, tp) for spec in {id(spec): spec for spec in specs}.values()}
+    cuts = list(map(cut_of.__getitem__, map(id, specs)))
+    infos = list(map(_INFO, plans))
+    fqns, dtypes = list(map(_FQN, infos)), list(map(_DTYPE, infos))
+    shapes, labels = list(map(_SHAPE, infos)), list(map(_PLACEMENT, plans))
+    return [
+        from_columns(
+            Shard,
+            len(plans),
+            fqn=fqns,
+            dtype=dtypes,
+            global_shape=shapes,
+            local_shape=[cut[r][1] for cut in cuts],
+            pieces=[cut[r][0] for cut in cuts],
+            placement=labels,
+        )
+        for r in range(tp)
+    ]
+
+
+def _held(plans: Sequence[TensorPlan], mesh: Mesh) -> list[list[int]]:
+    """The tensors (indexes into ``plans``, in model order) held by each ``(stage, ep rank)``,
+    at ``stage · ep + ep rank``; each distinct (stages, ep rank) worked out once."""
+    ep = mesh.ep
+    held: list[list[int]] = [[] for _ in range(mesh.pp * ep)]
+    adders: dict[tuple[tuple[int, ...], int | None], list[Callable[[int], None]]] = {}
+    for i, key in enumerate(zip(map(_STAGES, plans), map(_EP_RANK, plans), strict=True)):
+        add = adders.get(key)
+        if add is None:
+            eps = range(ep) if key[1] is None else (key[1],)
+            add = adders[key] = [held[p * ep + e].append for p in key[0] for e in eps]
+        for a in add:
+            a(i)
+    return held
 
 
 def rank_weight_bytes(
