@@ -16,14 +16,17 @@ returns None and the entry-by-entry check decides and words the findings::
 from __future__ import annotations
 
 import json
+from operator import attrgetter
 
 import numpy as np
 
 from shardctl.checkpoint import record_table as rt
 from shardctl.checkpoint.plan_header import METADATA_KEY, header_text
 from shardctl.dtypes import DTYPE_BITS
+from shardctl.io.mapped import row_kinds
 
 _META_OPEN = b'{"' + METADATA_KEY.encode() + b'":'
+_FQN, _DTYPE = attrgetter("fqn"), attrgetter("dtype")
 
 
 def metadata_of(raw: bytes) -> tuple[bool, dict[str, str] | None]:
@@ -54,25 +57,27 @@ def begins_if_exact(
         return None
     r = table.ranks[rank]
     tids = r.tensor[rows]
-    tensors = table.tensors
-    infos = [tensors[t] for t in tids.tolist()]
-    names = [t.fqn for t in infos]
+    # column by column, in C-level maps (45,000 rows a rank file at 90,000 tensors)
+    infos = list(map(table.tensors.__getitem__, tids.tolist()))
+    names = list(map(_FQN, infos))
     if METADATA_KEY in names or "" in names or len(set(names)) != len(names):
         return None
-    dtypes = [t.dtype for t in infos]
+    dtypes = list(map(_DTYPE, infos))
     if not set(dtypes) <= DTYPE_BITS.keys():
         return None
-    bits = np.array([DTYPE_BITS[d] for d in dtypes], dtype=np.int64)
-    nbits = bits * np.prod(r.local_shape[rows], axis=1, dtype=np.int64)  # padded dims are 1
+    bits = np.fromiter(map(DTYPE_BITS.__getitem__, dtypes), dtype=np.int64, count=len(dtypes))
+    local = r.local_shape[rows]
+    nbits = bits * np.prod(local, axis=1, dtype=np.int64)  # padded dims are 1
     if (nbits % 8).any():
         return None  # sub-byte rows that do not fill whole bytes: the full reader decides
     ends = np.cumsum(nbits // 8)
     data_offset = 8 + len(raw)
     if data_offset + int(ends[-1]) != file_size:
         return None
-    ndims = table.ndim[tids].tolist()
-    padded = r.local_shape[rows].tolist()
-    shapes = [tuple(s[:n]) for s, n in zip(padded, ndims, strict=True)]
+    # each distinct (padded shape, ndim) made a tuple once: 90,000 experts share a handful
+    which, distinct = row_kinds(np.column_stack((local, table.ndim[tids])))
+    made = [tuple(row[:-1][: row[-1]]) for row in distinct.tolist()]
+    shapes = list(map(made.__getitem__, which.tolist()))
     try:
         text = header_text(names, dtypes, shapes, ends.tolist(), meta)
     except UnicodeEncodeError:
