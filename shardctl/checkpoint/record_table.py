@@ -24,6 +24,7 @@ from __future__ import annotations
 import array
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from operator import attrgetter
 from typing import Any, TypeVar, overload
 
 import numpy as np
@@ -155,14 +156,27 @@ def from_shards(
     tables: list[RankTable] = []
     pad0 = [(0,) * (width - k) for k in range(width + 1)]
     pad1 = [(1,) * (width - k) for k in range(width + 1)]
-    for shards, names in zip(ranks, file_of, strict=True):
+    for seq, names in zip(ranks, file_of, strict=True):
+        # held whole for the ids below (a lazy sequence would make and free each Shard)
+        shards = seq if isinstance(seq, tuple | list) else list(seq)
         n = len(shards)
-        places: dict[str, int] = {}
-        tensor = [0] * n
-        file = [0] * n
-        placement = [0] * n
-        ids = [0] * n
-        # distinct (dims, local shape, pieces): padded once each, then gathered with numpy
+        # column by column, in C-level maps (45,000 shards a rank at 90,000 tensors)
+        tensor = np.fromiter(map(tindex.__getitem__, map(_FQN, shards)), INDEX, n)
+        file = np.fromiter(map(findex.__getitem__, names), INDEX, n)
+        places = _Numbering()
+        placement = np.fromiter(map(places.__getitem__, map(_PLACEMENT, shards)), INDEX, n)
+        # distinct (dims, local shape, pieces): padded once each, then gathered with numpy.
+        # By identity first: a layout shares its shape and pieces objects among a class's
+        # shards, and hashing pieces by value per shard was most of the old loop's cost (the
+        # objects are alive in ``shards``, so an id stays theirs).
+        keys = list(
+            zip(
+                map(len, map(_GLOBAL, shards)),
+                map(id, map(_LOCAL, shards)),
+                map(id, map(_PIECES, shards)),
+                strict=True,
+            )
+        )
         combos: dict[Any, int] = {}
         c_local: list[tuple[int, ...]] = []
         c_start: list[int] = []
@@ -170,36 +184,23 @@ def from_shards(
         offs: list[tuple[int, ...]] = []
         sizs: list[tuple[int, ...]] = []
         locs: list[tuple[int, ...]] = []
-        # the same combos by identity first: a layout shares its shape and pieces objects
-        # among a class's shards, and hashing pieces by value is most of this loop's cost;
-        # ``held`` keeps the objects the ids name alive (bounded: past it, by value only)
-        by_id: dict[tuple[int, int, int], int] = {}
-        held: list[tuple[tuple[int, ...], tuple[Piece, ...]]] = []
-        for j, s in enumerate(shards):
-            tensor[j] = tindex[s.fqn]
-            file[j] = findex[names[j]]
-            placement[j] = places.setdefault(s.placement, len(places))
-            ik = (len(s.global_shape), id(s.local_shape), id(s.pieces))
-            cid = by_id.get(ik)
-            if cid is not None:
-                ids[j] = cid
-                continue
-            key = (ik[0], s.local_shape, s.pieces)
+        cid_of: dict[tuple[int, int, int], int] = {}
+        for ik, j in dict(zip(keys, range(n), strict=True)).items():  # one shard per id key
+            sh = shards[j]
+            key = (ik[0], sh.local_shape, sh.pieces)
             cid = combos.get(key)
-            if len(by_id) < CACHE_LIMIT:
-                held.append((s.local_shape, s.pieces))
-                by_id[ik] = cid if cid is not None else len(c_local)
             if cid is None:
                 cid = combos[key] = len(c_local)
                 nd = key[0]
-                c_local.append(s.local_shape + pad1[nd])
+                c_local.append(sh.local_shape + pad1[nd])
                 c_start.append(len(offs))
-                c_count.append(len(s.pieces))
-                for p in s.pieces:
+                c_count.append(len(sh.pieces))
+                for p in sh.pieces:
                     offs.append(p.offsets + pad0[nd])
                     sizs.append(p.sizes + pad1[nd])
                     locs.append(p.local_offsets + pad0[nd])
-            ids[j] = cid
+            cid_of[ik] = cid
+        ids = list(map(cid_of.__getitem__, keys))
         idx = np.array(ids, dtype=INDEX)
         counts = np.array(c_count, dtype=INDEX)[idx]
         start = np.zeros(n + 1, dtype=INDEX)
@@ -210,9 +211,9 @@ def from_shards(
         )
         tables.append(
             RankTable(
-                np.array(tensor, dtype=INDEX),
-                np.array(file, dtype=INDEX),
-                np.array(placement, dtype=INDEX),
+                tensor,
+                file,
+                placement,
                 tuple(places),
                 _rows(c_local, width)[idx] if n else np.ones((0, width), dtype=INDEX),
                 start,
@@ -222,6 +223,22 @@ def from_shards(
             )
         )
     return RecordTable(tuple(tensors), ndim, tuple(files), tuple(tables), width)
+
+
+class _Numbering(dict[str, int]):
+    """Each key's number, in order of first lookup."""
+
+    def __missing__(self, key: str) -> int:
+        n = self[key] = len(self)
+        return n
+
+
+_FQN, _PLACEMENT = attrgetter("fqn"), attrgetter("placement")
+_GLOBAL, _LOCAL, _PIECES = (
+    attrgetter("global_shape"),
+    attrgetter("local_shape"),
+    attrgetter("pieces"),
+)
 
 
 def _rows(rows: list[tuple[int, ...]], width: int) -> np.ndarray:
