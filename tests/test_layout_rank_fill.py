@@ -1,4 +1,4 @@
-"""``build_layout`` fills its ranks on columns (``shardctl.slotted``, index lists per stage and
+"""``build_layout`` fills its ranks on columns (``shardctl.columns``, index lists per stage and
 ep rank): held here to the plain per-tensor loop it replaced, on the families where the fill
 depends on more than tp — experts on one ep rank, packed experts cut per ep rank (gpt-oss),
 tied embeddings on the first and last stage, MTP layers — at every mesh each one takes; and
@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from shardctl.columns import Numbering, from_columns
 from shardctl.errors import LayoutError
 from shardctl.layout import engine
 from shardctl.layout.engine import build_layout, resolve
@@ -19,7 +20,6 @@ from shardctl.layout.split import split
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, Shard
 from shardctl.model.inventory import from_config
 from shardctl.model.types import ModelInfo
-from shardctl.slotted import from_columns
 from tests._models import CONFIGS, MANY_QWEN3_MOE
 
 
@@ -106,3 +106,9 @@ def test_from_columns_equals_the_constructor() -> None:
         from_columns(_Pair, 1, a=[1])
     with pytest.raises(AssertionError):  # a column shorter than n
         from_columns(_Pair, 2, a=[1], b=["x", "y"])
+
+
+def test_numbering_numbers_in_first_lookup_order() -> None:
+    number: Numbering[str] = Numbering()
+    assert list(map(number.__getitem__, ["b", "a", "b", "c", "a"])) == [0, 1, 0, 2, 1]
+    assert tuple(number) == ("b", "a", "c")

@@ -29,6 +29,7 @@ from typing import Any, TypeVar, overload
 
 import numpy as np
 
+from shardctl.columns import Numbering
 from shardctl.layout.types import Piece, Shard
 from shardctl.model.types import TensorInfo
 
@@ -163,7 +164,7 @@ def from_shards(
         # column by column, in C-level maps (45,000 shards a rank at 90,000 tensors)
         tensor = np.fromiter(map(tindex.__getitem__, map(_FQN, shards)), INDEX, n)
         file = np.fromiter(map(findex.__getitem__, names), INDEX, n)
-        places = _Numbering()
+        places: Numbering[str] = Numbering()
         placement = np.fromiter(map(places.__getitem__, map(_PLACEMENT, shards)), INDEX, n)
         # distinct (dims, local shape, pieces): padded once each, then gathered with numpy.
         # By identity first: a layout shares its shape and pieces objects among a class's
@@ -223,14 +224,6 @@ def from_shards(
             )
         )
     return RecordTable(tuple(tensors), ndim, tuple(files), tuple(tables), width)
-
-
-class _Numbering(dict[str, int]):
-    """Each key's number, in order of first lookup."""
-
-    def __missing__(self, key: str) -> int:
-        n = self[key] = len(self)
-        return n
 
 
 _FQN, _PLACEMENT = attrgetter("fqn"), attrgetter("placement")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
 
+from shardctl.columns import from_columns
 from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
 from shardctl.gcpause import gc_paused
@@ -36,7 +37,6 @@ from shardctl.layout.types import (
     Stage,
 )
 from shardctl.model.types import ModelInfo, TensorInfo
-from shardctl.slotted import from_columns
 
 if TYPE_CHECKING:
     from shardctl.layout.classes import RuleClasses
@@ -109,7 +109,7 @@ def build_layout(
 
 def _tp_shards(plans: Sequence[TensorPlan], tp: int) -> list[list[Shard]]:
     """Each tensor's shard on each tp rank (``[r][i]``), shared by every stage and ep rank
-    that holds it. Built column by column (:mod:`shardctl.slotted`): at 90,000 tensors the
+    that holds it. Built column by column (:mod:`shardctl.columns`): at 90,000 tensors the
     loop with the frozen ``__init__`` was ~0.5 s of a split's planning. Tensors of one class
     share one SplitSpec object (resolve): it is split once, not per tensor (hashing a spec for
     split's cache cost more than the Shards themselves at 90,000)."""

@@ -1,4 +1,7 @@
-"""Many objects of one slotted (frozen) dataclass, built column by column.
+"""Per-tensor tables built column by column, the loops running in C (90,000 tensors: every
+Python step per tensor costs ~0.1 s).
+
+:func:`from_columns`: many objects of one slotted (frozen) dataclass.
 
 A frozen dataclass's ``__init__`` sets each field through ``object.__setattr__``: ~1.5 µs an
 object of six fields, so 0.3-0.5 s for the 180,000 shards of a 90,000-tensor split. Here the
@@ -15,7 +18,7 @@ constant). No ``__post_init__`` runs: only for classes without one.
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sized
+from collections.abc import Hashable, Iterable, Sized
 from itertools import repeat
 from typing import Any, TypeVar
 
@@ -35,4 +38,16 @@ def from_columns(cls: type[T], n: int, **columns: Iterable[Any]) -> list[T]:
     return out
 
 
-__all__ = ["from_columns"]
+K = TypeVar("K", bound=Hashable)
+
+
+class Numbering(dict[K, int]):
+    """Each key's number, in order of first lookup: ``list(map(Numbering().__getitem__,
+    keys))`` numbers a column's distinct values in one C-level pass."""
+
+    def __missing__(self, key: K) -> int:
+        n = self[key] = len(self)
+        return n
+
+
+__all__ = ["Numbering", "from_columns"]
