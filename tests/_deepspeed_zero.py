@@ -9,6 +9,7 @@ engine — the oracle the converted checkpoint is compared with.
 
 from __future__ import annotations
 
+import importlib
 import os
 import sys
 
@@ -20,6 +21,11 @@ def _run(rank: int, hf: str, out: str, world: int, dump: str, port: str) -> None
     from transformers import AutoConfig, AutoModelForCausalLM
 
     torch.set_num_threads(1)
+    # DeepSpeed's CPU backend JIT-compiles a shared-memory all-reduce (C++, ~30 s on 2 idle
+    # cores, ~90 s beside another test worker) on a machine without its build cache; gloo's
+    # all-reduce gives the same sums for two ranks, and the checkpoint is what is under test.
+    # (by sys.modules: the package's attribute ``torch`` is torch itself)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     os.environ.update(
         MASTER_ADDR="127.0.0.1",
         MASTER_PORT=port,
