@@ -24,8 +24,9 @@ from typing import Any
 from shardctl.archs import SUPPORTED, family_for
 from shardctl.archs._family import get_bool
 from shardctl.errors import InvalidInputError
+from shardctl.gcpause import gc_paused
 from shardctl.model.types import ModelDims, TensorInfo
-from shardctl.quant.expand import expand
+from shardctl.quant.expand import any_glob, expand
 
 __all__ = ["SUPPORTED", "dims_from_config", "model_type_of", "tensors_from_config"]
 
@@ -50,6 +51,7 @@ def dims_from_config(config: Mapping[str, Any], *, where: str = "config") -> Mod
     return family.dims(config, tied, where)
 
 
+@gc_paused
 def tensors_from_config(
     config: Mapping[str, Any], dtype: str, *, where: str = "config"
 ) -> tuple[TensorInfo, ...]:
@@ -95,11 +97,12 @@ def _stored_dtypes(
     """A quantized release's non-16-bit unquantized tensors (``Family.quantized_dtypes``)."""
     if not dtypes:
         return tensors
+    matched = any_glob(glob for glob, _ in dtypes)  # one regex call for the many unmatched
 
-    def dtype_of(t: TensorInfo) -> str:
-        for glob, dtype in dtypes:
-            if fnmatch.fnmatchcase(t.fqn, glob):
-                return dtype
-        return t.dtype
+    def stored(t: TensorInfo) -> TensorInfo:
+        if not matched(t.fqn):
+            return t
+        dtype = next(d for glob, d in dtypes if fnmatch.fnmatchcase(t.fqn, glob))
+        return t if dtype == t.dtype else TensorInfo(t.fqn, t.shape, dtype)
 
-    return tuple(TensorInfo(t.fqn, t.shape, dtype_of(t)) for t in tensors)
+    return tuple(map(stored, tensors))
