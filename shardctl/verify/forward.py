@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,7 @@ from torch import nn
 from shardctl.errors import EnvironmentFailure
 from shardctl.verify import metrics, routing
 from shardctl.verify.adapters import adapter_for
-from shardctl.verify.launch import ProcessWorld, run_processes, run_threads
+from shardctl.verify.launch import ProcessWorld, run_processes, run_threads, starting_world
 from shardctl.verify.rank import RankJob, RankOutcome, input_ids
 from shardctl.verify.result import LevelResult
 from shardctl.verify.routing import Routing
@@ -279,17 +279,30 @@ def check_forward(
     dev = resolve_device(device)
     env = plan_run(dev, ck.world, simulate)
     jobs = make_jobs(ck, device=dev, simulated=env["simulated"], seed=seed)
-    t1 = time.perf_counter()
-    ref = reference_logits(src, jobs[0], level.figures)
-    level.figures.update(dtype=ref.dtype, reference_s=time.perf_counter() - t1)
-    if ref.routing:
-        jobs = [replace(j, routing=ref.routing) for j in jobs]
-        level.figures.update(
-            routing="pinned to the float64 reference's expert choices",
-            moe_layers=len(ref.routing),
-            routing_ties_flipped=ref.flips,
-        )
-    outcomes = run_sharded(jobs, env, world)
+    with ExitStack() as stack:
+        ready = None
+        early = env["backend"] == "gloo" and not env["simulated"]
+        if world is None and early and all(j.num_layers for j in jobs):
+            # CPU ranks start (imports, process group) while the reference runs; GPU ranks
+            # after it, so the reference's float64 copy never shares a device with a rank
+            ready = stack.enter_context(
+                starting_world(
+                    len(jobs),
+                    backend=env["backend"],
+                    model_type=str(jobs[0].config.get("model_type")),
+                )
+            )
+        t1 = time.perf_counter()
+        ref = reference_logits(src, jobs[0], level.figures)
+        level.figures.update(dtype=ref.dtype, reference_s=time.perf_counter() - t1)
+        if ref.routing:
+            jobs = [replace(j, routing=ref.routing) for j in jobs]
+            level.figures.update(
+                routing="pinned to the float64 reference's expert choices",
+                moe_layers=len(ref.routing),
+                routing_ties_flipped=ref.flips,
+            )
+        outcomes = run_sharded(jobs, env, world if ready is None else ready())
     level.figures.update(
         seed=seed,
         batch=jobs[0].batch,

@@ -1,9 +1,14 @@
 """Run the forward level's rank jobs: one process per rank, or threads in one process.
 
-- :func:`run_processes`: one ``python -m shardctl.verify.worker`` subprocess per rank, the
-  environment ``torchrun`` would give it (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``),
-  rendezvous through a TCP store this process hosts on a free port (no port race). gloo on CPU,
-  NCCL with one GPU per rank. A rank that dies takes the run down with exit 5, never a hang.
+- :func:`run_processes`: one process per rank, the environment ``torchrun`` would give it
+  (``RANK``, ``WORLD_SIZE``, ``MASTER_ADDR=127.0.0.1``), rendezvous through a TCP store this
+  process hosts on a free port (no port race). gloo on CPU, NCCL with one GPU per rank. A rank
+  that dies takes the run down with exit 5, never a hang. On gloo the ranks are forked from one
+  server that imported torch, transformers and the family's classes once (multiprocessing's
+  forkserver): each rank's ~2 s of torch import and ~1-3 s of transformers' were paid per
+  rank, on as few cores as the machine has. With NCCL each rank is its own
+  ``python -m shardctl.verify.worker`` (a process forked after anything touched CUDA could
+  not use it).
 - :func:`run_threads`: the *simulation* — every rank a thread of this process on one device,
   collectives through :class:`~shardctl.verify.comm.ThreadComm`. Used when there are fewer
   GPUs than ranks (and by tests that want many layouts without process start-up).
@@ -12,14 +17,16 @@
 from __future__ import annotations
 
 import json
+import multiprocessing
 import os
 import subprocess
 import sys
 import threading
 import time
-from contextlib import AbstractContextManager
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -27,7 +34,7 @@ from shardctl.errors import EnvironmentFailure
 from shardctl.io.tempdirs import owned_tempdir
 from shardctl.verify.comm import ThreadComm, ThreadHub, Topology
 from shardctl.verify.rank import RankJob, RankOutcome, run_rank
-from shardctl.verify.tp_model import warm_imports
+from shardctl.verify.tp_model import modeling_module, warm_imports
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -59,8 +66,102 @@ def run_processes(
     jobs: list[RankJob], *, backend: str, timeout_s: float = DEFAULT_TIMEOUT_S
 ) -> list[RankOutcome]:
     """One process per rank for this one run (start-up included)."""
-    with ProcessWorld(len(jobs), backend=backend) as world:
+    model_type = str(jobs[0].config.get("model_type"))
+    with ProcessWorld(len(jobs), backend=backend, model_type=model_type) as world:
         return world.run(jobs, timeout_s=timeout_s)
+
+
+@contextmanager
+def starting_world(
+    world: int, *, backend: str, model_type: str | None = None
+) -> Iterator[Callable[[], ProcessWorld]]:
+    """Start a :class:`ProcessWorld` on a thread now; yield the call that waits for it (and
+    raises what starting it raised). The forward level starts its ranks before it runs the
+    unsharded reference, so their start-up (imports, the process group) overlaps it."""
+    pending = ProcessWorld(world, backend=backend, model_type=model_type)
+    failed: list[BaseException] = []
+
+    def start() -> None:
+        try:
+            pending.__enter__()
+        except BaseException as exc:  # handed to the caller by ready()
+            failed.append(exc)
+
+    starter = threading.Thread(target=start, name="verify-world-start", daemon=True)
+    starter.start()
+
+    def ready() -> ProcessWorld:
+        starter.join()
+        if failed:
+            raise failed[0]
+        return pending
+
+    try:
+        yield ready
+    finally:
+        starter.join()
+        pending.close()
+
+
+class _Rank(Protocol):
+    """What the world asks of a rank's process: ``subprocess.Popen``'s names."""
+
+    @property
+    def returncode(self) -> int | None: ...
+
+    def poll(self) -> int | None: ...
+
+    def wait(self, timeout: float | None = None) -> int: ...
+
+    def kill(self) -> None: ...
+
+
+class _Forked:
+    """A rank forked from the forkserver, under ``subprocess.Popen``'s names."""
+
+    def __init__(self, proc: multiprocessing.process.BaseProcess) -> None:
+        self._proc = proc
+
+    @property
+    def returncode(self) -> int | None:
+        return self._proc.exitcode
+
+    def poll(self) -> int | None:
+        return self._proc.exitcode
+
+    def wait(self, timeout: float | None = None) -> int:
+        self._proc.join(timeout)
+        if self._proc.exitcode is None:
+            raise subprocess.TimeoutExpired(f"verify rank {self._proc.name}", timeout or 0.0)
+        return self._proc.exitcode
+
+    def kill(self) -> None:
+        self._proc.kill()
+
+
+def _preload(backend: str, model_type: str | None) -> list[str] | None:
+    """What the gloo ranks' forkserver imports before it forks them; None where ranks are
+    spawned one by one. Run in the thread that makes the world: resolving a transformers
+    module name imports transformers, whose lazy attributes are not safe to resolve from two
+    threads at once (the reference loads a model meanwhile)."""
+    if backend != "gloo" or "forkserver" not in multiprocessing.get_all_start_methods():
+        return None
+    preload = ["torch", "transformers", "shardctl.verify.worker", "shardctl.verify.rank"]
+    if model_type:
+        try:
+            preload.append(modeling_module(model_type))
+        except (KeyError, ValueError, ImportError):
+            pass  # an unknown type: the rank imports (and reports) it itself
+    return preload
+
+
+def _forkserver(preload: list[str]) -> Any:
+    """The multiprocessing context the gloo ranks fork from. Its server starts once per
+    process, with the first ``preload`` asked (a later world's family is imported by its ranks
+    themselves)."""
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(preload)
+    return ctx
 
 
 class ProcessWorld:
@@ -71,13 +172,15 @@ class ProcessWorld:
     files in this run's private temporary directory, and the store only says which file is
     done (``outcome/<k>/<rank>``): torch's TCPStore drops values over 8 MiB with a reset
     connection. The gloo/NCCL group is formed once, so a test module pays the start-up (~1 s
-    for gloo, plus torch's import) once, not per layout.
+    for gloo, plus torch's import) once, not per layout. ``model_type``: the family whose
+    transformers classes the gloo ranks' forkserver imports before forking them.
     """
 
-    def __init__(self, world: int, *, backend: str) -> None:
+    def __init__(self, world: int, *, backend: str, model_type: str | None = None) -> None:
         self.world = world
         self.backend = backend
-        self._procs: list[subprocess.Popen[bytes]] = []
+        self._preload = _preload(backend, model_type)  # the forkserver's imports, or None
+        self._procs: list[_Rank] = []
         self._logs: list[Path] = []
         self._tmp: AbstractContextManager[Path] | None = None
         self._tmp_path = Path()
@@ -92,6 +195,7 @@ class ProcessWorld:
         self._tmp = owned_tempdir("shardctl-verify-")
         self._tmp_path = self._tmp.__enter__()
         threads = max(1, (os.cpu_count() or 1) // self.world)
+        forks = _forkserver(self._preload) if self._preload is not None else None
         for rank in range(self.world):
             env = dict(os.environ)
             env.update(
@@ -107,6 +211,16 @@ class ProcessWorld:
             )
             log = self._tmp_path / f"rank{rank}.log"
             self._logs.append(log)
+            if forks is not None:
+                from shardctl.verify.worker import forked
+
+                log.touch()
+                proc = forks.Process(
+                    target=forked, args=(env, str(log), threads), name=f"rank{rank}", daemon=True
+                )
+                proc.start()
+                self._procs.append(_Forked(proc))
+                continue
             cmd = [sys.executable, "-m", "shardctl.verify.worker", "--serve"]
             with open(log, "wb") as fh:
                 self._procs.append(

@@ -47,16 +47,23 @@ def implementations(cfg: dict[str, Any]) -> dict[str, str]:
     return impl
 
 
+def modeling_module(model_type: str) -> str:
+    """The transformers module of ``model_type``'s classes: ``qwen3_moe`` ->
+    ``transformers.models.qwen3_moe.modeling_qwen3_moe`` (gemma3_text, llama4_text: their
+    modules are models.gemma3, models.llama4)."""
+    from transformers.models.auto.configuration_auto import model_type_to_module_name
+
+    module = model_type_to_module_name(model_type)
+    return f"transformers.models.{module}.modeling_{module}"
+
+
 def warm_imports(model_type: str) -> None:
     """Import transformers' classes for ``model_type`` now, in the calling thread."""
     import transformers
-    from transformers.models.auto.configuration_auto import model_type_to_module_name
 
     transformers.AutoConfig  # noqa: B018 (resolves the lazy attribute)
     transformers.AutoModelForCausalLM  # noqa: B018
-    # gemma3_text, llama4_text: their modules are models.gemma3, models.llama4
-    module = model_type_to_module_name(model_type)
-    importlib.import_module(f"transformers.models.{module}.modeling_{module}")
+    importlib.import_module(modeling_module(model_type))
 
 
 @dataclass

@@ -94,6 +94,24 @@ def _serve() -> int:
         dist.destroy_process_group()
 
 
+def forked(env: dict[str, str], log: str, threads: int) -> None:
+    """One rank forked from the launcher's preloaded server (``launch.ProcessWorld`` on gloo):
+    what ``python -m shardctl.verify.worker --serve`` does in a fresh process, with torch,
+    transformers and the family's classes already imported. Output goes to ``log``; the
+    environment is the parent's with the rank's variables; the thread count is set here, since
+    the OpenMP runtime read ``OMP_NUM_THREADS`` when the server imported torch."""
+    fd = os.open(log, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)
+    os.dup2(fd, 2)
+    os.close(fd)
+    os.environ.clear()
+    os.environ.update(env)
+    torch.set_num_threads(threads)
+    from shardctl.console import run_cli
+
+    run_cli(lambda: sys.exit(main(["--serve"])))
+
+
 def _run_torchrun(args: argparse.Namespace) -> NoReturn:
     from shardctl.verify.distributed import run_under_torchrun
 
