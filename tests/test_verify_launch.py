@@ -77,3 +77,19 @@ def test_a_killed_rank_fails_the_run_naming_it(cks: Checkpoints) -> None:
         # seen as dead (its exit status and log), not waited out: a timeout says otherwise
         with pytest.raises(EnvironmentFailure, match=r"forward rank 1 exited with -9"):
             world.run(jobs, timeout_s=300)
+
+
+def test_a_world_that_cannot_start_raises_at_ready_and_closes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """What starting the ranks raised on the starter thread is raised where the forward level
+    waits for them, and the half-made world is closed (nothing started, nothing left)."""
+    from shardctl.verify import launch
+
+    def refuse(self: ProcessWorld) -> ProcessWorld:
+        raise EnvironmentFailure("no free port for the TCP store")
+
+    monkeypatch.setattr(launch.ProcessWorld, "__enter__", refuse)
+    with launch.starting_world(2, backend="gloo", model_type="qwen2") as ready:
+        with pytest.raises(EnvironmentFailure, match="no free port"):
+            ready()
