@@ -29,12 +29,17 @@ from pathlib import Path
 from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 
 from shardctl.errors import EnvironmentFailure
 from shardctl.io.tempdirs import owned_tempdir
 from shardctl.verify.comm import ThreadComm, ThreadHub, Topology
 from shardctl.verify.rank import RankJob, RankOutcome, run_rank
 from shardctl.verify.tp_model import modeling_module, warm_imports
+
+# at import, not on the thread that starts a world (``starting_world``): imports made on two
+# threads at once, while the reference loads transformers, are best avoided
+from shardctl.verify.worker import forked
 
 DEFAULT_TIMEOUT_S = 600.0
 
@@ -188,8 +193,6 @@ class ProcessWorld:
         self._next = 0
 
     def __enter__(self) -> ProcessWorld:
-        import torch.distributed as dist
-
         self._store = dist.TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
         # owner-locked: a killed run's directory is reaped by the next one (io.tempdirs)
         self._tmp = owned_tempdir("shardctl-verify-")
@@ -212,8 +215,6 @@ class ProcessWorld:
             log = self._tmp_path / f"rank{rank}.log"
             self._logs.append(log)
             if forks is not None:
-                from shardctl.verify.worker import forked
-
                 log.touch()
                 proc = forks.Process(
                     target=forked, args=(env, str(log), threads), name=f"rank{rank}", daemon=True
