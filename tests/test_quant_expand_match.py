@@ -1,5 +1,6 @@
-"""The inventory expansion's name tests, one compiled regex per call, against the per-entry rules
-they replace (fnmatch per glob; ``modules_to_not_convert`` / ``ignore`` entry by entry).
+"""The inventory expansion's name tests, one compiled regex per call (``globs.first_match``,
+``expand._ignorer``), against the per-entry rules they replace (fnmatch per glob;
+``modules_to_not_convert`` / ``ignore`` entry by entry).
 
 A quantized config's inventory (``plan`` on a manifest) tests each of ~90,000 names against the
 family's quantizable globs and the config's ignore list; those tests are one regex call each now
@@ -17,9 +18,10 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardctl.archs import family_for
+from shardctl.globs import first_match
 from shardctl.model.archs import tensors_from_config
 from shardctl.quant.config import QuantConfig
-from shardctl.quant.expand import _ignorer, any_glob
+from shardctl.quant.expand import _ignorer
 
 PART = st.sampled_from(["model", "layers", "mlp", "experts", "gate", "lm_head", "w1", "w12"])
 NUM = st.integers(0, 120).map(str)
@@ -50,10 +52,11 @@ def _ignored_by_entry(fqn: str, ignore: tuple[str, ...]) -> bool:
 
 
 @given(names=st.lists(NAME, min_size=1, max_size=30), globs=st.lists(GLOB, max_size=4))
-def test_any_glob_is_fnmatch_of_any_glob(names: list[str], globs: list[str]) -> None:
-    test = any_glob(globs)
+def test_first_match_is_the_first_fnmatch_glob(names: list[str], globs: list[str]) -> None:
+    first = first_match(tuple(globs))
     for name in names:
-        assert bool(test(name)) == any(fnmatch.fnmatchcase(name, g) for g in globs), (name, globs)
+        want = next((i for i, g in enumerate(globs) if fnmatch.fnmatchcase(name, g)), None)
+        assert first(name) == want, (name, globs)
 
 
 ENTRY = st.one_of(

@@ -16,7 +16,6 @@ family, biases off).
 
 from __future__ import annotations
 
-import fnmatch
 import re
 from collections.abc import Mapping
 from typing import Any
@@ -25,8 +24,9 @@ from shardctl.archs import SUPPORTED, family_for
 from shardctl.archs._family import get_bool
 from shardctl.errors import InvalidInputError
 from shardctl.gcpause import gc_paused
+from shardctl.globs import first_match
 from shardctl.model.types import ModelDims, TensorInfo
-from shardctl.quant.expand import any_glob, expand
+from shardctl.quant.expand import expand
 
 __all__ = ["SUPPORTED", "dims_from_config", "model_type_of", "tensors_from_config"]
 
@@ -97,12 +97,12 @@ def _stored_dtypes(
     """A quantized release's non-16-bit unquantized tensors (``Family.quantized_dtypes``)."""
     if not dtypes:
         return tensors
-    matched = any_glob(glob for glob, _ in dtypes)  # one regex call for the many unmatched
+    first = first_match(tuple(glob for glob, _ in dtypes))  # one regex call a name
 
     def stored(t: TensorInfo) -> TensorInfo:
-        if not matched(t.fqn):
+        i = first(t.fqn)
+        if i is None or dtypes[i][1] == t.dtype:
             return t
-        dtype = next(d for glob, d in dtypes if fnmatch.fnmatchcase(t.fqn, glob))
-        return t if dtype == t.dtype else TensorInfo(t.fqn, t.shape, dtype)
+        return TensorInfo(t.fqn, t.shape, dtypes[i][1])
 
     return tuple(map(stored, tensors))

@@ -16,6 +16,7 @@ import re
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
+from shardctl.globs import first_match
 from shardctl.model.types import TensorInfo
 from shardctl.quant.config import CT_UNPACKED, QuantConfig, read_quant
 
@@ -32,23 +33,17 @@ def expand(
     tensors = tuple(tensors)
     if qc is None or not quantizable:
         return tensors
-    quantized = any_glob(quantizable)
+    quantized = first_match(quantizable)
     # MXFP4 quantizes packed experts [E, in, out]; the other schemes 2-D [out, in] weights
     ndim = 3 if qc.method == "mxfp4" else 2
     ignored = _ignorer(qc)
     out: list[TensorInfo] = []
     for t in tensors:
-        if len(t.shape) == ndim and quantized(t.fqn) and not ignored(t.fqn):
+        if len(t.shape) == ndim and quantized(t.fqn) is not None and not ignored(t.fqn):
             out += members(t, qc)
         else:
             out.append(t)
     return tuple(sorted(out, key=lambda t: t.fqn))
-
-
-def any_glob(globs: Iterable[str]) -> Callable[[str], re.Match[str] | None]:
-    """One compiled test of ``fnmatch.fnmatchcase(name, g)`` for any ``g`` of ``globs``: a
-    single regex call per name (90,000 names of a DeepSeek-V3 inventory), not one per glob."""
-    return re.compile("|".join(f"(?:{fnmatch.translate(g)})" for g in globs) or "(?!)").match
 
 
 def _ignorer(qc: QuantConfig) -> Callable[[str], bool]:

@@ -27,12 +27,10 @@ attention and the first and last layers' MLPs in bf16) is::
 
 from __future__ import annotations
 
-import fnmatch
-import re
-from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from shardctl.globs import first_match
 from shardctl.model.types import ModelInfo, TensorInfo
 from shardctl.plan.memory.spec import DEFAULT_GROUP_SIZE, FP8_BLOCK, QuantSpec, formula_of
 
@@ -64,31 +62,6 @@ def _quantized(method: str, scaling: str, group: int | None, double: bool) -> Fo
     if group is None:
         group = FP8_BLOCK if method == "fp8" and scaling == "block" else DEFAULT_GROUP_SIZE[method]
     return Format(formula_of(method, scaling), None, group, double)
-
-
-def first_match(globs: tuple[str, ...]) -> Callable[[str], int | None]:
-    """``name -> index of the first glob (fnmatch, case-sensitive) that matches``, or None.
-
-    One alternation of the translated globs, tried in order, so a name costs one regex match
-    whatever the number of globs (a pasted list of 500 module names over 46,000 tensors).
-
-    >>> first_match(("*.mlp.down_proj.*", "*.mlp.*"))("model.layers.0.mlp.up_proj.weight")
-    1
-    """
-    if not globs:
-        return lambda _name: None
-    rx = re.compile("|".join(f"(?P<ovr{i}>{fnmatch.translate(g)})" for i, g in enumerate(globs)))
-
-    def first(name: str) -> int | None:
-        m = rx.match(name)
-        if m is None:
-            return None
-        # The outer group closes last, so it is the last matched group; else scan in order.
-        if m.lastgroup is not None and m.lastgroup.startswith("ovr"):
-            return int(m.lastgroup[3:])
-        return next(i for i in range(len(globs)) if m.group(f"ovr{i}") is not None)
-
-    return first
 
 
 def tensor_format(
