@@ -271,7 +271,6 @@ def write(ch: columnar.Chunks, outs: list[OutFile], c: MergeColumns, a: int, b: 
     p0, p1 = int(c.part_start[a]), int(c.part_start[b])
     ps = slice(p0, p1)
     size = c.size[ps]
-    scratch, src_at = ch.read(c.src_file[ps], c.src_start[ps], size, c.pos)
     sl = slice(a, b)
     nb = c.nbytes[sl]
     files, lo, base, per_file, put = ch.layout(c.file[sl], c.begin[sl], nb)
@@ -279,8 +278,13 @@ def write(ch: columnar.Chunks, outs: list[OutFile], c: MergeColumns, a: int, b: 
     owner = np.repeat(np.arange(b - a), np.diff(c.part_start[a : b + 1]))
     dst_at = put[owner] + c.at[ps]
     kind = c.kind[ps]
-    o = np.argsort(kind, kind="stable")
-    for members in np.split(o, np.flatnonzero(np.diff(kind[o])) + 1):
+    # a part whose box in the tensor is one run is read straight there
+    scratch, src_at, placed = ch.read(
+        c.src_file[ps], c.src_start[ps], size, c.pos, buf, dst_at, ch.flat()[kind]
+    )
+    rest = np.flatnonzero(~placed)
+    o = rest[np.argsort(kind[rest], kind="stable")]
+    for members in np.split(o, np.flatnonzero(np.diff(kind[o])) + 1) if o.size else ():
         k = int(kind[members[0]])
         s_at, d_at = src_at[members], dst_at[members]
         word = ch.word(k, s_at | d_at)

@@ -27,6 +27,8 @@ from shardctl.reshard.writer import OutFile
 # Input files held open at once per executor (least recently used closed first), so that a
 # checkpoint of 10 000 shards runs under ``ulimit -n 256`` (RELIABILITY H2).
 MAX_INPUT_FDS = 32
+# Buffers one ``preadv`` call takes (Linux: 1024).
+IOV_MAX = os.sysconf("SC_IOV_MAX") if "SC_IOV_MAX" in os.sysconf_names else 1024
 
 
 def _rows_view(arr: np.ndarray, nrows: int, trailing: tuple[int, ...], s: int) -> np.ndarray:
@@ -91,6 +93,34 @@ class Gather:
             done += n
         if self.on_read is not None:
             self.on_read(file, offset, mv)
+
+    def _readv(self, file: int, offset: int, views: list[memoryview]) -> None:
+        """Read SRC ``file`` from ``offset`` into ``views`` back to back: one ``preadv`` for
+        up to ``IOV_MAX`` of them. A short read (the file cut under us) finishes view by view
+        through :meth:`_read`'s loop, so it ends in the same "input changed" error; the input
+        check is fed every view, in file order."""
+        fd = self._fd(file)
+        at = offset
+        for i in range(0, len(views), IOV_MAX):
+            group = views[i : i + IOV_MAX]
+            got = os.preadv(fd, group, at)
+            for mv in group:
+                n = len(mv)
+                if got < n:  # this view and the rest of the group: one at a time
+                    done = max(got, 0)
+                    while done < n:
+                        step = os.preadv(fd, [mv[done:]], at + done)
+                        if step == 0:
+                            raise EnvironmentFailure(
+                                f"input changed during run (short read at byte {at + done})",
+                                where=str(self.input_paths[file]),
+                                hint="rerun once the input is stable",
+                            )
+                        done += step
+                got -= n
+                if self.on_read is not None:
+                    self.on_read(file, at, mv)
+                at += n
 
     def _fill(
         self,
