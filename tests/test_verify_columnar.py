@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import random
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -68,6 +69,7 @@ def test_clean_layouts_are_settled_with_the_same_report(
         # range by range, and the slab-by-slab path of large shards (runs and strided boxes)
         monkeypatch.setattr(columnar, "WINDOW", 300)
         monkeypatch.setattr(columnar, "LARGE", 64)
+        monkeypatch.setattr(columnar, "GATHER", 100)  # a kind's shards a few at a time
     src, dst = cks.ckpt(name), cks.resharded(name, mesh)
     ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
     ok0, findings0, figures0, rows0, settled0 = _run(src, dst, monkeypatch, on=False)
@@ -89,13 +91,38 @@ def test_a_flipped_bit_anywhere_is_handed_over_and_named(
         for pick in ("w1.weight", "w2.weight", "input_layernorm.weight"):
             fqn = rng.choice([n for n in names if n.endswith(pick)])
             _flip(path, fqn, rng.randrange(1 << 16), rng.randrange(8))
-    for window in (columnar.WINDOW, 300):
+    for window, gather in ((columnar.WINDOW, columnar.GATHER), (300, 100)):
         monkeypatch.setattr(columnar, "WINDOW", window)
+        monkeypatch.setattr(columnar, "GATHER", gather)
         ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
         ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
         assert not ok and not ok0 and not settled
         assert findings == findings0 and len([f for f in findings if f[1]]) == 3 * len(files)
         assert figures == figures0 and rows == rows0
+
+
+def test_a_source_that_differs_is_found_by_the_compare_itself(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # DST intact (its checksums match), SRC changed: only the shard-by-shard compare can see
+    # it, in whichever gathered part of a kind the changed tensor falls
+    src, dst = cks.ckpt("mixtral"), cks.resharded("mixtral", Mesh(ep=2, tp=2))
+    changed = tmp_path / "src"
+    shutil.copytree(src, changed)
+    rng = random.Random(5)
+    for path in sorted(changed.glob("*.safetensors")):
+        names = [e.name for e in read_header(path).tensors]
+        for pick in ("w1.weight", "w2.weight"):
+            # the last expert of the last layer: past the first gathered part of its kind
+            fqn = sorted(n for n in names if n.endswith(pick))[-1]
+            _flip(path, fqn, rng.randrange(1 << 10), rng.randrange(8))
+    for window, gather in ((columnar.WINDOW, columnar.GATHER), (columnar.WINDOW, 100), (300, 100)):
+        monkeypatch.setattr(columnar, "WINDOW", window)
+        monkeypatch.setattr(columnar, "GATHER", gather)
+        ok, findings, _, _, settled = _run(changed, dst, monkeypatch, on=True)
+        ok0, findings0, _, _, _ = _run(changed, dst, monkeypatch, on=False)
+        assert not ok and not ok0 and not settled
+        assert findings == findings0 and any(f[1] for f in findings)
 
 
 def test_a_checksum_that_does_not_match_is_handed_over(

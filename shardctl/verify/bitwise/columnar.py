@@ -15,7 +15,8 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
   mapping about ``WINDOW`` bytes of DST and of SRC (a column cut's box spans whole SRC rows);
   in a window the shards of one kind from one SRC file are gathered from SRC with one numpy
   indexing of a strided view (a row per possible start byte, as ``spans._fill_batch`` does)
-  and from DST the same way, and compared 8 bytes at a time in one numpy call; a shard over
+  and from DST the same way (``GATHER`` bytes a side per call), and compared 8 bytes at a
+  time in one numpy call; a shard over
   ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
 - the window's bytes then feed the file's checksum (the record's hash is of the whole file);
   mapped pages are given back after each window and slab, so memory stays flat;
@@ -71,10 +72,18 @@ from shardctl.verify.boxes import uint_of
 from shardctl.verify.dst import Destination, RecordDstShards
 
 ENABLED = True  # off: the span / block paths decide every shard (tests compare the two)
-# Bytes a window maps, DST and SRC each (each side's gathered copy is at most this much too):
-# 2 MiB was as fast as 16 at 90,000 tensors, and kept a tp-8 split of them (720,000 shards)
-# under 256 MiB with two threads (246 MiB; 16 MiB windows: 331 MiB at tp 2 x ep 2).
-WINDOW = 2 * 2**20
+# Bytes a window maps, DST and SRC each. Each window costs a few syscalls that give up the GIL
+# (a size check per file, ``MADV_DONTNEED`` of what it mapped: ~30-70 µs each with the other
+# thread busy): 2 MiB windows spent ~0.8 s of a 3 GB verify there. 8 MiB: 12,000 tensors / 3 GB
+# 3.6-3.8 s -> 2.5-2.9 s, 90,000 tensors 3.4 -> 2.7 s (2 cores, tmpfs), peak 215 -> 130 MiB and
+# 186 -> 195 MiB. Past ``MANY`` shards the record's tables alone take ~200 MiB (a tp-8 split of
+# 90,000 tensors: 720,000 shards, 211 MiB of heap), and ``WINDOW_MANY`` keeps that run under
+# 256 MiB (245 MiB; 8 MiB windows: 269).
+WINDOW = 8 * 2**20
+WINDOW_MANY = 2 * 2**20
+MANY = 2**18
+# Bytes gathered from each side per numpy call (the copies compared), whatever the window.
+GATHER = 2 * 2**20
 # Threads at most (one DST file each): each holds a window's maps and copies (~20 MiB); the
 # compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where four did not.
 THREADS = 2
@@ -117,12 +126,13 @@ def check(
     per_file = np.bincount(plan.file, weights=plan.nbytes, minlength=len(paths))
     jobs.sort(key=lambda j: -float(per_file[j[0]]))
     stop = threading.Event()
+    window = WINDOW if plan.tensor.size <= MANY else WINDOW_MANY
 
     def one(job: tuple[int, Path, str | None]) -> bool:
         f, path, digest = job
         maps = SrcMaps()
         try:
-            ok = _compare_file(plan, f, path, src_paths, maps, hash_name, digest, stop)
+            ok = _compare_file(plan, f, path, src_paths, maps, hash_name, digest, stop, window)
         except (OSError, ValueError):
             ok = False  # a file that changed or vanished: the other path words it
         finally:
@@ -275,9 +285,11 @@ def _compare_file(
     hash_name: str | None,
     digest: str | None,
     stop: threading.Event,
+    window: int = WINDOW,
 ) -> bool:
-    """Whether every shard in DST file ``f`` equals SRC (and the file its ``digest``); False
-    too once ``stop`` is set (another file differed)."""
+    """Whether every shard in DST file ``f`` equals SRC (and the file its ``digest``), read in
+    windows of about ``window`` bytes; False too once ``stop`` is set (another file
+    differed)."""
     rows = np.flatnonzero(plan.file == f)
     rows = rows[np.argsort(plan.begin[rows], kind="stable")]
     begin, nbytes = plan.begin[rows], plan.nbytes[rows]
@@ -295,14 +307,14 @@ def _compare_file(
         size = len(mm)
         if rows.size and end[-1] > size:
             return False
-        # windows cut at shard starts, about WINDOW bytes each; the first one starts at byte 0
+        # windows cut at shard starts, about ``window`` bytes each; the first one starts at byte 0
         # and the last ends at the end of the file, so their ranges feed the whole checksum
         # A shard weighs what it maps: its bytes in DST and the SRC stretch its box spans (a
         # tp-8 column cut of a row-major tensor uses 1/8 of each row, but touches every page of
         # the rows): a window maps about 2 x WINDOW whatever the cut.
         weight = np.cumsum(nbytes + spans[plan.kind[rows]])
         cut = np.searchsorted(
-            weight, np.arange(WINDOW, int(weight[-1]) if rows.size else 0, WINDOW)
+            weight, np.arange(window, int(weight[-1]) if rows.size else 0, window)
         )
         bounds = [0, *[c for c in np.unique(cut).tolist() if 0 < c < rows.size], rows.size]
         at = 0
@@ -317,8 +329,8 @@ def _compare_file(
                 return False
             # then the window's bytes into the checksum, a window's worth mapped at a time (a
             # window is one shard when that is larger: an embedding may be a GiB)
-            for a in range(at, until, WINDOW):
-                b = min(until, a + WINDOW)
+            for a in range(at, until, window):
+                b = min(until, a + window)
                 if hasher is not None:
                     hasher.update(memoryview(mm)[a:b])
                 dontneed(mm, a, b)
@@ -368,9 +380,13 @@ def _compare_window(
         into = dst_rows.get(n)
         if into is None:
             into = dst_rows[n] = rows_view(dst, (n,), (), n)
-        want = view[starts].reshape(len(members), n)
-        if not _equal(want, into[plan.begin[members]]):
-            return False
+        # gathered GATHER bytes a side at a time: the copies stay small whatever the window
+        step = max(1, GATHER // n)
+        for i in range(0, len(members), step):
+            part = slice(i, i + step)
+            want = view[starts[part]].reshape(-1, n)
+            if not _equal(want, into[plan.begin[members[part]]]):
+                return False
     return True
 
 
