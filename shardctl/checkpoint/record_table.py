@@ -146,11 +146,15 @@ def from_shards(
     files: Sequence[str],
     ranks: Sequence[Sequence[Shard]],
     file_of: Sequence[Sequence[str]],
+    tindex: Mapping[str, int] | None = None,
 ) -> RecordTable:
     """Build the table from Shard objects (the planner's layout, or a parsed v1 record).
 
-    ``file_of[i][j]`` names the file of shard ``j`` of rank ``i``."""
-    tindex = {t.fqn: i for i, t in enumerate(tensors)}
+    ``file_of[i][j]`` names the file of shard ``j`` of rank ``i``; ``tindex``: each tensor's
+    position in ``tensors`` by name, when the caller has it (a record's ranks are tabled one
+    at a time: the map of 90,000 names once, not once a rank)."""
+    if tindex is None:
+        tindex = {t.fqn: i for i, t in enumerate(tensors)}
     findex = {n: i for i, n in enumerate(files)}
     ndim = np.array([len(t.shape) for t in tensors], dtype=INDEX)
     width = int(ndim.max()) if ndim.size else 0

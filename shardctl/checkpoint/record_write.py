@@ -84,9 +84,10 @@ class RankColumns:
         shards: Sequence[Shard],
         shard_files: Mapping[tuple[int, str], str],
         rank: int,
+        tindex: Mapping[str, int] | None = None,
     ) -> None:
         self.tensors, self.names, self.shards = tensors, names, shards
-        self.shard_files, self.rank = shard_files, rank
+        self.shard_files, self.rank, self.tindex = shard_files, rank, tindex
 
     def encode(self) -> dict[str, Any]:
         table = record_table.from_shards(
@@ -94,6 +95,7 @@ class RankColumns:
             self.names,
             [self.shards],
             [record_table.planned_names(self.shard_files, self.rank, self.shards)],
+            self.tindex,
         )
         return record_v2.encode_rank(table, table.ranks[0])
 
@@ -125,10 +127,12 @@ def build(
         # rank's columns depend on that rank alone.
         names = [f.name for f in files]
         tensor_obj = record_v2.encode_tensors(
-            record_table.from_shards(tensors, names, [], []), padded_shapes
+            record_table.from_shards(tensors, names, [], [], {}),
+            padded_shapes,  # no ranks
         )
+        tindex = {t.fqn: i for i, t in enumerate(tensors)} if layout is not None else None
         columns = [
-            RankColumns(tensors, names, rl.shards, shard_files, i)
+            RankColumns(tensors, names, rl.shards, shard_files, i, tindex)
             for i, rl in enumerate(layout.ranks if layout is not None else ())
         ]
     if layout is not None:
