@@ -55,7 +55,7 @@ CLEAN = [
 ]
 
 
-@pytest.mark.parametrize("window", ["default", "tiny"])
+@pytest.mark.parametrize("window", ["default", "tiny", "in-place"])
 @pytest.mark.parametrize("name,mesh", CLEAN, ids=[f"{n}-{m}" for n, m in CLEAN])
 def test_clean_layouts_are_settled_with_the_same_report(
     cks: Checkpoints,
@@ -70,6 +70,9 @@ def test_clean_layouts_are_settled_with_the_same_report(
         monkeypatch.setattr(columnar, "WINDOW", 300)
         monkeypatch.setattr(columnar, "LARGE", 64)
         monkeypatch.setattr(columnar, "GATHER", 100)  # a kind's shards a few at a time
+    if window == "in-place":  # every shard compared by itself, with no gathered copy
+        monkeypatch.setattr(columnar, "BY_SHARD", 1)
+        monkeypatch.setattr(columnar, "BY_SHARD_RUN", 1)
     src, dst = cks.ckpt(name), cks.resharded(name, mesh)
     ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
     ok0, findings0, figures0, rows0, settled0 = _run(src, dst, monkeypatch, on=False)
@@ -116,9 +119,11 @@ def test_a_source_that_differs_is_found_by_the_compare_itself(
             # the last expert of the last layer: past the first gathered part of its kind
             fqn = sorted(n for n in names if n.endswith(pick))[-1]
             _flip(path, fqn, rng.randrange(1 << 10), rng.randrange(8))
-    for window, gather in ((columnar.WINDOW, columnar.GATHER), (columnar.WINDOW, 100), (300, 100)):
-        monkeypatch.setattr(columnar, "WINDOW", window)
-        monkeypatch.setattr(columnar, "GATHER", gather)
+    w, g, b, r = columnar.WINDOW, columnar.GATHER, columnar.BY_SHARD, columnar.BY_SHARD_RUN
+    # defaults, small gathers, small windows, then every shard in place
+    for ways in ((w, g, b, r), (w, 100, b, r), (300, 100, b, r), (w, g, 1, 1)):
+        for attr, value in zip(("WINDOW", "GATHER", "BY_SHARD", "BY_SHARD_RUN"), ways, strict=True):
+            monkeypatch.setattr(columnar, attr, value)
         ok, findings, _, _, settled = _run(changed, dst, monkeypatch, on=True)
         ok0, findings0, _, _, _ = _run(changed, dst, monkeypatch, on=False)
         assert not ok and not ok0 and not settled
