@@ -73,7 +73,8 @@ if TYPE_CHECKING:
 ENABLED = True  # off: every target goes the short/block paths (tests compare the two)
 # Output bytes a chunk holds (about: it is cut at tensor boundaries). 4 MiB, not 2: half the
 # hand-offs and ``pwrite`` calls; a 12,000-tensor 3 GB split took ~2.1-2.2 s in process against
-# ~2.3-2.6 s (2 cores, tmpfs), for ~10-14 MiB more at peak (a 90k-tensor tp-8 split: 241 -> 250-255).
+# ~2.3-2.6 s (2 cores, tmpfs), for ~10-14 MiB more at peak (a 90k-tensor tp-8 split: 241 MiB
+# -> 250-255).
 CHUNK = 4 * 2**20
 # A target whose box spans more SRC bytes goes the block path (a pread per block).
 SPAN_MAX = 2**20
