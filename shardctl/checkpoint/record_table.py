@@ -147,26 +147,34 @@ def from_shards(
     ranks: Sequence[Sequence[Shard]],
     file_of: Sequence[Sequence[str]],
     tindex: Mapping[str, int] | None = None,
+    ndim: np.ndarray | None = None,
+    tensor_ids: Sequence[np.ndarray] | None = None,
 ) -> RecordTable:
     """Build the table from Shard objects (the planner's layout, or a parsed v1 record).
 
     ``file_of[i][j]`` names the file of shard ``j`` of rank ``i``; ``tindex``: each tensor's
     position in ``tensors`` by name, when the caller has it (a record's ranks are tabled one
-    at a time: the map of 90,000 names once, not once a rank)."""
+    at a time: the map of 90,000 names once, not once a rank); ``ndim``: each tensor's dims,
+    and ``tensor_ids[i]``: rank ``i``'s shards' tensors as positions, when it has those."""
     if tindex is None:
         tindex = {t.fqn: i for i, t in enumerate(tensors)}
     findex = {n: i for i, n in enumerate(files)}
-    ndim = np.array([len(t.shape) for t in tensors], dtype=INDEX)
+    if ndim is None:
+        ndim = np.array([len(t.shape) for t in tensors], dtype=INDEX)
     width = int(ndim.max()) if ndim.size else 0
     tables: list[RankTable] = []
     pad0 = [(0,) * (width - k) for k in range(width + 1)]
     pad1 = [(1,) * (width - k) for k in range(width + 1)]
-    for seq, names in zip(ranks, file_of, strict=True):
+    for r, (seq, names) in enumerate(zip(ranks, file_of, strict=True)):
         # held whole for the ids below (a lazy sequence would make and free each Shard)
         shards = seq if isinstance(seq, tuple | list) else list(seq)
         n = len(shards)
         # column by column, in C-level maps (45,000 shards a rank at 90,000 tensors)
-        tensor = np.fromiter(map(tindex.__getitem__, map(_FQN, shards)), INDEX, n)
+        if tensor_ids is not None:
+            tensor = np.asarray(tensor_ids[r], dtype=INDEX)
+            assert tensor.shape == (n,)
+        else:
+            tensor = np.fromiter(map(tindex.__getitem__, map(_FQN, shards)), INDEX, n)
         file = np.fromiter(map(findex.__getitem__, names), INDEX, n)
         places: Numbering[str] = Numbering()
         placement = np.fromiter(map(places.__getitem__, map(_PLACEMENT, shards)), INDEX, n)
@@ -672,11 +680,20 @@ class PlannedFiles(Mapping[tuple[int, str], str]):
         self._starts = [np.asarray(s, dtype=np.int64) for _, s, _ in ranks]
         self._names = [tuple(n) for _, _, n in ranks]
 
+    @property
+    def order(self) -> Mapping[str, int]:
+        """The global order the ranks' positions are in (``fqn -> position``)."""
+        return self._order
+
     def names(self, rank: int, fqns: Sequence[str]) -> list[str]:
         """The file of each of rank ``rank``'s ``fqns`` (KeyError for one it does not hold):
         one numpy search for all of them, not a lookup each."""
-        keys = self._keys[rank]
         want = np.fromiter(map(self._order.__getitem__, fqns), dtype=np.int64, count=len(fqns))
+        return self.names_at(rank, want, fqns)
+
+    def names_at(self, rank: int, want: np.ndarray, fqns: Sequence[str]) -> list[str]:
+        """:meth:`names` of ``fqns`` given as their positions in :attr:`order` (``want``)."""
+        keys = self._keys[rank]
         pos = np.searchsorted(keys, want)
         held = pos < len(keys)
         held[held] = keys[pos[held]] == want[held]

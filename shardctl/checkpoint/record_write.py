@@ -9,14 +9,19 @@ import json
 import os
 import time
 from collections.abc import Iterable, Iterator, Mapping, Sequence
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
+
+import numpy as np
 
 from shardctl import __version__
 from shardctl.checkpoint import record_table, record_v2
 from shardctl.checkpoint.record import RECORD_NAME, SCHEMA, SCHEMA_V2, FileDigest
 from shardctl.layout.types import Layout, LayoutOptions, Mesh, Shard
 from shardctl.model.types import TensorInfo
+
+_FQN = attrgetter("fqn")
 
 
 def shard_json(shard: Shard, file: str) -> dict[str, Any]:
@@ -85,17 +90,33 @@ class RankColumns:
         shard_files: Mapping[tuple[int, str], str],
         rank: int,
         tindex: Mapping[str, int] | None = None,
+        ndim: np.ndarray | None = None,
     ) -> None:
         self.tensors, self.names, self.shards = tensors, names, shards
-        self.shard_files, self.rank, self.tindex = shard_files, rank, tindex
+        self.shard_files, self.rank, self.tindex, self.ndim = shard_files, rank, tindex, ndim
 
     def encode(self) -> dict[str, Any]:
+        planned, ids = self.shard_files, None
+        if (
+            self.tindex is not None
+            and isinstance(planned, record_table.PlannedFiles)
+            and planned.order is self.tindex
+        ):
+            # the planner's order is the tensors' own: one lookup a shard gives both its
+            # tensor column and its file
+            fqns = list(map(_FQN, self.shards))
+            ids = np.fromiter(map(self.tindex.__getitem__, fqns), np.int64, len(fqns))
+            file_of = planned.names_at(self.rank, ids, fqns)
+        else:
+            file_of = record_table.planned_names(planned, self.rank, self.shards)
         table = record_table.from_shards(
             self.tensors,
             self.names,
             [self.shards],
-            [record_table.planned_names(self.shard_files, self.rank, self.shards)],
+            [file_of],
             self.tindex,
+            self.ndim,
+            None if ids is None else [ids],
         )
         return record_v2.encode_rank(table, table.ranks[0])
 
@@ -113,10 +134,12 @@ def build(
     files: list[FileDigest],
     carried: list[str],
     schema: str = SCHEMA_V2,
+    tindex: Mapping[str, int] | None = None,
 ) -> dict[str, Any]:
     """The record as a dict for ``write``. Schema 2: ``tensors`` and each rank's ``shards`` are
     column objects (``record_v2.encode``). Schema 1: ``tensors`` a ``TensorRows``, each rank's
-    ``shards`` a ``RankRows`` (rows made as they are written)."""
+    ``shards`` a ``RankRows`` (rows made as they are written). ``tindex``: each of ``tensors``'
+    position by name, when the caller has that map (the planner's order)."""
     assert schema in (SCHEMA, SCHEMA_V2)
     ranks: list[dict[str, Any]] = []
     tensor_obj: Any = TensorRows(tensors, padded_shapes)
@@ -126,13 +149,12 @@ def build(
         # once are ~130 B a shard (46 MB at 360,000 shards), their base64 ~25 B a shard, and a
         # rank's columns depend on that rank alone.
         names = [f.name for f in files]
-        tensor_obj = record_v2.encode_tensors(
-            record_table.from_shards(tensors, names, [], [], {}),
-            padded_shapes,  # no ranks
-        )
-        tindex = {t.fqn: i for i, t in enumerate(tensors)} if layout is not None else None
+        whole = record_table.from_shards(tensors, names, [], [], {})  # no ranks: no map
+        tensor_obj = record_v2.encode_tensors(whole, padded_shapes)
+        if layout is not None and tindex is None:
+            tindex = {t.fqn: i for i, t in enumerate(tensors)}
         columns = [
-            RankColumns(tensors, names, rl.shards, shard_files, i, tindex)
+            RankColumns(tensors, names, rl.shards, shard_files, i, tindex, whole.ndim)
             for i, rl in enumerate(layout.ranks if layout is not None else ())
         ]
     if layout is not None:

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from shardctl.checkpoint import record, record_write
+from shardctl.checkpoint import record, record_table, record_write
 from shardctl.checkpoint.hf import INDEX_NAME, PickleInputRefused
 from shardctl.checkpoint.input_check import InputCheck
 from shardctl.checkpoint.source import Source, open_source
@@ -315,6 +315,10 @@ def _commit(run: _Run, digests: dict[str, str]) -> int:
         hash_name=run.hash_name,
         files=files,
         carried=carried,
+        # the planner's order is positions in source.model.tensors (target._order)
+        tindex=the_plan.shard_files.order
+        if isinstance(the_plan.shard_files, record_table.PlannedFiles)
+        else None,
     )
     shutil.rmtree(staging / ".pickle-input", ignore_errors=True)
     record_write.write(staging, rec)
