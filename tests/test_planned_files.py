@@ -75,7 +75,7 @@ def test_record_from_planned_files_is_the_record_from_the_dict(moe: Path) -> Non
     the_plan = plan(source, mesh=Mesh(tp=2, ep=2), max_shard_size=1024)
     files = [FileDigest(f.name, f.size, "0" * 64) for f in the_plan.files]
 
-    def build(shard_files: object) -> str:
+    def build(shard_files: object, tindex: object = None) -> str:
         rec = record_write.build(
             fmt="ranks",
             architecture=source.model.architecture,
@@ -87,11 +87,17 @@ def test_record_from_planned_files_is_the_record_from_the_dict(moe: Path) -> Non
             hash_name="sha256",
             files=files,
             carried=[],
+            tindex=tindex,  # type: ignore[arg-type]
         )
         rec.pop("created")
         return record_write._dumps(rec).decode()
 
-    assert build(the_plan.shard_files) == build(_naive(the_plan.files))
+    want = build(_naive(the_plan.files))
+    assert build(the_plan.shard_files) == want
+    # reshard hands the planner's own order over: one lookup a shard for tensor and file
+    planned = the_plan.shard_files
+    assert isinstance(planned, record_table.PlannedFiles)
+    assert build(planned, planned.order) == want
 
 
 def test_copy_walk_merges_as_heapq_does(moe: Path, tmp_path: Path) -> None:
