@@ -79,7 +79,7 @@ ENABLED = True  # off: the span / block paths decide every shard (tests compare 
 # 3.6-3.8 s -> 2.5-2.9 s, 90,000 tensors 3.4 -> 2.7 s (2 cores, tmpfs), peak 215 -> 130 MiB and
 # 186 -> 195 MiB. Past ``MANY`` shards the record's tables alone take ~200 MiB (a tp-8 split of
 # 90,000 tensors: 720,000 shards, 211 MiB of heap), and ``WINDOW_MANY`` keeps that run under
-# 256 MiB (245 MiB; 8 MiB windows: 269).
+# 256 MiB (240-245 MiB; 8 MiB windows: 269).
 WINDOW = 8 * 2**20
 WINDOW_MANY = 2 * 2**20
 MANY = 2**18
@@ -88,7 +88,9 @@ GATHER = 2 * 2**20
 # A shard of at least BY_SHARD bytes in runs of at least BY_SHARD_RUN is compared by itself,
 # in place: gathering both sides and comparing the copies ran at ~1 GB/s whatever the shard
 # size, one ``array_equal`` of the two views at ~1.9 GB/s for 8 KiB shards and ~4.7 for 64 KiB
-# (its ~3 µs a call loses below ~4 KiB).
+# alone. In a run each such call costs ~10 µs of Python besides: with the cut at 4 KiB a
+# 90,000-tensor verify (8 KiB experts) went 2.9 -> 4.3 s, at 32 KiB it is unchanged and a
+# 12,000-tensor one (128 KiB) goes 2.9-3.2 -> 2.3-2.45 s.
 BY_SHARD = 32 * 2**10
 BY_SHARD_RUN = 256
 # Threads at most (one DST file each): each holds a window's maps and copies (~20 MiB); the
