@@ -80,8 +80,12 @@ class Gather:
         return fd
 
     def _read(self, file: int, offset: int, mv: memoryview) -> None:
-        fd = self._fd(file)
-        done = 0
+        self._read_rest(self._fd(file), file, offset, mv, 0)
+        if self.on_read is not None:
+            self.on_read(file, offset, mv)
+
+    def _read_rest(self, fd: int, file: int, offset: int, mv: memoryview, done: int) -> None:
+        """Read ``mv[done:]`` from ``offset + done``; a file that ends first is exit 5."""
         while done < len(mv):
             n = os.preadv(fd, [mv[done:]], offset + done)
             if n == 0:
@@ -91,14 +95,12 @@ class Gather:
                     hint="rerun once the input is stable",
                 )
             done += n
-        if self.on_read is not None:
-            self.on_read(file, offset, mv)
 
     def _readv(self, file: int, offset: int, views: list[memoryview]) -> None:
         """Read SRC ``file`` from ``offset`` into ``views`` back to back: one ``preadv`` for
         up to ``IOV_MAX`` of them. A short read (the file cut under us) finishes view by view
-        through :meth:`_read`'s loop, so it ends in the same "input changed" error; the input
-        check is fed every view, in file order."""
+        (:meth:`_read_rest`, as :meth:`_read` does), so it ends in the same "input changed"
+        error; the input check is fed every view, in file order."""
         fd = self._fd(file)
         at = offset
         for i in range(0, len(views), IOV_MAX):
@@ -107,16 +109,7 @@ class Gather:
             for mv in group:
                 n = len(mv)
                 if got < n:  # this view and the rest of the group: one at a time
-                    done = max(got, 0)
-                    while done < n:
-                        step = os.preadv(fd, [mv[done:]], at + done)
-                        if step == 0:
-                            raise EnvironmentFailure(
-                                f"input changed during run (short read at byte {at + done})",
-                                where=str(self.input_paths[file]),
-                                hint="rerun once the input is stable",
-                            )
-                        done += step
+                    self._read_rest(fd, file, at, mv, max(got, 0))
                 got -= n
                 if self.on_read is not None:
                     self.on_read(file, at, mv)
