@@ -421,16 +421,31 @@ def test_launcher_torchrun_refused_before_any_level(cks: Checkpoints, tmp_path: 
     assert _statuses(result)["bitwise"] == "fail"
 
 
-def test_render_counts_passes_lists_failures_and_escapes_names() -> None:
+@pytest.mark.parametrize("lazy", [False, True], ids=["dicts", "columns"])
+def test_render_counts_passes_lists_failures_and_escapes_names(lazy: bool) -> None:
     """Text report: passes counted, failures listed (capped; --verbose lifts the cap), user
-    text (tensor names, files, paths) printed literally, never as rich markup."""
+    text (tensor names, files, paths) printed literally, never as rich markup. The bitwise
+    level's lazy rows (``TensorRows``) count from their columns: the same report."""
+    import numpy as np
     from rich.console import Console
 
     from shardctl.cli.verify import MAX_FINDINGS, render
+    from shardctl.verify.bitwise.walk import TensorRows
     from shardctl.verify.result import LevelResult, VerifyResult
 
-    rows = [{"fqn": f"w{i}", "shards": 2, "bytes": 8, "status": "pass"} for i in range(291)]
-    rows.append({"fqn": "[red]evil[/red]", "shards": 2, "bytes": 8, "status": "fail"})
+    rows: list[dict] | TensorRows
+    # the failed tensor has 3 shards, the others 2: its shards must not count as passed
+    names = [*(f"w{i}" for i in range(145)), "[red]evil[/red]", *(f"w{i}" for i in range(145, 291))]
+    shards = [3 if n.startswith("[") else 2 for n in names]
+    if lazy:
+        rows = TensorRows.from_columns(names, np.array(shards), np.full(len(names), 8))
+        rows.fail("[red]evil[/red]")
+        assert rows.tally() == (291, 582, 1)
+    else:
+        rows = [
+            {"fqn": n, "shards": k, "bytes": 8, "status": "fail" if n[0] == "[" else "pass"}
+            for n, k in zip(names, shards, strict=True)
+        ]
     bitwise = LevelResult("bitwise", rows=rows)
     for i in range(MAX_FINDINGS + 5):
         bitwise.fail("differs at [0, 1]", fqn="[red]evil[/red]", rank=i, file="[b]f.safetensors")
@@ -443,7 +458,7 @@ def test_render_counts_passes_lists_failures_and_escapes_names() -> None:
         return console.export_text()
 
     short, full = text(False), text(True)
-    assert "291 tensors bit-identical" in short and "1 differ" in short
+    assert "291 tensors bit-identical (582 shards)" in short and "1 differ" in short
     assert "w17" not in short and "w17" in full  # passes counted, listed only with --verbose
     assert "[red]evil[/red]" in short and "[b]f.safetensors" in short and "[i]src" in short
     assert "differs at [0, 1]" in short

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -126,14 +127,22 @@ def findings(lv: LevelResult, *, verbose: bool = False) -> Table:
 
 def passed_line(lv: LevelResult) -> Text:
     """``291 tensors bit-identical (1164 shards)``: what passed, counted, not listed."""
-    passed = sum(1 for r in lv.rows if r.get("status") == "pass")
-    shards = sum(int(r.get("shards", 0)) for r in lv.rows if r.get("status") == "pass")
-    failed = len(lv.rows) - passed
+    passed, shards, failed = _tally(lv.rows)
     line = Text(f"{passed} tensor{'s' if passed != 1 else ''} bit-identical", style="green")
     line.append(f" ({shards} shards)")
     if failed:
         line.append(f"; {failed} differ", style="bold red")
     return line
+
+
+def _tally(rows: Sequence[dict[str, Any]]) -> tuple[int, int, int]:
+    """``(tensors passed, their shards, tensors failed)``; the bitwise level's lazy rows count
+    from their columns (``TensorRows.tally``)."""
+    tally = getattr(rows, "tally", None)
+    if tally is not None:
+        return tally()
+    passed = [r for r in rows if r.get("status") == "pass"]
+    return len(passed), sum(int(r.get("shards", 0)) for r in passed), len(rows) - len(passed)
 
 
 def tensors(lv: LevelResult) -> Table:
@@ -186,7 +195,7 @@ def render(result: VerifyResult, *, verbose: bool = False) -> RenderableType:
             parts.append(passed_line(lv))
             if verbose:
                 parts.append(tensors(lv))
-            elif any(r.get("status") == "fail" for r in lv.rows):
+            elif _tally(lv.rows)[2]:
                 parts.append(failed_tensors(lv))
         if lv.name == "forward" and lv.rows:
             parts.append(forward(lv, result))

@@ -70,6 +70,17 @@ class TensorRows(Sequence[dict[str, Any]]):
     def fail(self, fqn: str) -> None:
         self._failed.add(fqn)
 
+    def tally(self) -> tuple[int, int, int]:
+        """``(tensors passed, their shards, tensors failed)`` from the columns, without a row
+        built (rendering 90,000 rows three times to count them took ~0.15 s)."""
+        n = self._n
+        total = int(self._shards[:n].sum())
+        if not self._failed:
+            return n, total, 0
+        failed = self._failed
+        at = [i for i, fqn in enumerate(self._fqn) if fqn in failed]
+        return n - len(at), total - int(self._shards[at].sum()), len(at)
+
     def __len__(self) -> int:
         return self._n
 
