@@ -17,8 +17,9 @@ The target shards of one fqn advance in lockstep, block by block, so all ``tp`` 
 output file belongs to one) hash each buffer and ``pwrite`` it, in file order, so the digest is
 of the bytes actually written and every output file is written sequentially. Small tensors
 take a short path (``batching``: many to a buffer, as byte runs executed a group at a time out
-of source windows, ``runs``). Memory:
-``(POOL × writers + 1) × block_bytes`` plus ``window.MAX_WINDOWS × window.WINDOW`` (16 MiB).
+of source windows, ``runs``). Memory: at most ``(POOL × writers + 1) × block_bytes`` (the
+pool's buffers are made as they are asked for) plus ``window.MAX_WINDOWS × window.WINDOW``
+(16 MiB).
 """
 
 from __future__ import annotations
@@ -96,9 +97,9 @@ class Executor(Batching):
         self.hash_name = hash_name
         self.block = block_bytes
         self.progress = progress
+        # made as asked for (up to POOL a writer): a run the columnar path writes takes none
         self.pool: queue.Queue[bytearray] = queue.Queue()
-        for _ in range(POOL * max(1, writers)):
-            self.pool.put(bytearray(block_bytes))
+        self.pool_left = POOL * max(1, writers)
         self.scratch_buf = bytearray(block_bytes)
         self.scratch = np.frombuffer(self.scratch_buf, dtype=np.uint8)
         self.scratch_key: tuple[int, int, int] | None = None
@@ -184,6 +185,9 @@ class Executor(Batching):
                 return self.pool.get_nowait()
             except queue.Empty:
                 pass
+            if self.pool_left:
+                self.pool_left -= 1
+                return bytearray(self.block)
             held = [o for o in self.outs if o.pend is not None and o is not asking]
             if held:
                 self._flush(max(held, key=lambda o: o.pend_len))
@@ -209,6 +213,7 @@ class Executor(Batching):
             self._groups(self._walk(outs, rank))
         else:
             planned, key, js, at, lens, order = merged
+            del merged  # else it keeps ``key`` alive below
             b = columnar.batch(planned, self.sources)
             mb = None if b is not None else columnar_merge.batch(planned, self.sources)
             if b is None and mb is None:
@@ -217,7 +222,7 @@ class Executor(Batching):
                 kinds = b.kinds if b is not None else cast(columnar_merge.MergeBatch, mb).kinds
                 chunks = columnar.Chunks(self, kinds)
                 ends = np.asarray(lens, dtype=np.int32) - 1
-                keys = key[order].astype(np.int32)
+                keys = key[order]
                 del key
                 parts = None if mb is None else mb.parts(keys)
                 for s0, s1 in columnar.segments(keys, parts):
@@ -267,11 +272,12 @@ class Executor(Batching):
         if not all(isinstance(x, FileTensors) for x in lists):
             return None
         planned = cast(list[FileTensors], lists)
-        keys = [np.fromiter((rank.get(f, -1) for f in x.fqns()), np.int64, len(x)) for x in planned]
+        # int32: a global position (a tensor count fits), half the bytes at 720,000 targets
+        keys = [np.fromiter((rank.get(f, -1) for f in x.fqns()), np.int32, len(x)) for x in planned]
         if not all(bool(np.all(k[1:] > k[:-1])) for k in keys):
             return None
         lens = [len(k) for k in keys]
-        key = np.concatenate([np.zeros(0, np.int64), *keys])
+        key = np.concatenate([np.zeros(0, np.int32), *keys])
         del keys
         js = np.repeat(np.arange(len(outs), dtype=np.int32), lens)
         at = np.concatenate([np.zeros(0, np.int32), *(np.arange(n, dtype=np.int32) for n in lens)])
