@@ -181,11 +181,31 @@ def test_I1_v2_indexes_in_range(tp2: Path, tmp_path: Path) -> None:
     for path, values, what in [
         ("ranks.1.shards.tensor", [big] * n, f"ranks[1].shards.tensor[0]: {big} is out of range"),
         ("ranks.1.shards.tensor", [0] * n, "ranks[1].shards[1]: a second shard"),
+        (
+            "ranks.1.shards.tensor",
+            [*range(n - 1), 0],
+            f"ranks[1].shards[{n - 1}]: a second shard",
+        ),
         ("ranks.1.shards.file", [7] * n, "ranks[1].shards.file[0]: 7 is out of range"),
         ("tensors.dtype", [9] * big, "tensors.dtype[0]: 9 is out of range"),
         ("tensors.ndim", [65] * big, "tensors.ndim[0]: 65 is out of range"),
     ]:
         refused(tampered(tp2, tmp_path, col(path, values), "v2"), tmp_path, what)
+
+
+def test_I1_v2_shards_in_a_dot_file_are_refused(tp2: Path, tmp_path: Path) -> None:
+    """A rank's shards may point only at the files reshard wrote: a name starting with "." (the
+    staging and resume files) is refused, for a rank in one file and for a rank across files."""
+    rec = json.loads((tp2 / record.RECORD_NAME).read_text())
+    n = rec["ranks"][1]["shards"]["count"]
+    for values, j in [([2] * n, 0), ([1] * (n - 1) + [2], n - 1)]:
+
+        def edit(rec: dict[str, Any], values: list[int] = values) -> None:
+            rec["files"].append({"name": ".x.safetensors", "size": 8, "digest": "0" * 32})
+            rec["ranks"][1]["shards"]["file"] = record_v2.column(values)
+
+        what = f"ranks[1].shards[{j}].file: '.x.safetensors' is not a recorded file"
+        refused(tampered(tp2, tmp_path, edit, "v2"), tmp_path, what)
 
 
 # ---- I2: degrees ---------------------------------------------------------------------------

@@ -39,21 +39,38 @@ def header_text(
     # Internal invariants (the planner made these), checked cheaply over all entries at once.
     assert len(set(names)) == len(names) and "" not in names and METADATA_KEY not in names
     assert set(dtypes) <= DTYPE_BITS.keys(), set(dtypes) - DTYPE_BITS.keys()
-    shape_text: dict[tuple[int, ...], str] = {}
+    made: dict[tuple[str, tuple[int, ...]], str] = {}
+    kinds = []
+    for key in zip(dtypes, shapes, strict=True):
+        kind = made.get(key)
+        if kind is None:
+            kind = made[key] = kind_text(*key)
+        kinds.append(kind)
+    return entries_text(names, kinds, ends, metadata)
+
+
+def kind_text(dtype: str, shape: Sequence[int]) -> str:
+    """What an entry holds between its name and its offsets: ``:{"dtype":"BF16","shape":[2,3],
+    "data_offsets":[`` (one per distinct dtype and shape, shared by its entries)."""
+    return f':{{"dtype":"{dtype}","shape":[{",".join(map(str, shape))}],"data_offsets":['
+
+
+def entries_text(
+    names: Sequence[str],
+    kinds: Sequence[str],
+    ends: Sequence[int],
+    metadata: Mapping[str, str] | None,
+) -> bytes:
+    """:func:`header_text` with each entry's dtype and shape given as its
+    :func:`kind_text` (the record's columns give those per distinct kind, not per entry)."""
     parts: list[str] = []
     if metadata is not None:
         meta = {k: metadata[k] for k in sorted(metadata)}
         text = json.dumps(meta, separators=(",", ":"), ensure_ascii=False)
         parts.append('"__metadata__":' + text)
     begin = 0
-    for name, dtype, shape, end in zip(names, dtypes, shapes, ends, strict=True):
-        dims = shape_text.get(shape)
-        if dims is None:
-            dims = shape_text[shape] = "[" + ",".join(map(str, shape)) + "]"
-        parts.append(
-            f'{encode_basestring(name)}:{{"dtype":"{dtype}","shape":{dims},'
-            f'"data_offsets":[{begin},{end}]}}'
-        )
+    for name, kind, end in zip(map(encode_basestring, names), kinds, ends, strict=True):
+        parts.append(f"{name}{kind}{begin},{end}]}}")
         begin = end
     body = ("{" + ",".join(parts) + "}").encode("utf-8")
     body += b" " * (-len(body) % 8)
