@@ -19,6 +19,7 @@ the page cache) when the step is done, so memory stays flat whatever the file si
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 from collections.abc import Sequence
@@ -71,9 +72,22 @@ def row_kinds(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's kind (equal rows, equal kinds) and one row per kind. Column by column: each
     column's values as their rank among its distinct values, the ranks combined in mixed radix
     into one integer (``unique`` over whole rows sorts them as bytes: ~0.25 s at 180,000)."""
-    code = np.zeros(rows.shape[0], dtype=np.int64)
+    n, width = rows.shape
+    if n and width:
+        # columns of small ranges (shapes, dims, codes): each value's offset from its column's
+        # minimum is already a rank in mixed radix, without a sort per column
+        low, high = rows.min(axis=0).tolist(), rows.max(axis=0).tolist()
+        spans = [h - lo + 1 for lo, h in zip(low, high, strict=True)]
+        if math.prod(spans) < 2**62:
+            code = np.zeros(n, dtype=np.int64)
+            for c, (lo, span) in enumerate(zip(low, spans, strict=True)):
+                code *= span
+                code += rows[:, c] - lo
+            _, first, kind = np.unique(code, return_index=True, return_inverse=True)
+            return kind.reshape(-1).astype(np.int64), rows[first]
+    code = np.zeros(n, dtype=np.int64)
     radix = 1
-    for c in range(rows.shape[1]):
+    for c in range(width):
         values, rank = np.unique(rows[:, c], return_inverse=True)
         radix *= len(values)
         if radix >= 2**62:
