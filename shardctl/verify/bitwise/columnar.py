@@ -271,7 +271,9 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
         del offsets, sizes, st, its, local
     if not out["t"]:
         return None
-    cat = {k: np.concatenate(v) for k, v in out.items()}
+    # one column at a time, each rank's parts dropped as it is joined: joined all at once, the
+    # parts and the whole were alive together (~26 MB more at 720,000 shards)
+    cat = {k: np.concatenate(out.pop(k)) for k in list(out)}
     return _Plan(
         tensor=cat["t"],
         file=cat["f"],
