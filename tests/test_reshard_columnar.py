@@ -85,7 +85,7 @@ def _run(
     return _counted(monkeypatch, on, columnar.Chunks, "write", lambda: reshard(src, dst, mesh=mesh))
 
 
-@pytest.mark.parametrize("size", ["default", "tiny"])
+@pytest.mark.parametrize("size", ["default", "tiny", "many"])
 @pytest.mark.parametrize("name,mesh", CASES, ids=[f"{n}-{m}" for n, m in CASES])
 def test_the_same_bytes_as_the_per_target_paths(
     sources: dict[str, Path],
@@ -102,9 +102,23 @@ def test_the_same_bytes_as_the_per_target_paths(
         monkeypatch.setattr(columnar, "SPAN_MAX", 4096)
         monkeypatch.setattr(columnar, "GAP", 0)
         monkeypatch.setattr(columnar, "BUFFERS", 1)
+    if size == "many":
+        # every batch counts as one of many targets: chunks cut at CHUNK_MANY, not CHUNK
+        monkeypatch.setattr(columnar, "MANY", 0)
+        monkeypatch.setattr(columnar, "CHUNK_MANY", 900)
+        monkeypatch.setattr(columnar, "BUFFERS", 1)
+    sizes: list[int | None] = []
+    real_chunks = columnar.chunks
+
+    def chunks(cols: columnar.Columns, a: int, b: int, size: int | None = None) -> Any:
+        sizes.append(size)
+        return real_chunks(cols, a, b, size)
+
+    monkeypatch.setattr(columnar, "chunks", chunks)
     src = sources[name]
     on, off = tmp_path / "on", tmp_path / "off"
     took, old = _run(src, on, mesh, monkeypatch, on=True)
+    assert set(sizes) == {900 if size == "many" else columnar.CHUNK}
     took0, _ = _run(src, off, mesh, monkeypatch, on=False)
     assert took > 0 and took0 == 0
     if name in ("gpt2", "phi3") or size == "tiny":

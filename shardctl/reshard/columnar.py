@@ -38,8 +38,10 @@ order with the chunks'. A merge back to HF files takes the same chunks the other
 (:mod:`shardctl.reshard.columnar_merge`); any other source (ranks to ranks, an engine format's
 relabelled shards) goes the old way entirely.
 
-Memory: ``BUFFERS`` chunk buffers of ``2 x CHUNK`` bytes, a scratch of about as much, and
-~100 bytes a target of one segment while its columns are worked out and used. At 90,000
+Memory: ``BUFFERS`` chunk buffers of ``2 x CHUNK`` bytes, a scratch of about as much (each
+resident only as far as its chunks fill it: chunks are cut at ``CHUNK_MANY`` in a batch of
+more than ``MANY`` targets), and ~100 bytes a target of one segment while its columns are
+worked out and used. At 90,000
 tensors (tmpfs, 2 cores) a ``--tp 2 --ep 2`` split took 2.8 s against 3.3 s the per-target
 way (160 / 144 MiB peak), ``--tp 8`` 5.4-6.2 s against 8.0 s (~242 / 222 MiB).
 """
@@ -76,6 +78,12 @@ ENABLED = True  # off: every target goes the short/block paths (tests compare th
 # ~2.3-2.6 s (2 cores, tmpfs), for ~10-14 MiB more at peak (a 90k-tensor tp-8 split: 241 MiB
 # -> 250-255).
 CHUNK = 4 * 2**20
+# ... but 1 MiB where a batch has more than MANY targets (small ones: a tp-8 split of 96,000
+# tensors has 770,000 of ~2 KB). There the hand-offs are not what costs, the heap is: a chunk
+# buffer and the scratch are resident as far as a chunk fills them (4 MiB chunks: ~256 MiB
+# peak; 1 MiB: ~240).
+CHUNK_MANY = 2**20
+MANY = 2**18
 # A target whose box spans more SRC bytes goes the block path (a pread per block).
 SPAN_MAX = 2**20
 # SRC holes at most this large are read through: one pread instead of two.
@@ -296,15 +304,16 @@ def plan(
     )
 
 
-def chunks(cols: Columns, a: int, b: int) -> list[tuple[int, int]]:
-    """Targets ``[a, b)`` (all this path's) cut into chunks of about ``CHUNK`` output bytes at
+def chunks(cols: Columns, a: int, b: int, size: int | None = None) -> list[tuple[int, int]]:
+    """Targets ``[a, b)`` (all this path's) cut into chunks of about ``size`` output bytes at
     tensor boundaries (a tensor's targets share its SRC reads): at the first tensor past each
-    multiple of ``CHUNK``."""
+    multiple of ``size`` (``CHUNK`` when None; a chunk is then at most ``size + CHUNK``)."""
+    size = CHUNK if size is None else size
     weight = np.cumsum(cols.nbytes[cols.kind[a:b]])
     starts = np.flatnonzero(cols.fqn_start[a:b])
     if starts.size < 2:
         return [(a, b)]
-    band = weight[starts[1:] - 1] // CHUNK  # bytes before each tensor, in chunks
+    band = weight[starts[1:] - 1] // size  # bytes before each tensor, in chunks
     cuts = starts[1:][np.flatnonzero(np.diff(band, prepend=0))].tolist()
     return [(a + x, a + y) for x, y in pairwise([0, *cuts, b - a])]
 

@@ -225,6 +225,7 @@ class Executor(Batching):
                 keys = key[order]
                 del key
                 parts = None if mb is None else mb.parts(keys)
+                size = columnar.CHUNK if keys.size <= columnar.MANY else columnar.CHUNK_MANY
                 for s0, s1 in columnar.segments(keys, parts):
                     g = order[s0:s1]
                     file, pos = js[g], at[g]
@@ -243,7 +244,7 @@ class Executor(Batching):
                         if not cols.ok[x]:
                             self._groups(self._planned(outs, planned, js, at, lens, g[x:y]))
                         elif isinstance(cols, columnar.Columns):
-                            for c0, c1 in columnar.chunks(cols, x, y):
+                            for c0, c1 in columnar.chunks(cols, x, y, size):
                                 chunks.write(outs, cols, c0, c1)
                         else:
                             for c0, c1 in columnar_merge.chunks(cols, x, y):
