@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from operator import attrgetter
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +35,40 @@ from shardctl.verify.result import LevelResult
 
 _LAYER = re.compile(r"^(?:model\.layers|transformer\.h|model\.decoder\.layers)\.(\d+)\.")
 _EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+def _per_name(fqns: list[str], pattern: str) -> list[str] | None:
+    """For each name, group 1 of its first match of ``pattern`` ("" where it has none), in
+    one ``findall`` over the names joined by newlines (``pattern`` never spans a newline;
+    ``^`` is the name's start); None when a name holds a newline itself."""
+    joined = "\n".join(fqns)
+    if joined.count("\n") != max(len(fqns) - 1, 0):
+        return None
+    # every line matches once: the pattern where it is found, else nothing, then the rest
+    got = re.findall(rf"^(?:{pattern})?.*$", joined, re.M)  # re caches the compiled pattern
+    return got if len(got) == len(fqns) else None
+
+
+def _layer_numbers(fqns: list[str]) -> np.ndarray:
+    """Each name's layer number (``_LAYER``), -1 where it has none."""
+    got = None
+    if _LAYER.pattern.startswith("^"):  # anchored at the name's start by _per_name
+        got = _per_name(fqns, _LAYER.pattern.removeprefix("^"))
+    if got is None:
+        return np.fromiter(
+            (int(m.group(1)) if (m := _LAYER.match(f)) else -1 for f in fqns), np.int64, len(fqns)
+        )
+    out = np.full(len(fqns), -1, dtype=np.int64)
+    at = np.flatnonzero(np.fromiter(map(bool, got), bool, len(got)))
+    if at.size:
+        out[at] = np.array([got[i] for i in at.tolist()], dtype=np.int64)
+    return out
+
+
+def _experts(fqns: list[str]) -> np.ndarray:
+    """Whether each name is an expert's (``_EXPERT``). One search per name: a joined-text
+    ``findall`` of an unanchored pattern (``^(?:.*?pattern)?.*$``) measured slower here."""
+    return np.fromiter((_EXPERT.search(f) is not None for f in fqns), bool, len(fqns))
 
 
 def check_structure(
@@ -66,6 +101,11 @@ def check_structure(
 
 
 def _names(level: LevelResult, src: dict[str, TensorInfo], dst: Destination) -> None:
+    # the same names, shapes and dtypes (the usual case): set and list compares in C
+    if src.keys() == dst.tensors.keys():
+        key = attrgetter("shape", "dtype")
+        if list(map(key, src.values())) == list(map(key, map(dst.tensors.__getitem__, src))):
+            return
     missing = [f for f in src if f not in dst.tensors]
     extra = [f for f in dst.tensors if f not in src]
     for f in missing:
@@ -281,7 +321,7 @@ def coverage_clean(layout: Layout, table: rt.RecordTable, src: dict[str, TensorI
     te = np.unique(tt * eps + ep_of[gg])  # distinct (tensor, ep)
     ep_count = np.bincount(te // eps, minlength=n)
     fqns = [x.fqn for x in table.tensors]
-    expert = np.fromiter((_EXPERT.search(f) is not None for f in fqns), dtype=bool, count=n)
+    expert = _experts(fqns)
     if (ep_count[expert & held] != 1).any():
         return False
     if mesh.ep > 1:
@@ -379,11 +419,7 @@ def _stages_clean(layout: Layout, table: rt.RecordTable, layers: Any) -> bool:
     per shard. False: the loop in :func:`_stages` decides and words each finding."""
     if len(layout.ranks) != len(table.ranks):
         return False
-    layer = np.fromiter(
-        (int(m.group(1)) if (m := _LAYER.match(t.fqn)) else -1 for t in table.tensors),
-        dtype=np.int64,
-        count=len(table.tensors),
-    )
+    layer = _layer_numbers([t.fqn for t in table.tensors])
     last = len(layout.stages) - 1
     for rl, r in zip(layout.ranks, table.ranks, strict=True):
         st = layout.stages[rl.pp] if rl.pp < len(layout.stages) else None
