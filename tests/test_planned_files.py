@@ -138,3 +138,21 @@ def test_copy_walk_merges_as_heapq_does(moe: Path, tmp_path: Path) -> None:
         [x for i, x in enumerate(fqns) if i == 0 or x != fqns[i - 1]]
     )
     assert sum(last for _, _, last in fast) == len(the_plan.files)
+
+
+@pytest.mark.parametrize("size", [1, 7, 4096, 2**16, 2**22])
+def test_header_pieces_are_the_header(size: int) -> None:
+    # what a writer thread writes, a piece at a time, is the header byte for byte
+    import os
+    import zlib
+
+    from shardctl.checkpoint.plan_files import OutputFile
+
+    raw = (b'{"a":{"dtype":"BF16"}}' * 9000) + os.urandom(70_000)
+    f = OutputFile("f", len(raw), [], len(raw), header_z=zlib.compress(raw, 1))
+    pieces = list(f.header_pieces(size))
+    assert b"".join(pieces) == raw == f.header
+    assert max(map(len, pieces)) <= max(size, 1)
+    short = OutputFile("f", len(raw) + 1, [], len(raw), header_z=zlib.compress(raw, 1))
+    with pytest.raises(AssertionError):
+        list(short.header_pieces(size))

@@ -58,6 +58,21 @@ class OutputFile:
         assert len(data) == self.header_size, (self.name, len(data), self.header_size)
         return data
 
+    def header_pieces(self, size: int = 2**16) -> Iterator[bytes]:
+        """The header inflated ``size`` bytes at a time: a writer thread holds one piece, not
+        the whole header (inflated whole there, a tp-2 split's headers kept ~10 MiB more of
+        the writers' heaps resident)."""
+        d = zlib.decompressobj()
+        z, n = self.header_z, 0
+        while not d.eof:
+            piece = d.decompress(z, size)  # z empty: the output still held back, if any
+            z = d.unconsumed_tail
+            if not piece and not z:
+                break  # a cut stream (never: the planner deflated it), caught below
+            n += len(piece)
+            yield piece
+        assert d.eof and n == self.header_size, (self.name, n, self.header_size)
+
 
 class FileTensors(Sequence[LocalTensor]):
     """A file's local tensors, each made when read from the layout's own ``Shard`` (or the

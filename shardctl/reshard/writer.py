@@ -94,11 +94,13 @@ class Writer(threading.Thread):
                         self.pool.put(item[4])
 
     def _do(self, item: tuple[Any, ...]) -> None:
-        if item[0] in ("data", "header"):
-            if item[0] == "header":  # inflated now, dropped once written
-                out, offset, mv = item[1], 0, memoryview(item[1].file.header)
-            else:
-                _, out, offset, mv, _buf = item
+        if item[0] == "header":  # inflated here, a piece at a time
+            out = item[1]
+            assert out.pos == 0, (out.path, out.pos)
+            for piece in out.file.header_pieces():
+                self._do(("data", out, out.pos, memoryview(piece), None))
+        elif item[0] == "data":
+            _, out, offset, mv, _buf = item
             assert offset == out.pos, (out.path, offset, out.pos)
             out.hasher.update(mv)  # the very bytes handed to pwrite, in file order
             done = 0
