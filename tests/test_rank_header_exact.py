@@ -87,3 +87,33 @@ def test_fp8_split_verifies(split: tuple[Path, Path]) -> None:
     src, out = split
     result = verify(src, out, level="bitwise")
     assert result.ok, [str(f) for lv in result.levels for f in lv.findings]
+
+
+def test_a_tensor_twice_in_the_rows_is_refused(split: tuple[Path, Path]) -> None:
+    # rows naming one tensor twice (a schema-1 record is not checked for it) against a header
+    # written with that entry twice, byte for byte what the rows imply: still not exact (a
+    # header with a duplicate key is the strict reader's to refuse)
+    import numpy as np
+
+    from shardctl.checkpoint.plan_header import entries_text, kind_text
+    from shardctl.dtypes import DTYPE_BITS
+
+    _, out = split
+    table = record.read(out, exact_tiling=False).table
+    assert table is not None
+    _, rank, rows = _files(out)[0]
+    twice = np.concatenate([rows, rows[:1]])
+    infos = [table.tensors[i] for i in table.ranks[rank].tensor[twice].tolist()]
+    local = table.ranks[rank].local_shape[twice].tolist()
+    shapes = [row[: len(t.shape)] for row, t in zip(local, infos, strict=True)]
+    sizes = [
+        DTYPE_BITS[t.dtype] // 8 * int(np.prod(sh)) for t, sh in zip(infos, shapes, strict=True)
+    ]
+    ends = np.cumsum(sizes).tolist()
+    kinds = [kind_text(t.dtype, sh) for t, sh in zip(infos, shapes, strict=True)]
+    text = entries_text([t.fqn for t in infos], kinds, ends, None)
+    raw, size = text[8:], len(text) + ends[-1]
+    assert begins_if_exact(raw, size, table, rank, twice) is None
+    # the same construction without the repeat is accepted: the refusal is the repeat's
+    once = entries_text([t.fqn for t in infos[:-1]], kinds[:-1], ends[:-1], None)
+    assert begins_if_exact(once[8:], len(once) + ends[-2], table, rank, rows) is not None

@@ -57,10 +57,15 @@ def begins_if_exact(
         return None
     r = table.ranks[rank]
     tids = r.tensor[rows]
+    # each tensor once (names are unique per tensor in every record; a schema-1 record's rank
+    # is not checked for a tensor twice): a scatter, not a set of the names
+    once = np.zeros(len(table.tensors), dtype=bool)
+    once[tids] = True
+    if int(np.count_nonzero(once)) != tids.size:
+        return None
     # column by column, in C-level maps (45,000 rows a rank file at 90,000 tensors)
     infos = list(map(table.tensors.__getitem__, tids.tolist()))
     names = list(map(_FQN, infos))
-    # unique already: the record names each tensor once, and each once per rank (record_v2)
     if METADATA_KEY in names or "" in names:
         return None
     dtypes = list(map(_DTYPE, infos))
