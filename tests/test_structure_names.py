@@ -7,11 +7,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardctl.verify.structure import _EXPERT, _LAYER, _experts, _layer_numbers
+from shardctl.verify.structure import _LAYER, _layer_numbers
 
 _PARTS = st.sampled_from(
     [
@@ -38,9 +37,7 @@ _NAMES = st.lists(st.lists(_PARTS, min_size=1, max_size=7).map(".".join), max_si
 @given(_NAMES)
 def test_columns_agree_with_one_match_per_name(names: list[str]) -> None:
     layers = [int(m.group(1)) if (m := _LAYER.match(f)) else -1 for f in names]
-    experts = [_EXPERT.search(f) is not None for f in names]
     assert _layer_numbers(names).tolist() == layers
-    assert _experts(names).tolist() == experts
 
 
 def test_a_deepseek_sized_name_list() -> None:
@@ -53,7 +50,6 @@ def test_a_deepseek_sized_name_list() -> None:
     got = _layer_numbers(names)
     assert got[:-3].tolist() == [i for i in range(61) for _ in range(64 * 3)]
     assert (got[-3:] == -1).all()
-    assert np.array_equal(_experts(names), np.array([True] * (len(names) - 3) + [False] * 3))
 
 
 def test_a_source_of_another_dtype_is_named_tensor_by_tensor(tmp_path: Path) -> None:

@@ -65,12 +65,6 @@ def _layer_numbers(fqns: list[str]) -> np.ndarray:
     return out
 
 
-def _experts(fqns: list[str]) -> np.ndarray:
-    """Whether each name is an expert's (``_EXPERT``). One search per name: a joined-text
-    ``findall`` of an unanchored pattern (``^(?:.*?pattern)?.*$``) measured slower here."""
-    return np.fromiter((_EXPERT.search(f) is not None for f in fqns), bool, len(fqns))
-
-
 def check_structure(
     src_tensors: dict[str, TensorInfo], src_root: Path, src_files: list[Path], dst: Destination
 ) -> LevelResult:
@@ -321,7 +315,8 @@ def coverage_clean(layout: Layout, table: rt.RecordTable, src: dict[str, TensorI
     te = np.unique(tt * eps + ep_of[gg])  # distinct (tensor, ep)
     ep_count = np.bincount(te // eps, minlength=n)
     fqns = [x.fqn for x in table.tensors]
-    expert = _experts(fqns)
+    # one search per name (a joined-text findall of this unanchored pattern measured slower)
+    expert = np.fromiter((_EXPERT.search(f) is not None for f in fqns), dtype=bool, count=n)
     if (ep_count[expert & held] != 1).any():
         return False
     if mesh.ep > 1:
