@@ -14,7 +14,7 @@ contiguous: expert ``e`` on ep rank ``e // (E / ep)``; everything else replicate
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from operator import attrgetter
 from typing import TYPE_CHECKING, Any
@@ -24,7 +24,7 @@ from shardctl.dtypes import nbytes
 from shardctl.errors import LayoutError
 from shardctl.gcpause import gc_paused
 from shardctl.layout.pipeline import assign_layers, stage_of_layers
-from shardctl.layout.resolve import ModelRules, TensorRule, model_rules
+from shardctl.layout.resolve import TensorRule, model_rules
 from shardctl.layout.split import SplitError, SplitSpec, local_numels, split
 from shardctl.layout.types import (
     Layout,
@@ -256,9 +256,26 @@ def class_layout(
         return None
     try:
         stages, specs = _class_specs(rc, mesh, options)
+    except _SplitRefused as refused:
+        raise refused.error from None
     except LayoutError:
         return None
     return rc, stages, specs
+
+
+class _SplitRefused(Exception):
+    """A class's split refused ``tp``: the error the per-tensor path raises, raised here.
+
+    That path resolves tensor by tensor in model order and raises at the first tensor whose
+    split fails. Every tensor of a class splits as its first tensor does (the same shape,
+    dim, parts, groups, vocab and quantization), and the classes run in the order of their
+    first tensors, so the first class refused is that tensor's: the same error, and the same
+    hint (the degrees every tensor allows, over the same distinct splits). At 90,000 tensors
+    handing over instead took the per-tensor path ~1.5 s to say it."""
+
+    def __init__(self, error: LayoutError) -> None:
+        super().__init__(error)
+        self.error = error
 
 
 def expert_ranks(rc: RuleClasses, ep: int) -> dict[int | None, int]:
@@ -283,7 +300,12 @@ def _class_specs(
         key = _spec_key(t)
         hit = specs.get(key)
         if hit is None:
-            hit = specs[key] = _split_spec(t, mesh.tp, options)
+            try:
+                hit = specs[key] = _split_spec(t, mesh.tp, options)
+            except LayoutError as err:
+                raise _SplitRefused(
+                    _all_constraints_hint(err, rc.rules, mesh.tp, options)
+                ) from None
         fixed = (
             () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
         )
@@ -416,7 +438,7 @@ def resolve(
             try:
                 hit = specs[key] = _split_spec(t, mesh.tp, options)
             except LayoutError as err:
-                raise _all_constraints_hint(err, static, mesh.tp, options) from None
+                raise _all_constraints_hint(err, static.tensors, mesh.tp, options) from None
         spec, placement = hit
         if t.layer is not None:
             on: tuple[int, ...] = (layer_stage[t.layer],)
@@ -543,12 +565,12 @@ def _split_spec(t: TensorRule, tp: int, options: LayoutOptions) -> tuple[SplitSp
 
 
 def _all_constraints_hint(
-    err: LayoutError, static: ModelRules, tp: int, options: LayoutOptions
+    err: LayoutError, tensors: Iterable[TensorRule], tp: int, options: LayoutOptions
 ) -> LayoutError:
     """``err`` whose remedy lists the tp degrees every tensor allows, not this one's."""
     from shardctl.layout.degrees import with_valid_degrees
 
-    return with_valid_degrees(err, static, tp, options, _split_spec)
+    return with_valid_degrees(err, tensors, tp, options, _split_spec)
 
 
 def _describe(spec: SplitSpec, tp: int) -> str:
