@@ -177,19 +177,31 @@ def test_resolution_by_class_equals_per_tensor(
     assert compared > 0, name
 
 
-def test_a_refused_split_is_the_per_tensor_error_without_the_per_tensor_path(
-    monkeypatch: pytest.MonkeyPatch,
+_DSV3_FP8_12K = _model("deepseek_v3", quantization_config=_FP8, hidden_size=256,
+                      moe_intermediate_size=128, intermediate_size=256, n_routed_experts=64,
+                      num_hidden_layers=32)  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mesh", "fragment"),
+    [
+        # the 128-wide blocks of kv_b_proj do not split over 2: the hint's degrees are {1}
+        (Mesh(tp=2, ep=2), "kv_b_proj"),
+        (Mesh(ep=3), "ep=3 does not divide num_experts=64"),
+        (Mesh(pp=33), "pp=33"),  # more stages than layers
+    ],
+)
+def test_a_refused_mesh_is_the_per_tensor_error_without_the_per_tensor_path(
+    monkeypatch: pytest.MonkeyPatch, mesh: Mesh, fragment: str
 ) -> None:
-    # DeepSeek-V3 FP8 at 64 routed experts (~12,000 tensors), tp 2: the 128-wide blocks of
-    # kv_b_proj do not split. The classes raise the error the per-tensor path raises (the
-    # same tensor, the same degrees in the hint) without resolving tensor by tensor.
-    model = _model("deepseek_v3", quantization_config=_FP8, hidden_size=256,
-                   moe_intermediate_size=128, intermediate_size=256, n_routed_experts=64,
-                   num_hidden_layers=32)  # fmt: skip
+    # DeepSeek-V3 FP8 at 64 routed experts (~12,000 tensors). The classes raise the error the
+    # per-tensor path raises (the same tensor, message and hint) without resolving tensor
+    # by tensor.
+    model = _DSV3_FP8_12K
     assert len(model.tensors) > 10_000
-    mesh = Mesh(tp=2, ep=2)
     slow = _outcome(model, mesh, by_class=False)
-    assert slow[0] == "refused" and "kv_b_proj" in slow[2] and "{1}" in slow[4]
+    assert slow[0] == "refused" and fragment in slow[2], slow
+    assert _resolution(model, mesh, by_class=False) == slow
 
     def per_tensor(*a: Any, **k: Any) -> Any:
         raise AssertionError("the per-tensor path was taken")

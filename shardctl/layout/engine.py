@@ -216,7 +216,8 @@ def class_counts(
     (:mod:`shardctl.layout.classes`), with no per-tensor object: each tensor's stage and ep
     rank come from its layer and expert numbers through two small maps, and the tensors are
     counted per (class, stage, ep rank) in one C-level pass. None (the per-tensor path
-    decides, and raises its own error) for any model or error that path handles itself."""
+    decides, and raises its own error) for any model that path handles itself; a refused
+    mesh raises as :func:`class_layout` says."""
     _check_options(mesh, options)
     got = class_layout(model, mesh, rules, options)
     if got is None:
@@ -248,34 +249,22 @@ def class_layout(
 ) -> tuple[RuleClasses, tuple[Stage, ...], list[tuple[SplitSpec, str, tuple[int, ...]]]] | None:
     """``model``'s tensor classes (:func:`~shardctl.layout.classes.rule_classes`), the stages
     and each class's split, printable placement and fixed stages (:func:`_class_specs`) on
-    ``mesh``; None where the per-tensor path must decide (it raises its own error)."""
+    ``mesh``; None where the per-tensor path must decide.
+
+    A mesh the classes refuse raises here the error :func:`resolve` raises tensor by tensor:
+    the stages and the ep check read the same layer and expert counts (``rule_classes``
+    checked them on every tensor), and the per-tensor loop raises at the first tensor whose
+    split or stages fail. Every tensor of a class splits and stages as its first does, and
+    the classes run in the order of their first tensors, so the first class refused is that
+    tensor's: the same message, and the same hint (the tp degrees over the same distinct
+    splits). At 90,000 tensors handing over took the per-tensor path ~1.5 s to say it."""
     from shardctl.layout.classes import rule_classes
 
     rc = rule_classes(model, rules)
     if rc is None:
         return None
-    try:
-        stages, specs = _class_specs(rc, mesh, options)
-    except _SplitRefused as refused:
-        raise refused.error from None
-    except LayoutError:
-        return None
+    stages, specs = _class_specs(rc, mesh, options)
     return rc, stages, specs
-
-
-class _SplitRefused(Exception):
-    """A class's split refused ``tp``: the error the per-tensor path raises, raised here.
-
-    That path resolves tensor by tensor in model order and raises at the first tensor whose
-    split fails. Every tensor of a class splits as its first tensor does (the same shape,
-    dim, parts, groups, vocab and quantization), and the classes run in the order of their
-    first tensors, so the first class refused is that tensor's: the same error, and the same
-    hint (the degrees every tensor allows, over the same distinct splits). At 90,000 tensors
-    handing over instead took the per-tensor path ~1.5 s to say it."""
-
-    def __init__(self, error: LayoutError) -> None:
-        super().__init__(error)
-        self.error = error
 
 
 def expert_ranks(rc: RuleClasses, ep: int) -> dict[int | None, int]:
@@ -290,7 +279,7 @@ def _class_specs(
 ) -> tuple[tuple[Stage, ...], list[tuple[SplitSpec, str, tuple[int, ...]]]]:
     """The stages, and per class its split, printable placement and the stages of a class
     without layer numbers (``()`` for one with them), as :func:`resolve` gives its first
-    tensor; raises what that would (the class paths then hand over)."""
+    tensor; raises what that would."""
     stages = assign_layers(rc.num_layers, mesh.pp, options.pipeline, options.layers_per_stage)
     if mesh.ep > 1:
         _check_ep(mesh.ep, rc.num_experts)
@@ -303,9 +292,7 @@ def _class_specs(
             try:
                 hit = specs[key] = _split_spec(t, mesh.tp, options)
             except LayoutError as err:
-                raise _SplitRefused(
-                    _all_constraints_hint(err, rc.rules, mesh.tp, options)
-                ) from None
+                raise _all_constraints_hint(err, rc.rules, mesh.tp, options) from None
         fixed = (
             () if t.layer is not None else _non_layer_stages(t.info.fqn, t.stage, mesh.pp, rc.tied)
         )
@@ -465,7 +452,8 @@ def _resolve_by_class(
     split, placement and fixed stages worked out once from its first tensor, each tensor's
     stage and ep rank from its own layer and expert numbers. The rule per tensor that
     ``resolve_rules`` makes (~20 MB and ~0.3 s at 100,000 tensors) is never built. None (the
-    per-tensor path decides, and raises its own error) where :func:`class_counts` hands over."""
+    per-tensor path decides, and raises its own error) where :func:`class_counts` hands over;
+    a refused mesh raises as :func:`class_layout` says."""
     got = class_layout(model, mesh, rules, options)
     if got is None:
         return None
