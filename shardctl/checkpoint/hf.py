@@ -109,7 +109,7 @@ class CheckpointFiles:
 
     @property
     def total_bytes(self) -> int:
-        return sum(e.nbytes for h in self.files for e in h.tensors)
+        return sum(sum(h.columns[4]) - sum(h.columns[3]) for h in self.files)
 
 
 class PickleInputRefused(InvalidInputError):

@@ -13,7 +13,7 @@ import math
 import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from operator import attrgetter
+from itertools import repeat
 from pathlib import Path
 from typing import Any
 
@@ -79,18 +79,17 @@ def compare_index(
     problems: list[str] = []
     files = [h.path.relative_to(root).as_posix() for h in headers]
     # The usual case first, in C: every tensor once, each where the index says.
-    held = {e.name: file for h, file in zip(headers, files, strict=True) for e in h.tensors}
-    if held != weight_map or len(held) != sum(len(h.tensors) for h in headers):
+    held: dict[str, str] = {}
+    for h, file in zip(headers, files, strict=True):  # the headers' columns, in C
+        held.update(zip(h.names, repeat(file)))
+    if held != weight_map or len(held) != sum(len(h.names) for h in headers):
         problems = _problems(weight_map, headers, files)
     warnings: list[str] = []
     # column sums in C; parameters per distinct shape (a few dozen among 100,000 tensors)
-    actual_bytes = sum(
-        sum(map(attrgetter("end"), h.tensors)) - sum(map(attrgetter("begin"), h.tensors))
-        for h in headers
-    )
+    actual_bytes = sum(sum(h.columns[4]) - sum(h.columns[3]) for h in headers)
     shapes: Counter[tuple[int, ...]] = Counter()
     for h in headers:
-        shapes.update(map(attrgetter("shape"), h.tensors))
+        shapes.update(h.columns[2])
     actual_params = sum(math.prod(shape) * n for shape, n in shapes.items())
     for key, actual in (("total_size", actual_bytes), ("total_parameters", actual_params)):
         claimed = metadata.get(key)

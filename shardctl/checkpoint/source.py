@@ -26,7 +26,7 @@ from shardctl.checkpoint.rank_header import begins_if_exact
 from shardctl.errors import EnvironmentFailure, InvalidInputError
 from shardctl.io import safetensors_header as sh
 from shardctl.io.header_raw import read_raw
-from shardctl.io.safetensors_header import SafetensorsHeader, parse_header
+from shardctl.io.safetensors_header import NO_ENTRIES, SafetensorsHeader, parse_header
 from shardctl.layout.types import LocalTensor, Piece
 from shardctl.model.inventory import from_tensors, tensor_infos
 from shardctl.model.types import ModelInfo
@@ -241,7 +241,9 @@ def _from_record(root: Path) -> Source:
             else None
         )
         if exact is not None:
-            header = SafetensorsHeader(path, len(raw), 8 + len(raw), file_size, exact[1], ())
+            header = SafetensorsHeader(
+                path, len(raw), 8 + len(raw), file_size, exact[1], NO_ENTRIES
+            )
         else:
             header = parse_header(raw, path=path, file_size=file_size)
         del raw

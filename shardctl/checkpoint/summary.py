@@ -163,7 +163,7 @@ def _inspect_hf(root: Path) -> InspectResult:
         path=root,
         kind="hf",
         model=model,
-        files=tuple(FileSummary(h.path.name, h.file_size, len(h.tensors)) for h in files.files),
+        files=tuple(FileSummary(h.path.name, h.file_size, len(h.names)) for h in files.files),
         carried=tuple(str(p) for p in files.extra_files),
         warnings=tuple(files.warnings),
     )

@@ -19,8 +19,6 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from itertools import chain
-from operator import attrgetter
 from pathlib import Path
 from types import MappingProxyType
 from typing import Any
@@ -132,18 +130,16 @@ def tensor_infos(ck: CheckpointFiles) -> tuple[TensorInfo, ...]:
     """Every tensor of an opened HF checkpoint, in ``ck.locations`` order (file, then offset;
     the headers' entries in file order are that order, and ``ck.locations`` is not built).
 
-    Built by :func:`~shardctl.columns.from_columns`: at 90,000 tensors the per-tensor loop
-    was ~0.1 s."""
-    entries = list(chain.from_iterable(h.tensors for h in ck.files))
-    return tuple(
-        from_columns(
-            TensorInfo,
-            len(entries),
-            fqn=map(attrgetter("name"), entries),
-            shape=map(attrgetter("shape"), entries),
-            dtype=map(attrgetter("dtype"), entries),
-        )
-    )
+    Built by :func:`~shardctl.columns.from_columns` from the headers' columns: at 90,000
+    tensors the per-tensor loop was ~0.1 s, and the headers' entry objects ~40 ms more."""
+    names: list[str] = []
+    dtypes: list[str] = []
+    shapes: list[tuple[int, ...]] = []
+    for h in ck.files:  # the headers' columns (no entry objects)
+        names += h.columns[0]
+        dtypes += h.columns[1]
+        shapes += h.columns[2]
+    return tuple(from_columns(TensorInfo, len(names), fqn=names, shape=shapes, dtype=dtypes))
 
 
 def from_tensors(

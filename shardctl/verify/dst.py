@@ -26,7 +26,7 @@ from shardctl.checkpoint.strict_json import read_json_strict
 from shardctl.errors import InvalidInputError
 from shardctl.io import safetensors_header as sh
 from shardctl.io.header_raw import read_raw
-from shardctl.io.safetensors_header import SafetensorsHeader, parse_header
+from shardctl.io.safetensors_header import NO_ENTRIES, SafetensorsHeader, parse_header
 from shardctl.layout.types import Layout, LocalTensor
 from shardctl.model.types import TensorInfo
 from shardctl.verify.kinds import shard_kinds
@@ -334,7 +334,7 @@ def _meta_header(
     path: Path, raw: bytes, file_size: int, meta: dict[str, str] | None
 ) -> SafetensorsHeader:
     """A header of its metadata only (what ``_check_owner`` reads)."""
-    return SafetensorsHeader(path, len(raw), 8 + len(raw), file_size, meta, ())
+    return SafetensorsHeader(path, len(raw), 8 + len(raw), file_size, meta, NO_ENTRIES)
 
 
 def _check_owner(dest: Destination, header: SafetensorsHeader, name: str, ranks: set[int]) -> None:
