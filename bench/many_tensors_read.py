@@ -7,10 +7,11 @@
 its ``shardctl reshard SRC SPLIT --tp 2 --ep 2`` (made once, never written here). Page cache
 warm (one untimed pass first). Each round runs, in this order: ``cat`` of SRC and SPLIT to
 /dev/null, ``verify SRC SPLIT --level bitwise``, ``verify --level structure``, ``inspect SRC``,
-``plan SRC --tp 2 --ep 2 --gpu h100-sxm``. Every command under ``/usr/bin/time``: wall, user+sys
-CPU and peak RSS; medians printed, and verify's ratio to ``cat`` of both trees (issue 14: at
-most 1.5x; inspect and plan at most 0.5 s). ``--repo-b`` runs the same commands from another
-checkout right after each one (before/after figures on a busy machine, side by side).
+``plan SRC --tp 2 --ep 2 --gpu h100-sxm`` (``--mesh '--ep 8'`` for DeepSeek-V3 FP8, whose
+experts do not split tp). Every command under ``/usr/bin/time``: wall, user+sys CPU and peak
+RSS; medians printed, and verify's ratio to ``cat`` of both trees (issue 14: at most 1.5x;
+inspect and plan at most 0.5 s). ``--repo-b`` runs the same commands from another checkout
+right after each one (before/after figures on a busy machine, side by side).
 """
 
 from __future__ import annotations
@@ -48,6 +49,11 @@ def main() -> None:
     ap.add_argument("--dst", type=Path, required=True)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--repo-b", type=Path, default=None, help="a second checkout to compare")
+    ap.add_argument(
+        "--mesh",
+        default="--tp 2 --ep 2",
+        help="plan's mesh flags (DeepSeek-V3 FP8, whose experts do not split tp: '--ep 8')",
+    )
     ap.add_argument("--log", type=Path, default=Path("/tmp/many_tensors_read.time"))
     a = ap.parse_args()
     byte_compile(REPO)
@@ -58,7 +64,7 @@ def main() -> None:
         "verify bitwise": f"{sh} verify {src} {dst} --level bitwise > /dev/null",
         "verify structure": f"{sh} verify {src} {dst} --level structure > /dev/null",
         "inspect src": f"{sh} inspect {src} > /dev/null",
-        "plan src": f"{sh} plan {src} --tp 2 --ep 2 --gpu h100-sxm > /dev/null",
+        "plan src": f"{sh} plan {src} {a.mesh} --gpu h100-sxm > /dev/null",
     }
     repos = {"this": REPO} | ({"b": a.repo_b.resolve()} if a.repo_b else {})
     for cmd in steps.values():  # warm the page cache and the bytecode caches
