@@ -130,6 +130,54 @@ def test_a_source_that_differs_is_found_by_the_compare_itself(
         assert findings == findings0 and any(f[1] for f in findings)
 
 
+def _stretched(monkeypatch: pytest.MonkeyPatch) -> list[int | None]:
+    """Spy on ``columnar._compare_runs``: per call, the shards it settled as stretches (None:
+    it found a difference)."""
+    taken: list[int | None] = []
+    real = columnar._compare_runs
+
+    def spy(*args: Any) -> Any:
+        left = real(*args)
+        taken.append(None if left is None else int((~left).sum()))
+        return left
+
+    monkeypatch.setattr(columnar, "_compare_runs", spy)
+    return taken
+
+
+@pytest.mark.parametrize("where", ["clean", "dst", "src"])
+def test_whole_experts_in_source_order_are_compared_as_stretches(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str
+) -> None:
+    # An ep split keeps each expert whole (12 KiB here) and in SRC's order: a rank's experts
+    # follow one another in its file and in SRC, and are compared as one stretch of each side
+    # (at the default thresholds). A bit flipped inside a stretch, in DST (its checksum then
+    # differs too) or in SRC (DST intact: only the compare can see it), is handed over and
+    # named exactly as the other paths name it.
+    src, dst = cks.ckpt("mixtral"), cks.resharded("mixtral", Mesh(ep=2))
+    fqn = "model.layers.1.block_sparse_moe.experts.0.w3.weight"  # between experts 0's w2, 1's w1
+    if where == "dst":
+        _flip(dst / "rank-00000-of-00002.safetensors", fqn, 4097, 3)
+    if where == "src":
+        changed = tmp_path / "src"
+        shutil.copytree(src, changed)
+        src = changed
+        [path] = [p for p in src.glob("*.safetensors") if fqn in read_header(p).names]
+        _flip(path, fqn, 4097, 3)
+    taken = _stretched(monkeypatch)
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert findings == findings0 and figures == figures0 and rows == rows0
+    if where == "clean":
+        assert ok and ok0 and settled and not findings
+        # both layers' two experts of 3 weights, on each rank
+        assert sum(n or 0 for n in taken) >= 2 * 2 * 3 * 2
+    else:
+        assert not ok and not ok0 and not settled
+        assert None in taken  # found by the stretch compare (the other file may stop first)
+        assert [f[1] for f in findings if f[1]] == [fqn]
+
+
 def test_a_checksum_that_does_not_match_is_handed_over(
     cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:
