@@ -27,6 +27,7 @@ from dataclasses import dataclass, replace
 from itertools import accumulate, repeat
 from operator import add, attrgetter
 
+from shardctl.columns import Numbering
 from shardctl.errors import LayoutError, ShardctlError
 from shardctl.gcpause import gc_paused
 from shardctl.layout import resolve
@@ -141,10 +142,12 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
             strict=True,
         )
     )
-    firsts = dict(zip(reversed(keys), range(n - 1, -1, -1), strict=True))
-    order = sorted(firsts.values())  # classes in order of first appearance
-    index = {keys[i]: c for c, i in enumerate(order)}
-    of = list(map(index.__getitem__, keys))
+    # classes numbered in order of first appearance, in one pass of hashing the keys (the
+    # keys hold shape tuples, whose hashes are not cached); then each class's first tensor
+    number: Numbering[tuple[object, ...]] = Numbering()
+    of = list(map(number.__getitem__, keys))
+    firsts = dict(zip(reversed(of), range(n - 1, -1, -1), strict=True))
+    order = [firsts[c] for c in range(len(firsts))]
     reps = tuple(tensors[i] for i in order)
     # The first tensors, and with a quantized one the rest of its group (placing a member
     # reads its group, which must be whole in the model resolve_rules sees).
