@@ -109,7 +109,7 @@ class CheckpointFiles:
 
     @property
     def total_bytes(self) -> int:
-        return sum(sum(h.columns[4]) - sum(h.columns[3]) for h in self.files)
+        return sum(h.data_bytes for h in self.files)
 
 
 class PickleInputRefused(InvalidInputError):

@@ -86,10 +86,10 @@ def compare_index(
         problems = _problems(weight_map, headers, files)
     warnings: list[str] = []
     # column sums in C; parameters per distinct shape (a few dozen among 100,000 tensors)
-    actual_bytes = sum(sum(h.columns[4]) - sum(h.columns[3]) for h in headers)
+    actual_bytes = sum(h.data_bytes for h in headers)
     shapes: Counter[tuple[int, ...]] = Counter()
     for h in headers:
-        shapes.update(h.columns[2])
+        shapes.update(h.shapes)
     actual_params = sum(math.prod(shape) * n for shape, n in shapes.items())
     for key, actual in (("total_size", actual_bytes), ("total_parameters", actual_params)):
         claimed = metadata.get(key)

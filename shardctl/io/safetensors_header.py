@@ -134,6 +134,19 @@ class SafetensorsHeader:
     def names(self) -> tuple[str, ...]:
         return self.columns[0]
 
+    @property
+    def dtypes(self) -> tuple[str, ...]:
+        return self.columns[1]
+
+    @property
+    def shapes(self) -> tuple[tuple[int, ...], ...]:
+        return self.columns[2]
+
+    @property
+    def data_bytes(self) -> int:
+        """The bytes its entries span (their ends less their begins, summed in C)."""
+        return sum(self.columns[4]) - sum(self.columns[3])
+
     def entry(self, name: str) -> HeaderEntry:
         for e in self.tensors:
             if e.name == name:

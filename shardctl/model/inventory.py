@@ -136,9 +136,9 @@ def tensor_infos(ck: CheckpointFiles) -> tuple[TensorInfo, ...]:
     dtypes: list[str] = []
     shapes: list[tuple[int, ...]] = []
     for h in ck.files:  # the headers' columns (no entry objects)
-        names += h.columns[0]
-        dtypes += h.columns[1]
-        shapes += h.columns[2]
+        names += h.names
+        dtypes += h.dtypes
+        shapes += h.shapes
     return tuple(from_columns(TensorInfo, len(names), fqn=names, shape=shapes, dtype=dtypes))
 
 
