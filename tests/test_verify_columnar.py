@@ -223,23 +223,38 @@ def test_sharded_sources_are_left_to_the_span_path(
     assert ok and not findings and not settled
 
 
+@pytest.mark.parametrize("mesh", [Mesh(ep=2, tp=2), Mesh(ep=2)], ids=["ep2-tp2", "ep2"])
 def test_a_many_file_source_of_ten_thousand_tensors(
-    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, mesh: Mesh
 ) -> None:
     # HF SRC in dozens of files (each window gathers per SRC file and kind of box), 10,000+
-    # tensors: settled, with the span path's figures and rows
+    # tensors: settled, with the span path's figures and rows. Split by ep alone, each rank's
+    # whole experts run in SRC's order: compared as stretches; then a bit flipped in one
+    # expert of a stretch is handed over and named as the other paths name it.
     from shardctl.reshard.api import reshard
     from tests._models import MANY_QWEN3_MOE, make_checkpoint
 
     src = make_checkpoint("qwen3_moe", tmp_path / "src", **MANY_QWEN3_MOE)
     assert len(list(src.glob("*.safetensors"))) > 20
     dst = tmp_path / "dst"
-    reshard(src, dst, mesh=Mesh(ep=2, tp=2))
+    reshard(src, dst, mesh=mesh)
+    taken = _stretched(monkeypatch)
     ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
     ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
     assert ok and ok0 and settled and not findings and not findings0
     assert figures == figures0 and rows == rows0
     assert figures["tensors"] > 10_000
+    if mesh.tp > 1:
+        return
+    assert sum(n or 0 for n in taken) > 1_000  # whole experts, settled in stretches
+    fqn = "model.layers.7.mlp.experts.105.up_proj.weight"  # among experts 100-109 of rank 0
+    _flip(dst / "rank-00000-of-00002.safetensors", fqn, 77, 5)
+    taken.clear()
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert not ok and not ok0 and not settled and None in taken
+    assert findings == findings0 and figures == figures0 and rows == rows0
+    assert [f[1] for f in findings if f[1]] == [fqn]
 
 
 @pytest.mark.parametrize("side", ["src", "dst"])
