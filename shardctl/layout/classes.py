@@ -24,7 +24,7 @@ from __future__ import annotations
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from itertools import accumulate, repeat
+from itertools import accumulate, compress, repeat
 from operator import add, attrgetter
 
 from shardctl.columns import Numbering
@@ -201,7 +201,9 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
             return None
     num_experts = dims.num_experts if dims is not None else 0
     if num_experts:
-        seen = {x for c, x in set(zip(of, experts, strict=True)) if c in expert_on}
+        # the expert numbers of the tensors whose class reads one (C-level maps: a set of
+        # 90,000 (class, number) pairs was ~20 ms)
+        seen = set(compress(experts, map(expert_on.__contains__, of)))
         if any(x is None or x >= num_experts for x in seen):
             return None
     return RuleClasses(classes, of, layers, experts, num_layers, num_experts, placed.tied)
