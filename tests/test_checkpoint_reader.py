@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import builtins
 import json
+import math
 import os
 import shutil
 from collections.abc import Callable, Iterator
@@ -116,6 +117,47 @@ def test_locations_read_the_right_bytes(single: Path) -> None:
             raw.seek(loc.file_offset)
             expected = f.get_tensor(fqn).contiguous().view(torch.uint8).numpy().tobytes()
             assert raw.read(loc.entry.nbytes) == expected, fqn
+
+
+def test_hf_shards_read_the_right_bytes_in_every_file(sharded: Path) -> None:
+    """The source's shard map of a many-file checkpoint (``HfShards``, kept as the headers'
+    columns): every tensor's file, first byte, dtype and shape are where safetensors reads
+    that tensor, one by one (``whole``, the built shard) and many at once (``wholes``)."""
+    torch = pytest.importorskip("torch")
+    from safetensors import safe_open
+
+    from shardctl.checkpoint.source import HfShards, open_source
+    from shardctl.dtypes import DTYPE_BITS
+
+    source = open_source(sharded)
+    shards = source.shards
+    assert isinstance(shards, HfShards)
+    ck = open_checkpoint(sharded)
+    assert len(ck.files) > 3
+    assert list(shards) == list(ck.locations)  # file, then offset order
+    assert len(shards) == len(ck.locations) and "no.such.tensor" not in shards
+    names = list(shards)
+    many = shards.wholes(names)
+    assert many is not None
+    assert list(zip(*many, strict=True)) == [shards.whole(n) for n in names]
+    assert shards.wholes([names[0], "no.such.tensor"]) is None
+    assert shards.whole("no.such.tensor") is None
+    for fqn in names:
+        file, begin, dtype, shape = shards.whole(fqn)  # type: ignore[misc]
+        (built,) = shards[fqn]
+        assert (built.file, built.begin, built.dtype, built.local_shape) == (
+            file,
+            begin,
+            dtype,
+            shape,
+        )
+        path = source.files[file].path
+        with safe_open(path, framework="pt") as f, open(path, "rb") as raw:
+            tensor = f.get_tensor(fqn)
+            raw.seek(begin)
+            got = raw.read(math.prod(shape) * DTYPE_BITS[dtype] // 8)
+        assert tuple(tensor.shape) == shape, fqn
+        assert got == tensor.contiguous().view(torch.uint8).numpy().tobytes(), fqn
 
 
 def test_carried_and_ignored_files(single: Path) -> None:
