@@ -202,7 +202,7 @@ def classes_of(model: ModelInfo, rules: Sequence[RuleSpec]) -> RuleClasses | Non
     num_experts = dims.num_experts if dims is not None else 0
     if num_experts:
         # the expert numbers of the tensors whose class reads one (C-level maps: a set of
-        # 90,000 (class, number) pairs was ~20 ms)
+        # 90,000 (class, number) pairs was ~4 ms, this ~2)
         seen = set(compress(experts, map(expert_on.__contains__, of)))
         if any(x is None or x >= num_experts for x in seen):
             return None
