@@ -157,7 +157,7 @@ class HfShards(rt.PerAccess[tuple[SourceShard, ...]]):
             "i", chain.from_iterable(repeat(i, len(h.names)) for i, h in enumerate(hs))
         )
         self._begins = array.array(
-            "q", chain.from_iterable(map(add, repeat(h.data_offset), h.columns[3]) for h in hs)
+            "q", chain.from_iterable(map(add, repeat(h.data_offset), h.begins) for h in hs)
         )
         self._dtypes: list[str] = list(chain.from_iterable(h.dtypes for h in hs))
         self._shapes: list[tuple[int, ...]] = list(chain.from_iterable(h.shapes for h in hs))

@@ -49,6 +49,12 @@ def box_kind(item: int, strides: Sequence[int], sizes: Sequence[int]) -> Kind:
     return tuple(x for x, _ in outer), tuple(s for _, s in outer), run
 
 
+def contiguous_kinds(kinds: Sequence[Kind]) -> np.ndarray:
+    """Per kind: whether a box of it is one contiguous run of SRC bytes (no outer dims); one
+    ``False`` when there are no kinds (an array to index by a kind column)."""
+    return np.array([not k[0] for k in kinds] or [False], dtype=bool)
+
+
 def box_span(outer: Sequence[int], strides: Sequence[int], run: int) -> int:
     """Bytes from a box's first byte to its last."""
     return sum((z - 1) * s for z, s in zip(outer, strides, strict=True)) + run

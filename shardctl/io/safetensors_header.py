@@ -143,9 +143,18 @@ class SafetensorsHeader:
         return self.columns[2]
 
     @property
+    def begins(self) -> tuple[int, ...]:
+        """Each entry's first byte in the data region (``data_offset`` onwards)."""
+        return self.columns[3]
+
+    @property
+    def ends(self) -> tuple[int, ...]:
+        return self.columns[4]
+
+    @property
     def data_bytes(self) -> int:
         """The bytes its entries span (their ends less their begins, summed in C)."""
-        return sum(self.columns[4]) - sum(self.columns[3])
+        return sum(self.ends) - sum(self.begins)
 
     def entry(self, name: str) -> HeaderEntry:
         for e in self.tensors:

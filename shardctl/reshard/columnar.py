@@ -62,7 +62,7 @@ from shardctl.checkpoint.plan_files import FileTensors
 from shardctl.checkpoint.record_table import pad_rows
 from shardctl.checkpoint.source import HfShards
 from shardctl.dtypes import DTYPE_BITS
-from shardctl.io.mapped import Kind, box_kind, box_span, row_kinds, rows_view
+from shardctl.io.mapped import Kind, box_kind, box_span, contiguous_kinds, row_kinds, rows_view
 from shardctl.layout.types import Shard
 from shardctl.reshard.writer import Lease, OutFile
 
@@ -395,7 +395,7 @@ class Chunks:
         """Per kind: its box is one contiguous run (no outer dims)."""
         n = len(self.kinds.kinds)
         if self._flat.size != n:
-            self._flat = np.array([not k[0] for k in self.kinds.kinds], dtype=bool)
+            self._flat = contiguous_kinds(self.kinds.kinds)
         return self._flat
 
     def word(self, k: int, offsets: np.ndarray) -> int:

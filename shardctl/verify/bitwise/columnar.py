@@ -67,6 +67,7 @@ from shardctl.io.mapped import (
     box_kind,
     box_span,
     close_map,
+    contiguous_kinds,
     dontneed,
     intact,
     map_file,
@@ -194,7 +195,7 @@ class _Plan:
     @cached_property
     def contiguous(self) -> np.ndarray:
         """Per kind: whether a box of it is one contiguous run of SRC bytes (no outer dims)."""
-        return np.array([not k[0] for k in self.kinds] or [False], dtype=bool)
+        return contiguous_kinds(self.kinds)
 
 
 def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
