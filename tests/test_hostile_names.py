@@ -354,6 +354,42 @@ def test_J11_killed_runs_temp_dirs_are_reaped(
         assert (tmp_path / "shardctl-verify-link").is_symlink()
 
 
+_CONCURRENT_OWNER = """
+import sys, tempfile
+sys.path.insert(0, sys.argv[1])
+tempfile.tempdir = sys.argv[2]
+from shardctl.io.tempdirs import owned_tempdir
+lost = 0
+for _ in range(int(sys.argv[3])):
+    try:
+        with owned_tempdir("shardctl-verify-") as p:
+            (p / "model.safetensors").write_bytes(b"x")  # as the reference merge writes
+    except OSError:
+        lost += 1
+print(lost)
+"""
+
+
+def test_J11_concurrent_runs_never_reap_a_live_directory(tmp_path: Path) -> None:
+    """Verifies run side by side (xdist, CI matrix): each one's reap must spare the others'.
+
+    With the owner file created first and locked after, another run's reap could open it in
+    between, take the free lock and remove the live directory (seen in CI: the forward level's
+    reference merge failed with ENOENT; 75 of 8,000 runs here lost theirs).
+    """
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _CONCURRENT_OWNER, str(REPO), str(tmp_path), "1500"],
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(4)
+    ]
+    lost = [int(p.communicate(timeout=600)[0]) for p in procs]
+    assert lost == [0, 0, 0, 0]
+    assert os.listdir(tmp_path) == []  # each removed its own on exit
+
+
 # ---- J12: resume does not trust an input rewritten in place ---------------------------------
 
 

@@ -9,10 +9,11 @@ them. Each such directory therefore holds an owner lock::
 
 The kernel drops an ``flock`` when its holder dies, so :func:`reap` removes exactly the
 directories whose owner is gone: it takes the lock without blocking; success means the owner is
-dead (pid reuse cannot fool it, unlike ``kill(pid, 0)``). A directory without the owner file
-(another tool's, or one in its first microseconds) is left alone, as are symlinks and
-directories of other users. Entries are found by ``os.listdir`` and a literal prefix, never a
-glob, and only the fixed prefix chosen here is matched.
+dead (pid reuse cannot fool it, unlike ``kill(pid, 0)``). The owner file is locked before it is
+renamed into place, so no reap can find it unlocked while its owner lives. A directory without
+the owner file (another tool's, or one in its first microseconds) is left alone, as are symlinks
+and directories of other users. Entries are found by ``os.listdir`` and a literal prefix, never
+a glob, and only the fixed prefix chosen here is matched.
 """
 
 from __future__ import annotations
@@ -68,10 +69,15 @@ def owned_tempdir(prefix: str) -> Iterator[Path]:
     """A private temporary directory, locked by this process; stale ones are reaped first."""
     reap(prefix)
     path = Path(tempfile.mkdtemp(prefix=prefix))
-    fd = os.open(path / OWNER, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
+    # The owner file appears already locked: created and flock'ed under another name, then
+    # renamed into place. Created as OWNER and locked after, a concurrent run's reap could open
+    # it in between, take the free lock, judge the owner dead and remove a live directory.
+    staging = path / f"{OWNER}.{os.getpid()}"
+    fd = os.open(staging, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         os.write(fd, f"{os.getpid()}\n".encode())
+        os.rename(staging, path / OWNER)
         yield path
     finally:
         shutil.rmtree(path, ignore_errors=True)
