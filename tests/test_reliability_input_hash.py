@@ -256,12 +256,40 @@ def test_out_of_order_reads_hand_the_file_to_the_thread(
     check = InputCheck(files).start()
     for path in (good, bad):
         size, start = path.stat().st_size, data_offset(path)
-        half = (start + size) // 2
-        _reads(check, path, [(half, size), (start, half)])  # second half first: a big gap
+        a, b = start + (size - start) // 3, start + 2 * (size - start) // 3
+        # the first third, then the last (a big gap after the first read), then the middle
+        _reads(check, path, [(start, a), (b, size), (a, b)])
     assert list(check.feeds) == [unread]  # both handed off; the unread one goes at result()
     with pytest.raises(InvalidInputError, match="input hash mismatch") as err:
         check.result()
     assert bad.name in str(err.value.where)
+
+
+def test_a_gap_before_the_first_read_is_read_on_the_spot(
+    tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A merge of an ``--ep`` split takes the replicas at the front of ranks 1..n's files from
+    rank 0: their first read is far into the file, yet the rest is read in order. That gap is
+    hashed on the spot (once), not by a second read of the whole file; a flip in it is caught."""
+    from shardctl.checkpoint import input_check
+
+    monkeypatch.setattr(input_check, "GAP_MAX", 16)
+    whole: list[Path] = []
+    real = input_check.hash_file
+    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    src = copy_dir(tp2, tmp_path / "src")
+    good, bad = sorted(src.glob("*.safetensors"))[:2]
+    files = [_expected(good), _expected(bad)]
+    flip(bad, data_offset(bad) + 1)  # in the skipped front, after the digests were taken
+    check = InputCheck(files).start()
+    for path in (good, bad):
+        size, start = path.stat().st_size, data_offset(path)
+        half = (start + size) // 2
+        _reads(check, path, [(half, size), (start, half)])  # the front is never read by the copy
+    assert set(check.feeds) == {good, bad}  # neither handed off
+    with pytest.raises(InvalidInputError, match="input hash mismatch") as err:
+        check.result()
+    assert bad.name in str(err.value.where) and whole == []
 
 
 def test_reshard_merge_reads_its_input_once(
@@ -277,6 +305,42 @@ def test_reshard_merge_reads_its_input_once(
     src = copy_dir(tp2, tmp_path / "src")
     victim = sorted(src.glob("*.safetensors"))[1]
     flip(victim, victim.stat().st_size - 1)  # the last byte: the last read of the file
+    with pytest.raises(InvalidInputError, match="input hash mismatch"):
+        reshard(src, tmp_path / "bad", fmt="hf")
+    assert whole == [] and not (tmp_path / "bad").exists()
+
+
+def test_merging_an_ep_split_reads_each_rank_file_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Merging an ``--ep`` split to HF: ranks 1..n's files begin with the replicated tensors,
+    which the merge takes from rank 0. The front is hashed on the spot, so no rank file is read
+    a second time, and a flip in a rank-1 replica the merge never copies still fails the run.
+
+    ``GAP_MAX`` is set between one layer's replicas (attention and norms, a few KB, skipped
+    after the first read) and the front (embeddings of a 4,096 vocabulary, ~256 KB)."""
+    from shardctl.checkpoint import input_check
+
+    moe = make_checkpoint(
+        "mixtral",
+        tmp_path / "moe",
+        hidden_size=16,
+        intermediate_size=8,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_local_experts=4,
+        vocab_size=4096,
+    )
+    split = reshard(moe, tmp_path / "ep2", mesh=Mesh(ep=2)).dst
+    monkeypatch.setattr(input_check, "GAP_MAX", 64 * 1024)
+    whole: list[Path] = []
+    real = input_check.hash_file
+    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    reshard(split, tmp_path / "hf", fmt="hf")
+    assert whole == []
+    src = copy_dir(split, tmp_path / "src")
+    rank1 = src / "rank-00001-of-00002.safetensors"
+    flip(rank1, data_offset(rank1) + 1)  # the embedding's replica, which rank 0 supplies
     with pytest.raises(InvalidInputError, match="input hash mismatch"):
         reshard(src, tmp_path / "bad", fmt="hf")
     assert whole == [] and not (tmp_path / "bad").exists()

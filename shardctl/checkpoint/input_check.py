@@ -8,8 +8,11 @@ file is hashed during the copy, and the run commits only if every digest matches
 - **From the copy's own reads** (XXH3-128, ~27 GB/s: cheap enough for the reading thread): each
   byte the copy reads is fed to its file's hash as it goes by, so a merge or an any-to-any run
   reads its input once, not twice. Bytes the copy does not read (headers, replicas it takes from
-  another rank) are read when the copy passes them, if the gap is small; a file read out of
-  order (a big gap: e.g. an ``S(0)`` split that reads each quarter in lockstep) is handed to
+  another rank) are read when the copy passes them: any gap before the copy's first read of the
+  file (a merge of an ``--ep`` split takes the replicated tensors at the front of ranks 1..n's
+  files from rank 0: ~135 MB each on DeepSeek-V3's shape), a small one after it. A file read out
+  of order (a big gap after its first read: e.g. an ``S(0)`` split that reads each quarter in
+  lockstep) is handed to
 - **a background thread**, which reads the file front to back with ``pread`` (no mmap: a
   truncated input must not SIGBUS) and hashes it on a second core. Slower hashes (sha256 of an
   HF-cache blob, BLAKE3) go there from the start.
@@ -34,8 +37,10 @@ from shardctl.io.checksum import new_hash
 _BLOCK = 2**20
 # Hashes fast enough to run on the copy's reading thread (the rest go to the background thread).
 INLINE = ("xxh3-128",)
-# A gap in a file's reads up to this size is read on the spot; a larger one means the copy reads
-# the file out of order, and the background thread hashes the whole file instead.
+# A gap in a file's reads up to this size is read on the spot; a larger one (after the copy's
+# first read of the file) means the copy reads the file out of order, and the background thread
+# hashes the whole file instead. The gap before the first read is always read on the spot: it
+# costs no more bytes than hashing the whole file would.
 GAP_MAX = 4 * 2**20
 
 
@@ -55,6 +60,7 @@ class _Feed:
         self.f = f
         self.hasher: Any = new_hash(f.hash_name)
         self.pos = 0  # bytes [0, pos) hashed
+        self.fed = False  # the copy has read from this file
 
     def take(self, offset: int, data: memoryview) -> bool:
         """Hash ``data`` (read at ``offset``); False if the file is being read out of order."""
@@ -62,9 +68,10 @@ class _Feed:
         if end <= self.pos:
             return True  # read again (a one-entry cache miss): already hashed
         if offset > self.pos:
-            if offset - self.pos > GAP_MAX:
+            if offset - self.pos > GAP_MAX and self.fed:
                 return False
             self.read_to(offset)
+        self.fed = True
         self.hasher.update(data[self.pos - offset : end - offset])
         self.pos = end
         return True
