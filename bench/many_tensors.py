@@ -13,11 +13,18 @@ the same filesystem: ``cp -r SRC`` (plain, and durable: ``&& sync`` of the copy,
 fsyncs what it writes), ``xargs -P <cores> cp`` of SRC's files, shardctl reshard ``--tp --ep``,
 ``cp -r`` of the split output (plain and durable), merge back ``--format hf``, ``cat`` of SRC
 and the split output, ``verify --level bitwise``, then ``plan``-free ``inspect SRC``. Every
-command runs under ``/usr/bin/time`` (wall, peak RSS). Prints per-command medians and the
-ratios the issue asks for: reshard and merge to ``cp -r`` of what they read and of what they
+command runs under ``/usr/bin/time`` (wall, peak RSS, kernel CPU). Prints per-command medians
+and the ratios the issue asks for: reshard and merge to ``cp -r`` of what they read and of what they
 write (the two differ where an ep split replicates the dense tensors), reshard to a parallel
 cp, verify to ``cat`` of both trees. The checkouts are byte-compiled first (``_compiled``), as a
 pip install leaves them.
+
+The kernel CPU column is there for the writing steps. On a VM that returns freed guest memory
+to its host at once (Firecracker's free page reporting, ``page_reporting.min_free_ms=0`` on
+the machine of session 50), every page a step writes to tmpfs may fault in from the host. The
+same ``cp -r`` of a 2.9 GB split then took from 1.5 s to 11 s, nearly all of it kernel time,
+depending on what the run before had freed. A write step's wall time there measures the host
+as much as the tool: compare its sys column with the copy's.
 """
 
 from __future__ import annotations
@@ -36,19 +43,20 @@ REPO = Path(__file__).resolve().parents[1]
 PY = sys.executable
 
 
-def run(cmd: str, log: Path, cwd: Path = REPO) -> tuple[float, float]:
-    """(wall seconds, peak RSS MiB) of ``sh -c cmd`` under /usr/bin/time, run in ``cwd``."""
+def run(cmd: str, log: Path, cwd: Path = REPO) -> tuple[float, float, float]:
+    """(wall seconds, peak RSS MiB, kernel CPU seconds) of ``sh -c cmd`` under /usr/bin/time,
+    run in ``cwd``."""
     p = subprocess.run(
-        ["/usr/bin/time", "-o", str(log), "-f", "%e %M", "sh", "-c", cmd],
+        ["/usr/bin/time", "-o", str(log), "-f", "%e %M %S", "sh", "-c", cmd],
         cwd=cwd,
         capture_output=True,
         text=True,
     )
     if p.returncode != 0:
         print(f"FAILED ({p.returncode}): {cmd}\n{p.stderr[-1500:]}", file=sys.stderr)
-        return float("nan"), float("nan")
-    wall, rss = log.read_text().split()[-2:]
-    return float(wall), float(rss) / 1024
+        return float("nan"), float("nan"), float("nan")
+    wall, rss, kernel = log.read_text().split()[-3:]
+    return float(wall), float(rss) / 1024, float(kernel)
 
 
 def main() -> None:
@@ -108,7 +116,7 @@ def main() -> None:
         extra = [bsplit, bmerged]
     else:
         extra = []
-    times: dict[str, list[tuple[float, float]]] = {k: [] for k in steps}
+    times: dict[str, list[tuple[float, float, float]]] = {k: [] for k in steps}
     for r in range(a.rounds + 1):  # round 0: warm-up, not counted
         for d in (cp1, cp2, cp3, dcp1, dcp3, merged, split, *extra):
             shutil.rmtree(d, ignore_errors=True)
@@ -120,13 +128,17 @@ def main() -> None:
             got = run(cmd, w / ".time")
             if r:
                 times[name].append(got)
-            print(f"round {r} {name:22s} {got[0]:7.2f} s {got[1]:7.1f} MiB", flush=True)
+            print(
+                f"round {r} {name:22s} {got[0]:7.2f} s {got[1]:7.1f} MiB  sys {got[2]:5.2f} s",
+                flush=True,
+            )
             if name in (*copies, "cp -r split", "cp -r split + sync"):
                 for d in outs:
                     shutil.rmtree(d, ignore_errors=True)
     med = {k: statistics.median(x[0] for x in v) for k, v in times.items()}
     rss = {k: max(x[1] for x in v) for k, v in times.items()}
-    print(f"\n{'step':24s} {'median s':>9s} {'peak MiB':>9s}  ratio")
+    kernel = {k: statistics.median(x[2] for x in v) for k, v in times.items()}
+    print(f"\n{'step':24s} {'median s':>9s} {'peak MiB':>9s} {'sys s':>6s}  ratio")
     pc = f"xargs -P{cores} cp src"
     # Each step against copies of what it reads and of what it writes: an ep split replicates
     # the dense tensors on every ep rank (DeepSeek-V3 FP8 at --ep 8: 1.6 GB in, 2.9 GB out), so
@@ -147,7 +159,7 @@ def main() -> None:
             b = f"{k} (baseline)"
             ratio[b] = f"{med[b] / med[ref[k]]:.2f}× (baseline), this checkout {v.split(',')[0]}"
     for k in steps:
-        print(f"{k:24s} {med[k]:9.2f} {rss[k]:9.1f}  {ratio.get(k, '')}")
+        print(f"{k:24s} {med[k]:9.2f} {rss[k]:9.1f} {kernel[k]:6.2f}  {ratio.get(k, '')}")
 
 
 if __name__ == "__main__":
