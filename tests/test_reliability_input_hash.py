@@ -11,6 +11,7 @@ import random
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -42,6 +43,16 @@ def copy_dir(src: Path, dst: Path) -> Path:
 def data_offset(path: Path) -> int:
     with open(path, "rb") as f:
         return 8 + int.from_bytes(f.read(8), "little")
+
+
+def first_tensor(path: Path) -> str:
+    """The name of the tensor whose bytes come first in a safetensors file."""
+    import json
+
+    with open(path, "rb") as f:
+        header = json.loads(f.read(int.from_bytes(f.read(8), "little")))
+    header.pop("__metadata__", None)
+    return min(header, key=lambda k: header[k]["data_offsets"][0])
 
 
 def flip(path: Path, offset: int) -> None:
@@ -224,14 +235,26 @@ def _reads(check: InputCheck, path: Path, spans: list[tuple[int, int]]) -> None:
         check.take(path, lo, memoryview(data)[lo:hi])
 
 
-def test_in_order_reads_feed_the_hash_without_a_second_read(
-    tp2: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def whole_file_hashes(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
+    """The files ``input_check`` hashes whole from here on (a second read of each), in order."""
     from shardctl.checkpoint import input_check
 
     whole: list[Path] = []
     real = input_check.hash_file
-    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+
+    def spy(path: Path, *args: Any) -> str | None:
+        whole.append(path)
+        return real(path, *args)
+
+    monkeypatch.setattr(input_check, "hash_file", spy)
+    return whole
+
+
+def test_in_order_reads_feed_the_hash_without_a_second_read(
+    tp2: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+
+    whole = whole_file_hashes(monkeypatch)
     path = sorted(tp2.glob("*.safetensors"))[0]
     size, start = path.stat().st_size, data_offset(path)
     check = InputCheck([_expected(path)]).start()
@@ -274,9 +297,7 @@ def test_a_gap_before_the_first_read_is_read_on_the_spot(
     from shardctl.checkpoint import input_check
 
     monkeypatch.setattr(input_check, "GAP_MAX", 16)
-    whole: list[Path] = []
-    real = input_check.hash_file
-    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    whole = whole_file_hashes(monkeypatch)
     src = copy_dir(tp2, tmp_path / "src")
     good, bad = sorted(src.glob("*.safetensors"))[:2]
     files = [_expected(good), _expected(bad)]
@@ -296,11 +317,8 @@ def test_reshard_merge_reads_its_input_once(
     tp2: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A merge (and a flipped bit it must still catch) without a second read of any input."""
-    from shardctl.checkpoint import input_check
 
-    whole: list[Path] = []
-    real = input_check.hash_file
-    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    whole = whole_file_hashes(monkeypatch)
     reshard(tp2, tmp_path / "ok", fmt="hf")
     src = copy_dir(tp2, tmp_path / "src")
     victim = sorted(src.glob("*.safetensors"))[1]
@@ -333,14 +351,14 @@ def test_merging_an_ep_split_reads_each_rank_file_once(
     )
     split = reshard(moe, tmp_path / "ep2", mesh=Mesh(ep=2)).dst
     monkeypatch.setattr(input_check, "GAP_MAX", 64 * 1024)
-    whole: list[Path] = []
-    real = input_check.hash_file
-    monkeypatch.setattr(input_check, "hash_file", lambda p, *a: whole.append(p) or real(p, *a))
+    whole = whole_file_hashes(monkeypatch)
     reshard(split, tmp_path / "hf", fmt="hf")
     assert whole == []
     src = copy_dir(split, tmp_path / "src")
     rank1 = src / "rank-00001-of-00002.safetensors"
-    flip(rank1, data_offset(rank1) + 1)  # the embedding's replica, which rank 0 supplies
+    front = first_tensor(rank1)
+    assert front == first_tensor(src / "rank-00000-of-00002.safetensors")  # replicated
+    flip(rank1, data_offset(rank1) + 1)  # in rank 1's replica of it, which rank 0 supplies
     with pytest.raises(InvalidInputError, match="input hash mismatch"):
         reshard(src, tmp_path / "bad", fmt="hf")
     assert whole == [] and not (tmp_path / "bad").exists()
