@@ -82,6 +82,50 @@ def test_clean_layouts_are_settled_with_the_same_report(
     assert figures["hash"] == "xxh3-128"
 
 
+ENDS = ("w3.weight", "w2.weight", "post_attention_layernorm.weight")
+
+
+@pytest.mark.parametrize("window", ["default", "tiny"])
+@pytest.mark.parametrize("mesh", [Mesh(ep=2), Mesh(ep=2, tp=2)], ids=["ep2", "ep2-tp2"])
+def test_without_the_record_checksums_every_shard_is_still_read_and_compared(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, window: str, mesh: Mesh
+) -> None:
+    # hashes off (bench/verify.py --hashes 0): with no checksum to feed, the bytes between
+    # shards (headers) are passed over, not read; every shard is still read and compared, so
+    # a flipped bit in a whole expert (ep 2: a stretch of experts), a column-cut half (tp 2:
+    # strided in SRC) or a replicated norm (gathered) is found and named as the other paths
+    # name it
+    if window == "tiny":
+        monkeypatch.setattr(columnar, "WINDOW", 300)
+        monkeypatch.setattr(columnar, "LARGE", 64)
+    src, dst = cks.ckpt("mixtral"), cks.resharded("mixtral", mesh)
+    settled: list[bool] = []
+    real = columnar.check
+
+    def spy(*args: Any) -> Any:
+        got = real(*args)
+        settled.append(got is not None)
+        return got
+
+    monkeypatch.setattr(columnar, "check", spy)
+    clean = verify(src, dst, level="bitwise", hashes=False)
+    assert clean.ok and settled == [True]
+    assert clean.level_result("bitwise").figures["shards"] > 0
+    path = sorted(dst.glob("rank-*.safetensors"))[1]
+    names = read_header(path).names
+    # the last of each in the file: past the first window at the tiny size
+    picks = [sorted(n for n in names if n.endswith(end))[-1] for end in ENDS]
+    for fqn in picks:
+        _flip(path, fqn, 4099, 2)
+        settled.clear()
+        got = verify(src, dst, level="bitwise", hashes=False)
+        bw = got.level_result("bitwise")
+        assert not got.ok and settled == [False]
+        assert [f.fqn for f in bw.findings if f.fqn] == [fqn]
+        _flip(path, fqn, 4099, 2)  # back: the next pick is the only difference
+    assert verify(src, dst, level="bitwise", hashes=False).ok
+
+
 def test_a_flipped_bit_anywhere_is_handed_over_and_named(
     cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -11,21 +11,23 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
   repeated along a few outer dims at fixed byte strides (``io.mapped.box_kind``: trailing
   whole dims folded into the run): one *kind* per (item size, ``G``'s byte strides, box
   sizes) — a few dozen in a 90,000-tensor MoE;
-- each DST file is read through a read-only map in windows cut at shard boundaries, each
-  mapping about ``WINDOW`` bytes of DST and of SRC (a column cut's box spans whole SRC rows);
-  in a window the shards of one kind from one SRC file are gathered from SRC with one numpy
-  indexing of a strided view (a row per possible start byte, as ``spans._fill_batch`` does)
-  and from DST the same way (``GATHER`` bytes a side per call), and compared 8 bytes at a
-  time in one numpy call (a shard of ``BY_SHARD`` bytes or more is compared in place, its
-  SRC box against its DST bytes, with no copy); shards that are one contiguous run of SRC
-  (whole tensors, cuts of their leading dim) and follow one another in DST and in one SRC
-  file are compared as one stretch of each side, when they add up to ``BY_SHARD`` bytes (an
-  ep split keeps experts whole and in SRC's order); a shard over
-  ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
-- the window's bytes then feed the file's checksum (the record's hash is of the whole file);
-  mapped pages are given back after each window and slab, so memory stays flat;
-- DST files are compared on ``THREADS`` threads, one file each (numpy's copies and compares
-  and the checksum release the GIL).
+- each DST file is read front to back once, with ``preadv`` into a reused buffer, in windows
+  cut at shard boundaries, each holding about ``WINDOW`` bytes of DST and of SRC (a column
+  cut's box spans whole SRC rows); in a window the shards of one kind from one SRC file are
+  gathered from SRC with one numpy indexing of a strided view of its read-only map (a row per
+  possible start byte, as ``spans._fill_batch`` does) and from the DST buffer the same way
+  (``GATHER`` bytes a side per call), and compared 8 bytes at a time in one numpy call (a
+  shard of ``BY_SHARD`` bytes or more is compared in place, its SRC box against its DST
+  bytes, with no copy); shards that are one contiguous run of SRC (whole tensors, cuts of
+  their leading dim) and follow one another in DST and in one SRC file are compared as one
+  stretch of each side, SRC's read with ``preadv`` too, when they add up to ``BY_SHARD``
+  bytes (an ep split keeps experts whole and in SRC's order); a shard over ``LARGE`` bytes
+  is compared by itself, a slab of its outer rows at a time;
+- every DST byte read feeds the file's checksum as it is read (the record's hash is of the
+  whole file); SRC's mapped pages are given back after each window and slab, so memory stays
+  flat;
+- DST files are compared on ``THREADS`` threads, one file each (reads, numpy's copies and
+  compares and the checksum release the GIL).
 
 At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2-2.5 s against 3.4-3.9 s on the
 span path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and
@@ -33,9 +35,15 @@ span path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 sh
 once 51,661 of its shards (its expert weights of 32 KiB among them) were compared as 6,446
 stretches.
 
-Every file's size is checked before each window and slab: one that shrank (another process
-cut it) hands the run over as a difference does, where touching its map could have been a
-``SIGBUS`` (``io.mapped``).
+Reads, not maps, for DST and for SRC's stretches: a page of a map costs a fault to touch and
+an ``MADV_DONTNEED`` to give back, so a mapped compare ran at ~5-6 GB/s on one thread where
+``preadv`` into a buffer the caches hold reads ~12 GB/s and the compare in cache runs at
+~35 GB/s. With DST read and its stretches' SRC too, the DeepSeek-V3-shaped verify went
+2.06 -> 1.66 s (medians of 8, interleaved; the level itself ~1.45 -> 0.76 s).
+
+A file cut short under the run is a short read (``OSError``), which hands the run over as a
+difference does. SRC's maps (the strided gathers) check its size before each window and slab:
+touching a page past a truncated file's end would be a ``SIGBUS`` (``io.mapped``).
 
 Anything this path does not cover — a non-HF SRC, a shard of several pieces or with padding, a
 sub-byte dtype, a tensor SRC lacks or holds differently, a row the structure level found wrong
@@ -47,7 +55,7 @@ element exactly as before (it reads everything again; a failing verify is the ra
 from __future__ import annotations
 
 import math
-import mmap
+import os
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -55,6 +63,7 @@ from functools import cached_property
 from itertools import chain
 from operator import attrgetter
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -66,23 +75,23 @@ from shardctl.io.mapped import (
     SrcMaps,
     box_kind,
     box_span,
-    close_map,
     contiguous_kinds,
     dontneed,
     intact,
-    map_file,
     row_kinds,
     rows_view,
 )
 from shardctl.verify.bitwise.pipeline import threads
 from shardctl.verify.bitwise.walk import Walk
-from shardctl.verify.boxes import uint_of
+from shardctl.verify.boxes import FdCache, Scratch, pread_into, uint_of
 from shardctl.verify.dst import Destination, RecordDstShards
 
 ENABLED = True  # off: the span / block paths decide every shard (tests compare the two)
-# Bytes a window maps, DST and SRC each. Each window costs a few syscalls that give up the GIL
-# (a size check per file, ``MADV_DONTNEED`` of what it mapped: ~30-70 µs each with the other
-# thread busy): 2 MiB windows spent ~0.8 s of a 3 GB verify there. 8 MiB: 12,000 tensors / 3 GB
+# Bytes a window holds, DST and SRC each. Each window costs a few syscalls that give up the GIL
+# (with maps, a size check per file and ``MADV_DONTNEED`` of what it mapped: ~30-70 µs each with
+# the other thread busy): 2 MiB windows spent ~0.8 s of a 3 GB verify there. With DST read into
+# a buffer, 4, 8 and 16 MiB windows are alike at 90,000 tensors (1 and 2 MiB: ~0.3 s slower).
+# 8 MiB, with maps: 12,000 tensors / 3 GB
 # 3.6-3.8 s -> 2.5-2.9 s, 90,000 tensors 3.4 -> 2.7 s (2 cores, tmpfs), peak 215 -> 130 MiB and
 # 186 -> 195 MiB. Past ``MANY`` shards the record's tables alone take ~200 MiB (a tp-8 split of
 # 90,000 tensors: 720,000 shards, 211 MiB of heap), and ``WINDOW_MANY`` keeps that run under
@@ -100,8 +109,9 @@ GATHER = 2 * 2**20
 # 12,000-tensor one (128 KiB) goes 2.9-3.2 -> 2.3-2.45 s.
 BY_SHARD = 32 * 2**10
 BY_SHARD_RUN = 256
-# Threads at most (one DST file each): each holds a window's maps and copies (~20 MiB); the
-# compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where four did not.
+# Threads at most (one DST file each): each holds a window's buffers, maps and copies (~20
+# MiB); the compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where
+# four did not.
 THREADS = 2
 # A shard of more bytes is compared by itself, in slabs of about this many bytes.
 LARGE = 4 * 2**20
@@ -144,11 +154,20 @@ def check(
     stop = threading.Event()
     window = WINDOW if plan.tensor.size <= MANY else WINDOW_MANY
 
+    local = threading.local()  # each thread's buffers and SRC files, kept from file to file
+    every: list[_Reads] = []
+
     def one(job: tuple[int, Path, str | None]) -> bool:
         f, path, digest = job
+        reads = getattr(local, "reads", None)
+        if reads is None:
+            reads = local.reads = _Reads()
+            every.append(reads)
         maps = SrcMaps()
         try:
-            ok = _compare_file(plan, f, path, src_paths, maps, hash_name, digest, stop, window)
+            ok = _compare_file(
+                plan, f, path, src_paths, maps, hash_name, digest, stop, window, reads
+            )
         except (OSError, ValueError):
             ok = False  # a file that changed or vanished: the other path words it
         finally:
@@ -158,11 +177,15 @@ def check(
         return ok
 
     n = max(1, min(threads(), THREADS, len(jobs)))
-    if n == 1:
-        done = all(one(j) for j in jobs)
-    else:
-        with ThreadPoolExecutor(n, thread_name_prefix="shardctl-columnar") as pool:
-            done = all(list(pool.map(one, jobs)))
+    try:
+        if n == 1:
+            done = all(one(j) for j in jobs)
+        else:
+            with ThreadPoolExecutor(n, thread_name_prefix="shardctl-columnar") as pool:
+                done = all(list(pool.map(one, jobs)))
+    finally:
+        for reads in every:
+            reads.close()
     if not done:
         return None
     plan.threads = n
@@ -299,6 +322,56 @@ def _plan(src: Source, shards: RecordDstShards) -> _Plan | None:
     )
 
 
+class _Reads:
+    """One thread's reads: buffers reused from file to file (a fresh buffer page-faults on
+    every page), and SRC's files opened once each."""
+
+    def __init__(self) -> None:
+        self.dst = Scratch()
+        self.src = Scratch()
+        self.fds = FdCache()
+
+    def src_bytes(self, path: Path, offset: int, n: int) -> np.ndarray:
+        """SRC bytes ``[offset, offset + n)`` of ``path``, valid until the next call (a file
+        cut short: ``OSError``)."""
+        mv = self.src.get(n)
+        pread_into(self.fds(path), mv, offset, path)
+        return np.frombuffer(mv, dtype=np.uint8)
+
+    def close(self) -> None:
+        self.fds.close()
+
+
+class _DstFile:
+    """A DST file read front to back, each byte once, every byte read fed to its checksum."""
+
+    def __init__(self, fd: int, path: Path, hasher: Any, scratch: Scratch) -> None:
+        self.fd, self.path, self.hasher, self.scratch = fd, path, hasher, scratch
+        self.pos = 0  # where the next read starts
+
+    def read(self, a: int, n: int) -> np.ndarray:
+        """Bytes ``[a, a + n)``, read where the last read ended (``a`` is :attr:`pos`); valid
+        until the next read (a file cut short: ``OSError``)."""
+        if a != self.pos:
+            raise ValueError(f"DST read at byte {a}, expected {self.pos}")
+        mv = self.scratch.get(n)
+        pread_into(self.fd, mv, a, self.path)
+        if self.hasher is not None:
+            self.hasher.update(mv)
+        self.pos = a + n
+        return np.frombuffer(mv, dtype=np.uint8)
+
+    def skip(self, b: int, chunk: int) -> None:
+        """On to byte ``b``: the bytes before it read ``chunk`` at a time into the checksum,
+        or passed over when there is no checksum to feed."""
+        if b < self.pos:
+            raise ValueError(f"DST skip back to byte {b} from {self.pos}")
+        if self.hasher is None:
+            self.pos = b
+        while self.pos < b:
+            self.read(self.pos, min(chunk, b - self.pos))
+
+
 def _compare_file(
     plan: _Plan,
     f: int,
@@ -309,6 +382,7 @@ def _compare_file(
     digest: str | None,
     stop: threading.Event,
     window: int = WINDOW,
+    reads: _Reads | None = None,
 ) -> bool:
     """Whether every shard in DST file ``f`` equals SRC (and the file its ``digest``), read in
     windows of about ``window`` bytes; False too once ``stop`` is set (another file
@@ -325,68 +399,91 @@ def _compare_file(
         from shardctl.io.checksum import new_hash
 
         hasher = new_hash(hash_name or "")
-    mm, dst = map_file(path)
+    own = reads is None
+    if reads is None:
+        reads = _Reads()
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        size = len(mm)
+        size = os.fstat(fd).st_size
         if rows.size and end[-1] > size:
             return False
         # windows cut at shard starts, about ``window`` bytes each; the first one starts at byte 0
-        # and the last ends at the end of the file, so their ranges feed the whole checksum
-        # A shard weighs what it maps: its bytes in DST and the SRC stretch its box spans (a
-        # tp-8 column cut of a row-major tensor uses 1/8 of each row, but touches every page of
-        # the rows): a window maps about 2 x WINDOW whatever the cut.
+        # and the last ends at the end of the file, so the file is read whole, in order, once
+        # (each byte into the checksum as it is read). A shard weighs its bytes in DST and the
+        # SRC stretch its box spans (a tp-8 column cut of a row-major tensor uses 1/8 of each
+        # row, but maps every page of the rows): a window holds about 2 x WINDOW whatever the cut.
         weight = np.cumsum(nbytes + spans[plan.kind[rows]])
         cut = np.searchsorted(
             weight, np.arange(window, int(weight[-1]) if rows.size else 0, window)
         )
         bounds = [0, *[c for c in np.unique(cut).tolist() if 0 < c < rows.size], rows.size]
-        at = 0
+        dst = _DstFile(fd, path, hasher, reads.dst)
         for w in range(len(bounds) - 1):
-            if stop.is_set() or not intact(mm, path):
-                return False  # another file differed, or this one shrank: the pread paths
+            if stop.is_set():
+                return False  # another file differed
             lo, hi = bounds[w], bounds[w + 1]
             until = size if hi == rows.size else int(begin[hi])
-            if until < at:
+            if until < dst.pos:
                 return False
-            if hi > lo and not _compare_window(plan, rows[lo:hi], (mm, dst), src_paths, maps):
+            if hi > lo and not _compare_window(plan, rows[lo:hi], dst, src_paths, maps, reads):
                 return False
-            # then the window's bytes into the checksum, a window's worth mapped at a time (a
-            # window is one shard when that is larger: an embedding may be a GiB)
-            for a in range(at, until, window):
-                b = min(until, a + window)
-                if hasher is not None:
-                    hasher.update(memoryview(mm)[a:b])
-                dontneed(mm, a, b)
+            dst.skip(until, window)  # the gap after the window's last shard, if any
             maps.drop()
-            at = until
         return hasher is None or hasher.hexdigest() == digest
     finally:
-        del dst
-        close_map(mm)
+        os.close(fd)
+        if own:
+            reads.close()
 
 
 def _compare_window(
     plan: _Plan,
     rows: np.ndarray,
-    dst_map: tuple[mmap.mmap, np.ndarray],
+    dst: _DstFile,
     src_paths: list[Path],
     maps: SrcMaps,
+    reads: _Reads,
 ) -> bool:
-    dst = dst_map[1]
-    kinds, src_files = plan.kind[rows], plan.src_file[rows]
-    big = plan.nbytes[rows] > LARGE
-    for r in rows[big].tolist():
-        if not _compare_large(plan, r, dst_map, src_paths, maps):
+    """The shards ``rows`` (in DST order): each stretch of them under ``LARGE`` bytes read as
+    one block of DST, a larger one by itself, slab by slab."""
+    begin, nbytes = plan.begin[rows], plan.nbytes[rows]
+    big = nbytes > LARGE
+    cuts = np.flatnonzero(big[1:] != big[:-1]) + 1
+    for part in np.split(np.arange(rows.size), cuts):
+        if big[part[0]]:
+            for i in part.tolist():
+                dst.skip(int(begin[i]), LARGE)
+                if not _compare_large(plan, int(rows[i]), dst, src_paths, maps, reads):
+                    return False
+            continue
+        a, b = int(begin[part[0]]), int(begin[part[-1]] + nbytes[part[-1]])
+        if b - a > 4 * (WINDOW + LARGE):
+            return False  # gaps between shards no window accounts for: the other path
+        dst.skip(a, LARGE)
+        block = dst.read(a, b - a)
+        if not _compare_block(plan, rows[part], block, a, src_paths, maps, reads):
             return False
-    rows, kinds, src_files = rows[~big], kinds[~big], src_files[~big]
-    if not rows.size:
-        return True
-    left = _compare_runs(plan, rows, dst, src_paths, maps)
+    return True
+
+
+def _compare_block(
+    plan: _Plan,
+    rows: np.ndarray,
+    dst: np.ndarray,
+    base: int,
+    src_paths: list[Path],
+    maps: SrcMaps,
+    reads: _Reads,
+) -> bool:
+    """The shards ``rows`` against ``dst``, the DST bytes from byte ``base`` on: stretches
+    first, then per kind of box and SRC file, gathered or one by one in place."""
+    left = _compare_runs(plan, rows, dst, base, src_paths, reads)
     if left is None:
         return False
-    rows, kinds, src_files = rows[left], kinds[left], src_files[left]
+    rows = rows[left]
     if not rows.size:
         return True
+    kinds, src_files = plan.kind[rows], plan.src_file[rows]
     group = kinds.astype(np.int64) * (int(src_files.max()) + 1) + src_files
     order = np.argsort(group, kind="stable")
     group = group[order]
@@ -406,10 +503,11 @@ def _compare_window(
         if last >= view.shape[0]:
             return False  # past the end of the SRC file
         maps.touch(sf, first, last + span)
+        at = plan.begin[members] - base
         if n >= BY_SHARD and run >= BY_SHARD_RUN:
             # each shard's box against its DST bytes in place: no gathered copies
             shape = (*outer, run)
-            for a, b in zip(starts.tolist(), plan.begin[members].tolist(), strict=True):
+            for a, b in zip(starts.tolist(), at.tolist(), strict=True):
                 if not _equal_in_place(view[a], dst[b : b + n].reshape(shape)):
                     return False
             continue
@@ -421,19 +519,24 @@ def _compare_window(
         for i in range(0, len(members), step):
             part = slice(i, i + step)
             want = view[starts[part]].reshape(-1, n)
-            if not _equal(want, into[plan.begin[members[part]]]):
+            if not _equal(want, into[at[part]]):
                 return False
     return True
 
 
 def _compare_runs(
-    plan: _Plan, rows: np.ndarray, dst: np.ndarray, src_paths: list[Path], maps: SrcMaps
+    plan: _Plan,
+    rows: np.ndarray,
+    dst: np.ndarray,
+    base: int,
+    src_paths: list[Path],
+    reads: _Reads,
 ) -> np.ndarray | None:
-    """Compare the *runs* among ``rows`` (a window's, in DST order): shards whose SRC bytes
-    are one contiguous stretch (a whole tensor, or a cut of its leading dim) that follow one
-    another in DST and in one SRC file, as one stretch of each side, when they add up to
-    ``BY_SHARD`` bytes or more. Returns which rows are left for the gathers, None on a
-    difference.
+    """Compare the *runs* among ``rows`` (a block's, in DST order; ``dst`` its bytes from byte
+    ``base``): shards whose SRC bytes are one contiguous stretch (a whole tensor, or a cut of
+    its leading dim) that follow one another in DST and in one SRC file, as one stretch of
+    each side (SRC's read into a buffer), when they add up to ``BY_SHARD`` bytes or more.
+    Returns which rows are left for the gathers, None on a difference.
 
     An ep split of an HF checkpoint keeps each expert whole, in SRC's order: DeepSeek-V3's
     46,000 FP8 expert weights of 32 KiB were each one in-place compare (~10 µs of Python a
@@ -457,19 +560,9 @@ def _compare_runs(
     take = (length >= BY_SHARD) & (count > 1)
     if not take.any():
         return np.ones(rows.size, dtype=bool)
-    checked: set[int] = set()
     for i, size in zip(first[take].tolist(), length[take].tolist(), strict=True):
-        k = int(sf[i])
-        mm, src = maps.get(k, src_paths[k])
-        if k not in checked:
-            if not intact(mm, src_paths[k]):
-                return None
-            checked.add(k)
-        a, d = int(ss[i]), int(b[i])
-        if a + size > src.size:
-            return None
-        maps.touch(k, a, a + size)
-        if not _equal(src[a : a + size], dst[d : d + size]):
+        a, d = int(ss[i]), int(b[i]) - base
+        if not _equal(reads.src_bytes(src_paths[int(sf[i])], a, size), dst[d : d + size]):
             return None
     left = np.ones(rows.size, dtype=bool)
     left[at[np.repeat(take, count)]] = False
@@ -497,32 +590,29 @@ def _equal(a: np.ndarray, b: np.ndarray) -> bool:
 def _compare_large(
     plan: _Plan,
     r: int,
-    dst_map: tuple[mmap.mmap, np.ndarray],
+    dst: _DstFile,
     src_paths: list[Path],
     maps: SrcMaps,
+    reads: _Reads,
 ) -> bool:
     """One large shard, a slab of its outermost dim at a time (a run, when it has no outer
-    dims, in pieces of ``LARGE`` bytes)."""
+    dims, in pieces of ``LARGE`` bytes, both sides read into buffers)."""
     outer, strides, run = plan.kinds[int(plan.kind[r])]
     sf = int(plan.src_file[r])
-    mm, src = maps.get(sf, src_paths[sf])
-    dst_mm, dst = dst_map
     s0, d0 = int(plan.src_start[r]), int(plan.begin[r])
     if not outer:
         for a in range(0, run, LARGE):
             b = min(run, a + LARGE)
-            if not intact(mm, src_paths[sf]) or s0 + b > src.size:
+            got = dst.read(d0 + a, b - a)
+            if not _equal(reads.src_bytes(src_paths[sf], s0 + a, b - a), got):
                 return False
-            if not _equal(src[s0 + a : s0 + b], dst[d0 + a : d0 + b]):
-                return False
-            dontneed(mm, s0 + a, s0 + b)
-            dontneed(dst_mm, d0 + a, d0 + b)
         return True
     inner = math.prod(outer[1:]) * run  # DST bytes per outermost index
     if inner > 4 * LARGE:
         return False  # one outer row would be a slab of its own, too large: the block path
+    mm, src = maps.get(sf, src_paths[sf])
     span = box_span(outer[1:], strides[1:], run)
-    # a slab maps about LARGE bytes on each side: a column cut maps whole SRC rows
+    # a slab maps about LARGE bytes of SRC: a column cut maps whole SRC rows
     step = max(1, LARGE // max(inner, strides[0]))
     for i in range(0, outer[0], step):
         j = min(outer[0], i + step)
@@ -535,9 +625,8 @@ def _compare_large(
             strides=(strides[0], *strides[1:], 1),
             writeable=False,
         )
-        got = dst[d0 + i * inner : d0 + j * inner]
+        got = dst.read(d0 + i * inner, (j - i) * inner)
         if not _equal(want.reshape(-1), got):
             return False
         dontneed(mm, a, a + (j - i) * strides[0] + span)
-        dontneed(dst_mm, d0 + i * inner, d0 + j * inner)
     return True
