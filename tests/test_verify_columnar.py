@@ -305,10 +305,10 @@ def test_a_many_file_source_of_ten_thousand_tensors(
 def test_a_file_that_shrinks_mid_run_is_handed_over_not_a_crash(
     cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, side: str
 ) -> None:
-    # The columnar path reads through maps, where a page past a truncated file's end would be
-    # SIGBUS; it checks each file's size before every window, so a file cut between windows
-    # hands the run to the pread paths, which report it as they always did (their "short read
-    # ... the file changed during the run" error, or a failing verdict).
+    # The columnar path reads with preadv (no map: no SIGBUS past a truncated file's end); a
+    # file cut under it is a short read, which hands the run to the other paths, which
+    # report it as they always did (their "short read ... the file changed during the run"
+    # error, or a failing verdict).
     import os
     import shutil
 
@@ -368,3 +368,36 @@ def test_real_vocabulary_and_heads_are_settled_and_flips_handed_over(
     assert not ok and not ok0 and not settled
     assert findings == findings0 and len([f for f in findings if f[1]]) == 2
     assert figures == figures0 and rows == rows0
+
+
+@pytest.mark.parametrize("span", [1, 7, 4096, 40_000])
+def test_src_spans_reads_each_box_stretch_exactly(tmp_path: Path, span: int) -> None:
+    # The gathers' SRC bytes: stretches [a, a + span) for starts in any order, repeated,
+    # overlapping, next to one another and far apart (merged when less than SPAN_GAP apart,
+    # read apart otherwise), each found where ``where`` says in the one buffer.
+    import numpy as np
+
+    data = np.random.default_rng(span).integers(0, 256, 3 * 2**20, dtype=np.uint8)
+    path = tmp_path / "src.bin"
+    path.write_bytes(data.tobytes())
+    size = data.size - span
+    gap = columnar.SPAN_GAP
+    starts = np.array(
+        [size, 0, 5, 5, span, 3 * span + gap + 1, 2**20, 2**20 + gap, 17, size // 2, 1],
+        dtype=np.int64,
+    )
+    reads = columnar._Reads()
+    try:
+        got, where = reads.src_spans(path, starts, span)
+        for a, w in zip(starts.tolist(), where.tolist(), strict=True):
+            assert np.array_equal(got[w : w + span], data[a : a + span]), a
+        # merged stretches only where they are close: never much more than the boxes cover
+        covered = np.zeros(data.size, dtype=bool)
+        for a in starts.tolist():
+            covered[a : a + span] = True
+        assert where.max() + span <= int(covered.sum()) + gap * starts.size
+        # a start past the end is a short read (the run is handed over), never garbage
+        with pytest.raises(OSError, match="short read"):
+            reads.src_spans(path, np.array([size + 1], dtype=np.int64), span)
+    finally:
+        reads.close()

@@ -13,19 +13,21 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
   sizes) — a few dozen in a 90,000-tensor MoE;
 - each DST file is read front to back once, with ``preadv`` into a reused buffer, in windows
   cut at shard boundaries, each holding about ``WINDOW`` bytes of DST and of SRC (a column
-  cut's box spans whole SRC rows); in a window the shards of one kind from one SRC file are
-  gathered from SRC with one numpy indexing of a strided view of its read-only map (a row per
-  possible start byte, as ``spans._fill_batch`` does) and from the DST buffer the same way
-  (``GATHER`` bytes a side per call), and compared 8 bytes at a time in one numpy call (a
-  shard of ``BY_SHARD`` bytes or more is compared in place, its SRC box against its DST
-  bytes, with no copy); shards that are one contiguous run of SRC (whole tensors, cuts of
-  their leading dim) and follow one another in DST and in one SRC file are compared as one
-  stretch of each side, SRC's read with ``preadv`` too, when they add up to ``BY_SHARD``
-  bytes (an ep split keeps experts whole and in SRC's order); a shard over ``LARGE`` bytes
-  is compared by itself, a slab of its outer rows at a time;
+  cut's box spans whole SRC rows); SRC's bytes are read with ``preadv`` too, into a second
+  buffer: what each compare below needs, nothing else;
+- in a window the shards of one kind from one SRC file are gathered with one numpy indexing of
+  a strided view of the SRC stretches they span, read back to back (a row per possible start
+  byte, as ``spans._fill_batch`` does), and from the DST buffer the same way (``GATHER``
+  bytes a side per call), and compared 8 bytes at a time in one numpy call; a shard of
+  ``BY_SHARD`` bytes or more is compared in place, its SRC box (the stretch it spans: a
+  column cut's whole rows) against its DST bytes, with no gathered copy; shards that are one
+  contiguous run of SRC (whole tensors, cuts of their leading dim) and follow one another in
+  DST and in one SRC file are compared as one stretch of each side, when they add up to
+  ``BY_SHARD`` bytes (an ep split keeps experts whole and in SRC's order); a shard over
+  ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
 - every DST byte read feeds the file's checksum as it is read (the record's hash is of the
-  whole file); SRC's mapped pages are given back after each window and slab, so memory stays
-  flat;
+  whole file); the buffers are reused from window to window and file to file, so memory
+  stays flat;
 - DST files are compared on ``THREADS`` threads, one file each (reads, numpy's copies and
   compares and the checksum release the GIL).
 
@@ -33,20 +35,20 @@ At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2-2.5 s against 3.4-3
 span path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and
 3.0-3.4 s against 4.1-4.7 s for DeepSeek-V3's FP8 shape in 176 files (ep 8), and 2.2-2.3 s
 once 51,661 of its shards (its expert weights of 32 KiB among them) were compared as 6,446
-stretches.
+stretches (these with both files mapped).
 
-Reads, not maps, for DST and for SRC's stretches: a page of a map costs a fault to touch and
-an ``MADV_DONTNEED`` to give back, so a mapped compare ran at ~5-6 GB/s on one thread where
-``preadv`` into a buffer the caches hold reads ~12 GB/s and the compare in cache runs at
-~35 GB/s. With DST read and its stretches' SRC too, the DeepSeek-V3-shaped verify went
-2.06 -> 1.66 s (medians of 8, interleaved; the level itself ~1.45 -> 0.76 s). Shards
-compared in place read their SRC stretch too: a Mixtral-shaped tp 2 x ep 2 split of 12,403
-tensors (128 KiB expert halves, a third of them column cuts) spent 1.24 of 2.2 thread-seconds
-faulting SRC's pages in ``array_equal`` (0.34 after), 1.68 -> 1.48 s whole.
+Reads, not maps: a page of a map costs a fault to touch and an ``MADV_DONTNEED`` to give
+back, so a mapped compare ran at ~5-6 GB/s on one thread where ``preadv`` into a buffer the
+caches hold reads ~12 GB/s and the compare in cache runs at ~35 GB/s. Reading DST and SRC's
+stretches, the DeepSeek-V3-shaped verify went 2.06 -> 1.66 s (medians of 8, interleaved; the
+level itself ~1.45 -> 0.76 s); a Mixtral-shaped tp 2 x ep 2 split of 12,403 tensors (128 KiB
+expert halves, a third of them column cuts, compared in place) had spent 1.24 of 2.2
+thread-seconds faulting SRC's pages (0.34 after), 1.68 -> 1.48 s whole; reading the gathers'
+and the large column cuts' SRC too, the DeepSeek-V3-shaped verify is 1.83 -> 1.46 s against
+the maps' last day (medians of 8, CPU 2.43 -> 1.93 s, peak 172 -> 146 MiB).
 
 A file cut short under the run is a short read (``OSError``), which hands the run over as a
-difference does. SRC's maps (the strided gathers) check its size before each window and slab:
-touching a page past a truncated file's end would be a ``SIGBUS`` (``io.mapped``).
+difference does; with no map there is no ``SIGBUS`` to fear, whenever the cut lands.
 
 Anything this path does not cover — a non-HF SRC, a shard of several pieces or with padding, a
 sub-byte dtype, a tensor SRC lacks or holds differently, a row the structure level found wrong
@@ -75,12 +77,9 @@ from shardctl.checkpoint.source import HfShards, Source
 from shardctl.dtypes import DTYPE_BITS
 from shardctl.io.mapped import (
     Kind,
-    SrcMaps,
     box_kind,
     box_span,
     contiguous_kinds,
-    dontneed,
-    intact,
     row_kinds,
     rows_view,
 )
@@ -90,15 +89,15 @@ from shardctl.verify.boxes import FdCache, Scratch, pread_into, uint_of
 from shardctl.verify.dst import Destination, RecordDstShards
 
 ENABLED = True  # off: the span / block paths decide every shard (tests compare the two)
-# Bytes a window holds, DST and SRC each. Each window costs a few syscalls that give up the GIL
-# (with maps, a size check per file and ``MADV_DONTNEED`` of what it mapped: ~30-70 µs each with
+# Bytes a window holds, DST and SRC each. With maps, each window cost a few syscalls that gave
+# up the GIL (a size check per file, ``MADV_DONTNEED`` of what it mapped: ~30-70 µs each with
 # the other thread busy): 2 MiB windows spent ~0.8 s of a 3 GB verify there. With DST read into
 # a buffer, 4, 8 and 16 MiB windows are alike at 90,000 tensors (1 and 2 MiB: ~0.3 s slower).
-# 8 MiB, with maps: 12,000 tensors / 3 GB
-# 3.6-3.8 s -> 2.5-2.9 s, 90,000 tensors 3.4 -> 2.7 s (2 cores, tmpfs), peak 215 -> 130 MiB and
-# 186 -> 195 MiB. Past ``MANY`` shards the record's tables alone take ~200 MiB (a tp-8 split of
-# 90,000 tensors: 720,000 shards, 211 MiB of heap), and ``WINDOW_MANY`` keeps that run under
-# 256 MiB (240-245 MiB; 8 MiB windows: 269).
+# 8 MiB, with maps: 12,000 tensors / 3 GB 3.6-3.8 s -> 2.5-2.9 s, 90,000 tensors 3.4 -> 2.7 s
+# (2 cores, tmpfs), peak 215 -> 130 MiB and 186 -> 195 MiB. Past ``MANY`` shards the record's
+# tables alone take ~200 MiB (a tp-8 split of 90,000 tensors: 720,000 shards, 211 MiB of
+# heap), and ``WINDOW_MANY`` keeps that run under 256 MiB (240-245 MiB with maps; 8 MiB
+# windows: 269).
 WINDOW = 8 * 2**20
 WINDOW_MANY = 2 * 2**20
 MANY = 2**18
@@ -112,12 +111,13 @@ GATHER = 2 * 2**20
 # 12,000-tensor one (128 KiB) goes 2.9-3.2 -> 2.3-2.45 s.
 BY_SHARD = 32 * 2**10
 BY_SHARD_RUN = 256
-# Threads at most (one DST file each): each holds a window's buffers, maps and copies (~20
-# MiB); the compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where
-# four did not.
+# Threads at most (one DST file each): each holds a window's buffers and copies (~20 MiB); the
+# compare is memory-bound, and two kept a 90,000-tensor verify under 256 MiB where four did not.
 THREADS = 2
 # A shard of more bytes is compared by itself, in slabs of about this many bytes.
 LARGE = 4 * 2**20
+# SRC stretches of a window's gathered boxes less than this far apart are read as one.
+SPAN_GAP = 16 * 2**10
 
 
 @dataclass(frozen=True)
@@ -166,15 +166,10 @@ def check(
         if reads is None:
             reads = local.reads = _Reads()
             every.append(reads)
-        maps = SrcMaps()
         try:
-            ok = _compare_file(
-                plan, f, path, src_paths, maps, hash_name, digest, stop, window, reads
-            )
+            ok = _compare_file(plan, f, path, src_paths, hash_name, digest, stop, window, reads)
         except (OSError, ValueError):
             ok = False  # a file that changed or vanished: the other path words it
-        finally:
-            maps.close()
         if not ok:
             stop.set()
         return ok
@@ -341,6 +336,28 @@ class _Reads:
         pread_into(self.fds(path), mv, offset, path)
         return np.frombuffer(mv, dtype=np.uint8)
 
+    def src_spans(self, path: Path, starts: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
+        """SRC bytes ``[a, a + span)`` of ``path`` for every ``a`` in ``starts``: the stretches
+        they cover (merged where less than ``SPAN_GAP`` apart) read back to back into one
+        buffer, and where each ``a`` landed in it. Valid until the next read of SRC."""
+        order = np.argsort(starts, kind="stable")
+        first = starts[order]
+        reach = np.maximum.accumulate(first + span)
+        cut = np.flatnonzero(first[1:] > reach[:-1] + SPAN_GAP) + 1
+        lo = first[np.concatenate(([0], cut))]
+        hi = reach[np.concatenate((cut - 1, [first.size - 1]))]
+        at = np.concatenate(([0], np.cumsum(hi - lo)))
+        mv = self.src.get(int(at[-1]))
+        fd = self.fds(path)
+        for a, b, o in zip(lo.tolist(), hi.tolist(), at.tolist(), strict=False):
+            pread_into(fd, mv[o : o + b - a], a, path)
+        stretch = np.zeros(first.size, dtype=np.int64)
+        stretch[cut] = 1
+        stretch = np.cumsum(stretch)
+        where = np.empty(first.size, dtype=np.int64)
+        where[order] = first - lo[stretch] + at[stretch]
+        return np.frombuffer(mv, dtype=np.uint8), where
+
     def close(self) -> None:
         self.fds.close()
 
@@ -380,7 +397,6 @@ def _compare_file(
     f: int,
     path: Path,
     src_paths: list[Path],
-    maps: SrcMaps,
     hash_name: str | None,
     digest: str | None,
     stop: threading.Event,
@@ -428,10 +444,9 @@ def _compare_file(
             until = size if hi == rows.size else int(begin[hi])
             if until < dst.pos:
                 return False
-            if hi > lo and not _compare_window(plan, rows[lo:hi], dst, src_paths, maps, reads):
+            if hi > lo and not _compare_window(plan, rows[lo:hi], dst, src_paths, reads):
                 return False
             dst.skip(until, window)  # the gap after the window's last shard, if any
-            maps.drop()
         return hasher is None or hasher.hexdigest() == digest
     finally:
         os.close(fd)
@@ -444,7 +459,6 @@ def _compare_window(
     rows: np.ndarray,
     dst: _DstFile,
     src_paths: list[Path],
-    maps: SrcMaps,
     reads: _Reads,
 ) -> bool:
     """The shards ``rows`` (in DST order): each stretch of them under ``LARGE`` bytes read as
@@ -456,7 +470,7 @@ def _compare_window(
         if big[part[0]]:
             for i in part.tolist():
                 dst.skip(int(begin[i]), LARGE)
-                if not _compare_large(plan, int(rows[i]), dst, src_paths, maps, reads):
+                if not _compare_large(plan, int(rows[i]), dst, src_paths, reads):
                     return False
             continue
         a, b = int(begin[part[0]]), int(begin[part[-1]] + nbytes[part[-1]])
@@ -464,7 +478,7 @@ def _compare_window(
             return False  # gaps between shards no window accounts for: the other path
         dst.skip(a, LARGE)
         block = dst.read(a, b - a)
-        if not _compare_block(plan, rows[part], block, a, src_paths, maps, reads):
+        if not _compare_block(plan, rows[part], block, a, src_paths, reads):
             return False
     return True
 
@@ -475,7 +489,6 @@ def _compare_block(
     dst: np.ndarray,
     base: int,
     src_paths: list[Path],
-    maps: SrcMaps,
     reads: _Reads,
 ) -> bool:
     """The shards ``rows`` against ``dst``, the DST bytes from byte ``base`` on: stretches
@@ -510,14 +523,10 @@ def _compare_block(
                 if not _equal_in_place(box, dst[b : b + n].reshape(shape)):
                     return False
             continue
-        mm, src = maps.get(sf, src_paths[sf])
-        if span > src.size or not intact(mm, src_paths[sf]):
-            return False
-        view = maps.view(sf, k, src, (*outer, run), strides, span)
-        first, last = int(starts.min()), int(starts.max())
-        if last >= view.shape[0]:
-            return False  # past the end of the SRC file
-        maps.touch(sf, first, last + span)
+        # the SRC stretches the boxes span, read back to back into one buffer, and a view
+        # of it with a row per possible first byte
+        got, where = reads.src_spans(src_paths[sf], starts, span)
+        view = rows_view(got, (*outer, run), strides, span)
         into = dst_rows.get(n)
         if into is None:
             into = dst_rows[n] = rows_view(dst, (n,), (), n)
@@ -525,7 +534,7 @@ def _compare_block(
         step = max(1, GATHER // n)
         for i in range(0, len(members), step):
             part = slice(i, i + step)
-            want = view[starts[part]].reshape(-1, n)
+            want = view[where[part]].reshape(-1, n)
             if not _equal(want, into[at[part]]):
                 return False
     return True
@@ -599,7 +608,6 @@ def _compare_large(
     r: int,
     dst: _DstFile,
     src_paths: list[Path],
-    maps: SrcMaps,
     reads: _Reads,
 ) -> bool:
     """One large shard, a slab of its outermost dim at a time (a run, when it has no outer
@@ -617,17 +625,14 @@ def _compare_large(
     inner = math.prod(outer[1:]) * run  # DST bytes per outermost index
     if inner > 4 * LARGE:
         return False  # one outer row would be a slab of its own, too large: the block path
-    mm, src = maps.get(sf, src_paths[sf])
     span = box_span(outer[1:], strides[1:], run)
-    # a slab maps about LARGE bytes of SRC: a column cut maps whole SRC rows
+    # a slab reads about LARGE bytes of SRC: a column cut reads whole SRC rows
     step = max(1, LARGE // max(inner, strides[0]))
     for i in range(0, outer[0], step):
         j = min(outer[0], i + step)
         a = s0 + i * strides[0]
-        if not intact(mm, src_paths[sf]) or a + (j - i - 1) * strides[0] + span > src.size:
-            return False
         want = np.lib.stride_tricks.as_strided(
-            src[a:],
+            reads.src_bytes(src_paths[sf], a, (j - i - 1) * strides[0] + span),
             shape=(j - i, *outer[1:], run),
             strides=(strides[0], *strides[1:], 1),
             writeable=False,
@@ -635,5 +640,4 @@ def _compare_large(
         got = dst.read(d0 + i * inner, (j - i) * inner)
         if not _equal(want.reshape(-1), got):
             return False
-        dontneed(mm, a, a + (j - i) * strides[0] + span)
     return True
