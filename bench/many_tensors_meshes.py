@@ -76,10 +76,10 @@ def main() -> None:
     log = args.work / "time.log"
     copy = args.work / "copy"
     shutil.rmtree(copy, ignore_errors=True)
-    cp_s, _ = run(shlex.join(["cp", "-r", str(args.src), str(copy)]), log)
+    cp_s, _, _ = run(shlex.join(["cp", "-r", str(args.src), str(copy)]), log)
     shutil.rmtree(copy, ignore_errors=True)
     files = sorted(str(p) for p in args.src.glob("*.safetensors"))
-    cat_s, _ = run(shlex.join(["cat", *files]) + " > /dev/null", log)
+    cat_s, _, _ = run(shlex.join(["cat", *files]) + " > /dev/null", log)
     print(f"SRC {args.src}: cp -r {cp_s:.2f} s, cat {cat_s:.2f} s (limit {LIMIT_MIB} MiB)")
     py = [sys.executable, "-m", "shardctl"]
     for mesh in args.meshes.split(","):
@@ -92,7 +92,7 @@ def main() -> None:
         for label, cmd in steps:
             cells = []
             for name, root in checkouts:
-                wall, rss = run(shlex.join([*py, *cmd(str(args.work / name))]), log, cwd=root)
+                wall, rss, _ = run(shlex.join([*py, *cmd(str(args.work / name))]), log, cwd=root)
                 mark = "!" if rss > LIMIT_MIB else " "
                 cells.append(f"{wall:6.2f} s {rss:6.1f} MiB{mark}")
             print(f"{label:<22}" + "".join(f"{c:>22}" for c in cells))

@@ -214,6 +214,14 @@ class _Plan:
     threads: int = 1
 
     @cached_property
+    def geometry(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Per kind: the bytes of a box, the SRC bytes it spans, its contiguous run."""
+        box = np.array([math.prod(o) * r for o, _, r in self.kinds] or [0], dtype=np.int64)
+        span = np.array([box_span(*k) for k in self.kinds] or [0], dtype=np.int64)
+        run = np.array([k[2] for k in self.kinds] or [0], dtype=np.int64)
+        return box, span, run
+
+    @cached_property
     def contiguous(self) -> np.ndarray:
         """Per kind: whether a box of it is one contiguous run of SRC bytes (no outer dims)."""
         return contiguous_kinds(self.kinds)
@@ -327,6 +335,7 @@ class _Reads:
     def __init__(self) -> None:
         self.dst = Scratch()
         self.src = Scratch()
+        self.spans = Scratch()  # the gathers' stretches of one SRC file, beside ``src``
         self.fds = FdCache()
 
     def src_bytes(self, path: Path, offset: int, n: int) -> np.ndarray:
@@ -336,18 +345,21 @@ class _Reads:
         pread_into(self.fds(path), mv, offset, path)
         return np.frombuffer(mv, dtype=np.uint8)
 
-    def src_spans(self, path: Path, starts: np.ndarray, span: int) -> tuple[np.ndarray, np.ndarray]:
-        """SRC bytes ``[a, a + span)`` of ``path`` for every ``a`` in ``starts``: the stretches
-        they cover (merged where less than ``SPAN_GAP`` apart) read back to back into one
-        buffer, and where each ``a`` landed in it. Valid until the next read of SRC."""
+    def src_spans(
+        self, path: Path, starts: np.ndarray, span: int | np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """SRC bytes ``[a, a + span)`` of ``path`` for every ``a`` in ``starts`` (``span``:
+        one for all, or one each): the stretches they cover (merged where less than
+        ``SPAN_GAP`` apart) read back to back into one buffer, and where each ``a`` landed in
+        it. Valid until the next call."""
         order = np.argsort(starts, kind="stable")
         first = starts[order]
-        reach = np.maximum.accumulate(first + span)
+        reach = np.maximum.accumulate(first + np.broadcast_to(span, starts.shape)[order])
         cut = np.flatnonzero(first[1:] > reach[:-1] + SPAN_GAP) + 1
         lo = first[np.concatenate(([0], cut))]
         hi = reach[np.concatenate((cut - 1, [first.size - 1]))]
         at = np.concatenate(([0], np.cumsum(hi - lo)))
-        mv = self.src.get(int(at[-1]))
+        mv = self.spans.get(int(at[-1]))
         fd = self.fds(path)
         for a, b, o in zip(lo.tolist(), hi.tolist(), at.tolist(), strict=False):
             pread_into(fd, mv[o : o + b - a], a, path)
@@ -410,7 +422,7 @@ def _compare_file(
     rows = rows[np.argsort(plan.begin[rows], kind="stable")]
     begin, nbytes = plan.begin[rows], plan.nbytes[rows]
     end = begin + nbytes
-    spans = np.array([box_span(*k) for k in plan.kinds] or [0], dtype=np.int64)
+    spans = plan.geometry[1]
     if (begin[1:] < end[:-1]).any():
         return False  # overlapping shards: the other path reports them
     hasher = None
@@ -499,33 +511,50 @@ def _compare_block(
     rows = rows[left]
     if not rows.size:
         return True
-    kinds, src_files = plan.kind[rows], plan.src_file[rows]
-    group = kinds.astype(np.int64) * (int(src_files.max()) + 1) + src_files
+    # groups of one SRC file and kind of box, SRC file by SRC file
+    nk = len(plan.kinds)
+    group = plan.src_file[rows].astype(np.int64) * nk + plan.kind[rows]
     order = np.argsort(group, kind="stable")
-    group = group[order]
+    rows, group = rows[order], group[order]
     edges = np.flatnonzero(np.diff(group)) + 1
+    firsts = np.concatenate(([0], edges)).tolist()
+    ends = [*edges.tolist(), rows.size]
+    box_bytes, spans, runs = plan.geometry
+    in_place = (box_bytes >= BY_SHARD) & (runs >= BY_SHARD_RUN)  # per kind
+    gathered = ~in_place[plan.kind[rows]]
+    where_all = np.zeros(rows.size, dtype=np.int64)
+    got = np.empty(0, dtype=np.uint8)
+    read_file = -1
     dst_rows: dict[int, np.ndarray] = {}
-    for members in np.split(rows[order], edges):
-        k, sf = int(plan.kind[members[0]]), int(plan.src_file[members[0]])
+    for lo, hi in zip(firsts, ends, strict=True):
+        members = rows[lo:hi]
+        sf, k = divmod(int(group[lo]), nk)
         outer, strides, run = plan.kinds[k]
-        n = math.prod(outer) * run
-        span = box_span(outer, strides, run)
-        starts = plan.src_start[members]
+        n, span = int(box_bytes[k]), int(spans[k])
         at = plan.begin[members] - base
-        if n >= BY_SHARD and run >= BY_SHARD_RUN:
+        if in_place[k]:
             # each shard's box against its DST bytes in place: the SRC stretch it spans read
             # into a buffer (a column cut's: whole rows), no gathered copies
             shape, path = (*outer, run), src_paths[sf]
-            for a, b in zip(starts.tolist(), at.tolist(), strict=True):
+            for a, b in zip(plan.src_start[members].tolist(), at.tolist(), strict=True):
                 box = np.lib.stride_tricks.as_strided(
                     reads.src_bytes(path, a, span), shape, (*strides, 1), writeable=False
                 )
                 if not _equal_in_place(box, dst[b : b + n].reshape(shape)):
                     return False
             continue
-        # the SRC stretches the boxes span, read back to back into one buffer, and a view
-        # of it with a row per possible first byte
-        got, where = reads.src_spans(src_paths[sf], starts, span)
+        if sf != read_file:
+            # the SRC stretches every gathered box of this SRC file spans (whatever its
+            # kind), read back to back into one buffer: one read per stretch, not per kind
+            upto = int(np.searchsorted(group, (sf + 1) * nk))
+            sel = np.flatnonzero(gathered[lo:upto]) + lo
+            picked = rows[sel]
+            got, where_all[sel] = reads.src_spans(
+                src_paths[sf], plan.src_start[picked], spans[plan.kind[picked]]
+            )
+            read_file = sf
+        where = where_all[lo:hi]
+        # a view of the stretches with a row per possible first byte
         view = rows_view(got, (*outer, run), strides, span)
         into = dst_rows.get(n)
         if into is None:
