@@ -120,13 +120,12 @@ def main() -> int:
     ap.add_argument("--dst", type=Path)
     ap.add_argument("--child", nargs=2, type=Path, help=argparse.SUPPRESS)
     ap.add_argument("--hashes", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--build", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     byte_compile(ROOT)
     if args.child:
         return _child(*args.child, bool(args.hashes))
-    if args.src and args.dst:
-        src, dst = args.src, args.dst
-    else:
+    if args.build:
         from shardctl.layout.types import Mesh
         from shardctl.reshard.api import reshard
 
@@ -135,6 +134,15 @@ def main() -> int:
         dst = args.work / f"llama-{args.size_mb}mb-tp{args.tp}"
         if not dst.exists():
             reshard(src, dst, mesh=Mesh(tp=args.tp))
+        return 0
+    if args.src and args.dst:
+        src, dst = args.src, args.dst
+    else:
+        # built in a child: a verify process forked from one that held the model in memory
+        # inherits its peak RSS (Linux keeps the high-water mark across exec)
+        subprocess.run([sys.executable, __file__, *sys.argv[1:], "--build"], check=True)
+        src = args.work / f"llama-{args.size_mb}mb"
+        dst = args.work / f"llama-{args.size_mb}mb-tp{args.tp}"
     files = sorted(src.glob("*.safetensors")) + sorted(dst.glob("*.safetensors"))
     total = sum(f.stat().st_size for f in files)
     print(
