@@ -433,9 +433,90 @@ def test_a_box_spanning_many_src_rows_is_read_slab_by_slab(
     ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
     assert ok and settled and not findings
     assert slabbed and max(src_reads) <= 2 * columnar.LARGE
-    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    ok0, _, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
     assert ok0 and figures == figures0 and rows == rows0
     fqn = "model.layers.1.mlp.down_proj.weight"
     _flip(sorted(dst.glob("rank-*.safetensors"))[3], fqn, 4000, 1)
     ok, findings, _, _, settled = _run(src, dst, monkeypatch, on=True)
     assert not ok and not settled and [f[1] for f in findings if f[1]] == [fqn]
+
+
+@pytest.mark.parametrize("where", ["clean", "src", "dst"])
+@pytest.mark.parametrize(
+    "mesh", [Mesh(tp=4), Mesh(tp=2, ep=2)], ids=["llama-tp4", "mixtral-ep2-tp2"]
+)
+def test_column_cuts_are_compared_by_their_tensor_rows_read_once(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch, tmp_path: Path, where: str, mesh: Mesh
+) -> None:
+    # A tensor cut by columns (o_proj, down_proj, an expert's w2) is compared by a job of its
+    # own: its SRC rows read once, a slab at a time, against every shard's DST bytes (each
+    # shard's file job still reads them, for the checksum). Clean, the report is the other
+    # paths'; a flipped bit in SRC (DST intact, its checksums match: only the compare sees
+    # it) or in DST, checksums off (only the compare sees it there too), is found by that
+    # job, handed over and named as the other paths name it.
+    name = "llama" if mesh.ep == 1 else "mixtral"
+    monkeypatch.setattr(columnar, "BY_TENSOR", 1)  # the small test tensors qualify
+    monkeypatch.setattr(columnar, "LARGE", 1000)  # and their rows go in several slabs
+    src, dst = cks.ckpt(name), cks.resharded(name, mesh)
+    pick = (
+        "model.layers.1.mlp.down_proj.weight"
+        if name == "llama"
+        else ("model.layers.1.block_sparse_moe.experts.2.w2.weight")
+    )
+    if where == "src":
+        changed = tmp_path / "src"
+        shutil.copytree(src, changed)
+        src = changed
+        [path] = [p for p in src.glob("*.safetensors") if pick in read_header(p).names]
+        _flip(path, pick, 3001, 4)
+    if where == "dst":
+        [path] = [p for p in sorted(dst.glob("rank-*")) if pick in read_header(p).names][-1:]
+        _flip(path, pick, 301, 6)
+    jobs: list[bool] = []
+    real = columnar._compare_tensor
+
+    def spy(*args: Any) -> Any:
+        got = real(*args)
+        jobs.append(got)
+        return got
+
+    monkeypatch.setattr(columnar, "_compare_tensor", spy)
+    settled: list[bool] = []
+    check = columnar.check
+
+    def spy_check(*args: Any) -> Any:
+        got = check(*args)
+        settled.append(got is not None)
+        return got
+
+    monkeypatch.setattr(columnar, "check", spy_check)
+    # an expert's w2 is cut in 2: its job would read its DST bytes a second time when they
+    # feed a checksum, for one read of SRC saved, so it gets one only with checksums off
+    hashes = where != "dst" and mesh.tp > 2
+    result = verify(src, dst, level="bitwise", hashes=hashes)
+    ran = list(jobs)
+    monkeypatch.setattr(columnar, "ENABLED", False)
+    other = verify(src, dst, level="bitwise", hashes=hashes)
+    assert settled[1:] == [False]  # the other paths' run
+    bw, bw0 = result.level_result("bitwise"), other.level_result("bitwise")
+    assert ran  # the tensor jobs ran
+    assert sorted(map(str, bw.findings)) == sorted(map(str, bw0.findings))
+    assert list(bw.rows) == list(bw0.rows)
+    if where == "clean":
+        assert result.ok and settled[0] and all(ran)
+        assert {k: bw.figures[k] for k in FIGURES} == {k: bw0.figures[k] for k in FIGURES}
+    else:
+        assert not result.ok and not settled[0] and False in ran
+        assert [f.fqn for f in bw.findings if f.fqn] == [pick]
+
+
+def test_a_tensor_cut_in_two_gets_its_own_job_only_without_checksums(
+    cks: Checkpoints, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(columnar, "BY_TENSOR", 1)
+    src, dst = cks.ckpt("llama"), cks.resharded("llama", Mesh(tp=2))
+    jobs: list[bool] = []
+    real = columnar._compare_tensor
+    monkeypatch.setattr(columnar, "_compare_tensor", lambda *a: jobs.append(real(*a)) or jobs[-1])
+    assert verify(src, dst, level="bitwise").ok and not jobs
+    assert verify(src, dst, level="bitwise", hashes=False).ok and jobs and all(jobs)
