@@ -25,11 +25,15 @@ comparison works on the record's arrays (:mod:`shardctl.checkpoint.record_table`
   DST and in one SRC file are compared as one stretch of each side, when they add up to
   ``BY_SHARD`` bytes (an ep split keeps experts whole and in SRC's order); a shard over
   ``LARGE`` bytes is compared by itself, a slab of its outer rows at a time;
+- a tensor of ``BY_TENSOR`` bytes or more cut by columns (o_proj, down_proj, w2 at tp > 1)
+  is compared by a job of its own, after the files': its SRC rows read once, a slab at a
+  time, against each of its shards' DST bytes; compared shard by shard, each shard's box
+  would read all the tensor's rows for its own band (``_column_cuts``);
 - every DST byte read feeds the file's checksum as it is read (the record's hash is of the
   whole file); the buffers are reused from window to window and file to file, so memory
   stays flat;
-- DST files are compared on ``THREADS`` threads, one file each (reads, numpy's copies and
-  compares and the checksum release the GIL).
+- DST files, then those tensors, are compared on ``THREADS`` threads, one job each (reads,
+  numpy's copies and compares and the checksum release the GIL).
 
 At 90,000 tensors (tmpfs, 2 cores) the whole verify took 2.2-2.5 s against 3.4-3.9 s on the
 span path (Mixtral-shaped, tp 2 x ep 2), 4.5 s against 6.2 s at tp 8 (720,000 shards), and
