@@ -28,8 +28,17 @@ def cks(tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     return Checkpoints(tmp_path_factory.mktemp("verify-columnar"))
 
 
-def _run(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> Any:
-    """(ok, findings, figures, rows, whether the columnar path settled it)."""
+def _flipped_copy(src: Path, tmp_path: Path, fqn: str, byte: int, bit: int) -> Path:
+    """A copy of HF checkpoint ``src`` with one bit of tensor ``fqn`` flipped."""
+    changed = tmp_path / "src"
+    shutil.copytree(src, changed)
+    [path] = [p for p in changed.glob("*.safetensors") if fqn in read_header(p).names]
+    _flip(path, fqn, byte, bit)
+    return changed
+
+
+def _settled(monkeypatch: pytest.MonkeyPatch) -> list[bool]:
+    """Spy on ``columnar.check``: per call, whether it settled the level."""
     settled: list[bool] = []
     real = columnar.check
 
@@ -38,8 +47,14 @@ def _run(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> 
         settled.append(got is not None)
         return got
 
-    monkeypatch.setattr(columnar, "ENABLED", on)
     monkeypatch.setattr(columnar, "check", spy)
+    return settled
+
+
+def _run(src: Path, dst: Path, monkeypatch: pytest.MonkeyPatch, *, on: bool) -> Any:
+    """(ok, findings, figures, rows, whether the columnar path settled it)."""
+    monkeypatch.setattr(columnar, "ENABLED", on)
+    settled = _settled(monkeypatch)
     result = verify(src, dst, level="bitwise")
     bw = result.level_result("bitwise")
     findings = sorted((f.message, f.fqn or "", f.rank or 0, f.file or "") for f in bw.findings)
@@ -99,15 +114,7 @@ def test_without_the_record_checksums_every_shard_is_still_read_and_compared(
         monkeypatch.setattr(columnar, "WINDOW", 300)
         monkeypatch.setattr(columnar, "LARGE", 64)
     src, dst = cks.ckpt("mixtral"), cks.resharded("mixtral", mesh)
-    settled: list[bool] = []
-    real = columnar.check
-
-    def spy(*args: Any) -> Any:
-        got = real(*args)
-        settled.append(got is not None)
-        return got
-
-    monkeypatch.setattr(columnar, "check", spy)
+    settled = _settled(monkeypatch)
     clean = verify(src, dst, level="bitwise", hashes=False)
     assert clean.ok and settled == [True]
     assert clean.level_result("bitwise").figures["shards"] > 0
@@ -203,11 +210,7 @@ def test_whole_experts_in_source_order_are_compared_as_stretches(
     if where == "dst":
         _flip(dst / "rank-00000-of-00002.safetensors", fqn, 4097, 3)
     if where == "src":
-        changed = tmp_path / "src"
-        shutil.copytree(src, changed)
-        src = changed
-        [path] = [p for p in src.glob("*.safetensors") if fqn in read_header(p).names]
-        _flip(path, fqn, 4097, 3)
+        src = _flipped_copy(src, tmp_path, fqn, 4097, 3)
     taken = _stretched(monkeypatch)
     ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
     ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
@@ -458,17 +461,12 @@ def test_column_cuts_are_compared_by_their_tensor_rows_read_once(
     monkeypatch.setattr(columnar, "BY_TENSOR", 1)  # the small test tensors qualify
     monkeypatch.setattr(columnar, "LARGE", 1000)  # and their rows go in several slabs
     src, dst = cks.ckpt(name), cks.resharded(name, mesh)
-    pick = (
-        "model.layers.1.mlp.down_proj.weight"
-        if name == "llama"
-        else ("model.layers.1.block_sparse_moe.experts.2.w2.weight")
-    )
+    pick = {
+        "llama": "model.layers.1.mlp.down_proj.weight",
+        "mixtral": "model.layers.1.block_sparse_moe.experts.2.w2.weight",
+    }[name]
     if where == "src":
-        changed = tmp_path / "src"
-        shutil.copytree(src, changed)
-        src = changed
-        [path] = [p for p in src.glob("*.safetensors") if pick in read_header(p).names]
-        _flip(path, pick, 3001, 4)
+        src = _flipped_copy(src, tmp_path, pick, 3001, 4)
     if where == "dst":
         [path] = [p for p in sorted(dst.glob("rank-*")) if pick in read_header(p).names][-1:]
         _flip(path, pick, 301, 6)
@@ -481,15 +479,7 @@ def test_column_cuts_are_compared_by_their_tensor_rows_read_once(
         return got
 
     monkeypatch.setattr(columnar, "_compare_tensor", spy)
-    settled: list[bool] = []
-    check = columnar.check
-
-    def spy_check(*args: Any) -> Any:
-        got = check(*args)
-        settled.append(got is not None)
-        return got
-
-    monkeypatch.setattr(columnar, "check", spy_check)
+    settled = _settled(monkeypatch)
     # an expert's w2 is cut in 2: its job would read its DST bytes a second time when they
     # feed a checksum, for one read of SRC saved, so it gets one only with checksums off
     hashes = where != "dst" and mesh.tp > 2
