@@ -555,7 +555,13 @@ def _column_cuts(plan: _Plan, *, hashed: bool) -> list[np.ndarray]:
     rows = rows[np.argsort(t[rows], kind="stable")]
     edges = np.flatnonzero(np.diff(t[rows])) + 1
     least = 3 if hashed else 2
-    jobs = [g for g in np.split(rows, edges) if g.size >= least]
+    # every shard of a job takes its band of the same rows (one stride: a tensor cut on two
+    # dims by different shards stays with its files' jobs)
+    jobs = [
+        g
+        for g in np.split(rows, edges)
+        if g.size >= least and (stride0[k[g]] == stride0[k[g[0]]]).all()
+    ]
     if jobs:
         plan.by_tensor = np.zeros(plan.tensor.size, dtype=bool)
         plan.by_tensor[np.concatenate(jobs)] = True
