@@ -49,7 +49,7 @@ level itself ~1.45 -> 0.76 s); a Mixtral-shaped tp 2 x ep 2 split of 12,403 tens
 expert halves, a third of them column cuts, compared in place) had spent 1.24 of 2.2
 thread-seconds faulting SRC's pages (0.34 after), 1.68 -> 1.48 s whole; reading the gathers'
 and the large column cuts' SRC too, the DeepSeek-V3-shaped verify is 1.83 -> 1.46 s against
-the last mapped version (medians of 8, CPU 2.43 -> 1.93 s, peak 172 -> 146 MiB).
+the last mapped version (medians of 8, CPU 2.43 -> 1.93 s, peak 168 -> 142 MiB).
 
 A file cut short under the run is a short read (``OSError``), which hands the run over as a
 difference does; with no map there is no ``SIGBUS`` to fear, whenever the cut lands.
