@@ -360,7 +360,12 @@ class _Reads:
     def src_bytes(self, path: Path, offset: int, n: int) -> np.ndarray:
         """SRC bytes ``[offset, offset + n)`` of ``path``, valid until the next call (a file
         cut short: ``OSError``)."""
-        mv = self.src.get(n)
+        return self.read(self.src, path, offset, n)
+
+    def read(self, into: Scratch, path: Path, offset: int, n: int) -> np.ndarray:
+        """Bytes ``[offset, offset + n)`` of ``path`` in buffer ``into``, valid until its next
+        use (a file cut short: ``OSError``)."""
+        mv = into.get(n)
         pread_into(self.fds(path), mv, offset, path)
         return np.frombuffer(mv, dtype=np.uint8)
 
@@ -431,8 +436,8 @@ def _compare_file(
     hash_name: str | None,
     digest: str | None,
     stop: threading.Event,
-    window: int = WINDOW,
-    reads: _Reads | None = None,
+    window: int,
+    reads: _Reads,
 ) -> bool:
     """Whether every shard in DST file ``f`` equals SRC (and the file its ``digest``), read in
     windows of about ``window`` bytes; False too once ``stop`` is set (another file
@@ -449,9 +454,6 @@ def _compare_file(
         from shardctl.io.checksum import new_hash
 
         hasher = new_hash(hash_name or "")
-    own = reads is None
-    if reads is None:
-        reads = _Reads()
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
         size = os.fstat(fd).st_size
@@ -461,7 +463,7 @@ def _compare_file(
         # and the last ends at the end of the file, so the file is read whole, in order, once
         # (each byte into the checksum as it is read). A shard weighs its bytes in DST and the
         # SRC stretch its box spans (a tp-8 column cut of a row-major tensor uses 1/8 of each
-        # row, but maps every page of the rows): a window holds about 2 x WINDOW whatever the cut.
+        # row, but reads all of the rows): a window holds about 2 x WINDOW whatever the cut.
         weight = np.cumsum(nbytes + spans[plan.kind[rows]])
         cut = np.searchsorted(
             weight, np.arange(window, int(weight[-1]) if rows.size else 0, window)
@@ -481,8 +483,6 @@ def _compare_file(
         return hasher is None or hasher.hexdigest() == digest
     finally:
         os.close(fd)
-        if own:
-            reads.close()
 
 
 def _compare_window(
@@ -588,9 +588,7 @@ def _compare_tensor(
         j = min(count, i + step)
         src = reads.src_bytes(src_path, s0 + i * stride, (j - i) * stride).reshape(j - i, stride)
         for run, c, b, path in zip(runs, cols, begins, files, strict=True):
-            mv = reads.dst.get((j - i) * run)
-            pread_into(reads.fds(path), mv, b + i * run, path)
-            got = np.frombuffer(mv, dtype=np.uint8).reshape(j - i, run)
+            got = reads.read(reads.dst, path, b + i * run, (j - i) * run).reshape(j - i, run)
             if not _equal_in_place(src[:, c : c + run], got):
                 return False
     return True
