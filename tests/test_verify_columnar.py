@@ -510,3 +510,48 @@ def test_a_tensor_cut_in_two_gets_its_own_job_only_without_checksums(
     monkeypatch.setattr(columnar, "_compare_tensor", lambda *a: jobs.append(real(*a)) or jobs[-1])
     assert verify(src, dst, level="bitwise").ok and not jobs
     assert verify(src, dst, level="bitwise", hashes=False).ok and jobs and all(jobs)
+
+
+def test_real_widths_take_the_column_cut_jobs_at_the_default_sizes(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    # Llama-3's head counts (32 query, 8 kv heads) at width 512 and a 4x MLP, tp 4, written by
+    # save_pretrained: each down_proj is 2 MiB, over BY_TENSOR, cut by columns into 4 shards,
+    # so its job runs at the shipped thresholds (no constant shrunk), with checksums on. The
+    # report is the other paths'; a bit flipped deep in SRC's down_proj is found by that job
+    # and named.
+    from shardctl.reshard.api import reshard
+    from tests._models import make_checkpoint
+
+    src = make_checkpoint(
+        "llama",
+        tmp_path / "src",
+        hidden_size=512,
+        intermediate_size=2048,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        num_hidden_layers=2,
+    )
+    dst = tmp_path / "tp4"
+    reshard(src, dst, mesh=Mesh(tp=4))
+    fqn = "model.layers.1.mlp.down_proj.weight"
+    [whole] = [
+        e for p in src.glob("*.safetensors") for e in read_header(p).tensors if e.name == fqn
+    ]
+    assert whole.nbytes >= columnar.BY_TENSOR
+    jobs: list[bool] = []
+    real = columnar._compare_tensor
+    monkeypatch.setattr(columnar, "_compare_tensor", lambda *a: jobs.append(real(*a)) or jobs[-1])
+    ok, findings, figures, rows, settled = _run(src, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(src, dst, monkeypatch, on=False)
+    assert ok and ok0 and settled and not findings and not findings0
+    assert figures == figures0 and rows == rows0
+    assert len(jobs) == 2 and all(jobs)  # one down_proj a layer
+    jobs.clear()
+    # in SRC: DST's checksums still match, so only the compare, that job's, can see it
+    changed = _flipped_copy(src, tmp_path / "changed", fqn, 1_300_001, 5)
+    ok, findings, figures, rows, settled = _run(changed, dst, monkeypatch, on=True)
+    ok0, findings0, figures0, rows0, _ = _run(changed, dst, monkeypatch, on=False)
+    assert not ok and not ok0 and not settled and False in jobs
+    assert findings == findings0 and [f[1] for f in findings if f[1]] == [fqn]
+    assert figures == figures0 and rows == rows0
