@@ -18,8 +18,8 @@ verdict). Every command runs under ``/usr/bin/time`` (wall, peak RSS, kernel CPU
 per-command medians and the ratios the issue asks for: reshard and merge to ``cp -r`` of what
 they read and of what they write (the two differ where an ep split replicates the dense
 tensors), reshard to a parallel cp, verify to ``cat`` of both trees, inspect and plan to their
-0.5 s goal. The checkouts are byte-compiled first (``_compiled``), as a
-pip install leaves them.
+0.5 s goal. The checkouts are byte-compiled first (``_compiled``), as a pip install leaves
+them.
 
 The kernel CPU column is there for the writing steps. On a VM that returns freed guest memory
 to its host at once (Firecracker's free page reporting, ``page_reporting.min_free_ms=0`` on

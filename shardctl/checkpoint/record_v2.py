@@ -239,7 +239,7 @@ def read_tensors(
     distinct = [tuple(shape[i, : nds[i]].tolist()) for i in first.tolist()]
     shapes = list(map(distinct.__getitem__, ids.tolist()))
     dts = [dtypes[d] for d in dtype.tolist()]
-    # slots set column by column (from_columns): ~25 ms less than 90,000 __init__ calls
+    # slots set column by column (from_columns): ~20 ms less than 90,000 __init__ calls
     tensors = tuple(from_columns(TensorInfo, n, fqn=fqns, shape=shapes, dtype=dts))
     differ = np.flatnonzero((padded != shape).any(axis=1)).tolist()
     pads = {fqns[i]: tuple(padded[i, : nds[i]].tolist()) for i in differ}
